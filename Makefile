@@ -1,0 +1,39 @@
+# The only place that installs anything. `make demo` and `make test` each set up a fresh machine.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+TORCH   ?= torch==2.13.0
+TRITON  ?= triton==3.6.0
+STAMP   := $(VENV)/.installed
+
+.PHONY: demo test lint fmt clean venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first: on a machine without a GPU this takes the CPU build; triton runs kernels
+	# on the CPU through its interpreter (TRITON_INTERPRET=1).
+	$(BIN)/pip install -q "$(TORCH)" "$(TRITON)"
+	$(BIN)/pip install -q -e ".[gpu,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kvtier demo
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/ruff format --check src tests
+	TRITON_INTERPRET=$${TRITON_INTERPRET-$$($(BIN)/python -c "import torch; print(0 if torch.cuda.is_available() else 1)")} \
+	  $(BIN)/pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests
+
+fmt: $(STAMP)
+	$(BIN)/ruff format src tests
+	$(BIN)/ruff check --fix src tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,19 @@
+"""`kvtier` command line: a click group; each subcommand lives in its own module and imports heavy
+libraries (torch, matplotlib) inside the command, so `kvtier --help` stays fast."""
+
+import click
+
+from kvtier import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="kvtier")
+def cli() -> None:
+    """Move the KV cache of LLM serving between GPU, host, disk and remote - and explain its speed."""
+
+
+def main() -> None:
+    # each import registers its subcommands on `cli`
+    from kvtier.cli import analysis, measure  # noqa: F401
+
+    cli(prog_name="kvtier")

@@ -1,0 +1,1 @@
+"""Subcommands roofline, path, specs, demo."""

@@ -1,0 +1,1 @@
+"""Subcommands `kvtier probe` and `kvtier bench` (placeholder until the bench layer lands)."""

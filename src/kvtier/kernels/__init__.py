@@ -1,0 +1,1 @@
+"""kernels: @triton.jit code only."""
