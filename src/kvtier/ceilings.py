@@ -89,14 +89,16 @@ class Ceilings:
     @classmethod
     def from_json(cls, data: object, where: str = "ceilings") -> Ceilings:
         if not isinstance(data, dict) or data.get("kvtier_ceilings") != FORMAT_VERSION:
-            raise CeilingsError(f"{where}: not a kvtier ceilings file (needs \"kvtier_ceilings\": 1)")
+            raise CeilingsError(f'{where}: not a kvtier ceilings file (needs "kvtier_ceilings": 1)')
         figures = data.get("figures", {})
         if not isinstance(figures, dict):
-            raise CeilingsError(f"{where}: \"figures\" must be an object")
+            raise CeilingsError(f'{where}: "figures" must be an object')
         try:
             return cls(
-                figures={k: float(v) if isinstance(v, int) and not isinstance(v, bool) else v
-                         for k, v in figures.items()},
+                figures={
+                    k: float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+                    for k, v in figures.items()
+                },
                 gpu=data.get("gpu"),
                 gpu_key=data.get("gpu_key"),
                 measured_at=data.get("measured_at"),

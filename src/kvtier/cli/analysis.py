@@ -1,1 +1,249 @@
-"""Subcommands roofline, path, specs, demo."""
+"""Subcommands that need no GPU: `specs`, `roofline`, `path` (and `demo`, until the real one lands)."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import click
+
+from kvtier.cli import cli
+from kvtier.cli.report import (
+    GIB,
+    analysis_json,
+    path_json,
+    print_path,
+    print_roofline,
+    print_specs,
+    roofline_json,
+    specs_json,
+)
+
+POSITIVE = click.IntRange(min=1)
+
+
+def usage_errors(fn):
+    """Bad input becomes a one-line usage error (exit code 2), never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+
+    return wrapper
+
+
+def _ceilings(path: str | None):
+    if path is None:
+        return None
+    from kvtier.ceilings import Ceilings
+
+    return Ceilings.load(path)
+
+
+def _emit(data: dict, as_json: bool, printer) -> None:
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+    else:
+        printer(data)
+
+
+common_model = click.option(
+    "--model", "-m", default="llama-3-8b", show_default=True, help="Preset name or path to a config.json."
+)
+common_gpu = click.option(
+    "--gpu",
+    "-g",
+    default=None,
+    help="GPU key (see `kvtier specs`); default: the --ceilings GPU, else h100-sxm.",
+)
+
+
+def _gpu_key(gpu: str | None, ceilings) -> str:
+    return gpu or (ceilings.gpu_key if ceilings and ceilings.gpu_key else "h100-sxm")
+
+
+common_ceilings = click.option(
+    "--ceilings", type=click.Path(dir_okay=False), help="Measured ceilings (from `kvtier probe --save`)."
+)
+common_kv_dtype = click.option(
+    "--kv-dtype", default="bf16", show_default=True, help="KV cache dtype (fp8 halves it)."
+)
+common_json = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
+
+
+@cli.command()
+@common_ceilings
+@common_json
+@usage_errors
+def specs(ceilings: str | None, as_json: bool) -> None:
+    """List the GPUs, links and models kvtier knows, with the source of every figure."""
+    _emit(specs_json(_ceilings(ceilings)), as_json, print_specs)
+
+
+@cli.command()
+@common_model
+@common_gpu
+@click.option("--batch", "-b", type=POSITIVE, default=1, show_default=True, help="Requests decoded together.")
+@click.option(
+    "--context", "-c", type=click.IntRange(min=0), default=8192, show_default=True, help="Tokens per request."
+)
+@click.option(
+    "--prefill", "prefill_tokens", type=POSITIVE, default=8192, show_default=True, help="Prefill length."
+)
+@click.option("--dtype", default="bf16", show_default=True, help="Weight and compute dtype.")
+@common_kv_dtype
+@click.option(
+    "--efficiency",
+    type=click.FloatRange(min=0, min_open=True, max=1),
+    default=1.0,
+    show_default=True,
+    help="Fraction of peak FLOPs assumed reachable.",
+)
+@click.option(
+    "--amdahl", metavar="FRACTION:SPEEDUP", help="End-to-end gain of speeding a part up, e.g. 0.1:1.2."
+)
+@common_ceilings
+@common_json
+@click.option(
+    "--plot", type=click.Path(dir_okay=False), help="Draw the roofline with operating points to a PNG."
+)
+@usage_errors
+def roofline(
+    model, gpu, batch, context, prefill_tokens, dtype, kv_dtype, efficiency, amdahl, ceilings, as_json, plot
+):
+    """Is a decode step or a prefill bound by compute or by memory? Lower bounds for one GPU."""
+    amdahl_args = _parse_amdahl(amdahl) if amdahl else None
+    measured = _ceilings(ceilings)
+    data = roofline_json(
+        model,
+        _gpu_key(gpu, measured),
+        batch,
+        context,
+        prefill_tokens,
+        dtype,
+        kv_dtype,
+        efficiency,
+        measured,
+        amdahl_args,
+    )
+    if plot:
+        from kvtier.cli.plots import plot_roofline
+
+        plot_roofline(data, plot)
+        data["plot"] = plot
+    _emit(data, as_json, print_roofline)
+
+
+def _parse_amdahl(text: str) -> tuple[float, float]:
+    try:
+        fraction, speedup = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--amdahl: expected FRACTION:SPEEDUP like 0.1:1.2, got {text!r}") from None
+    return fraction, speedup
+
+
+@cli.command()
+@common_model
+@click.option("--tokens", "-t", type=POSITIVE, default=8192, show_default=True, help="Tokens of KV to move.")
+@click.option(
+    "--link", "-l", default=None, help="GPU <-> host link (pcie3..pcie6); default: the GPU's PCIe gen."
+)
+@click.option("--tier", type=click.Choice(["host", "disk", "remote"]), default="host", show_default=True)
+@click.option("--direction", type=click.Choice(["load", "save"]), default="load", show_default=True)
+@common_gpu
+@click.option("--nic", default="nic200", show_default=True, help="NIC for the remote tier (nic100/200/400).")
+@click.option("--gpudirect", is_flag=True, help="GPUDirect RDMA / Storage: skip host DRAM.")
+@click.option(
+    "--shared-by", type=POSITIVE, default=1, show_default=True, help="GPUs sharing the link at once."
+)
+@common_kv_dtype
+@click.option(
+    "--efficiency",
+    type=click.FloatRange(min=0, min_open=True, max=1),
+    default=1.0,
+    show_default=True,
+    help="Fraction of peak FLOPs reachable when recomputing.",
+)
+@common_ceilings
+@common_json
+@click.option(
+    "--plot", type=click.Path(dir_okay=False), help="Draw load vs recompute time over prefix length."
+)
+@usage_errors
+def path(
+    model,
+    tokens,
+    link,
+    tier,
+    direction,
+    gpu,
+    nic,
+    gpudirect,
+    shared_by,
+    kv_dtype,
+    efficiency,
+    ceilings,
+    as_json,
+    plot,
+):
+    """Hop-by-hop path of moving a KV range, its bottleneck, and load vs recompute."""
+    measured = _ceilings(ceilings)
+    data = path_json(
+        model,
+        tokens,
+        link,
+        tier,
+        direction,
+        _gpu_key(gpu, measured),
+        nic,
+        gpudirect,
+        shared_by,
+        kv_dtype,
+        efficiency,
+        measured,
+    )
+    if plot:
+        from kvtier.cli.plots import plot_load_vs_recompute
+
+        plot_load_vs_recompute(data, plot)
+        data["plot"] = plot
+    _emit(data, as_json, print_path)
+
+
+@cli.command()
+@common_model
+@click.option("--gpu", "-g", default=None, help="GPU key; default: the GPU present, else h100-sxm.")
+@common_json
+@usage_errors
+def demo(model: str, gpu: str | None, as_json: bool) -> None:
+    """The main job. For now: the analysis report (roofline + data path) for one model and GPU."""
+    gpu = gpu or _present_gpu_key()
+    data = analysis_json(model, gpu)
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    click.echo(
+        "kvtier demo: the KV-moving demo (a real model through kvtier's store) arrives in a later release;\n"
+        "until then this is the analysis report, which needs no GPU.\n"
+    )
+    print_roofline(data["roofline"])
+    print_path(data["path"])
+    click.echo(f"1 GiB = {GIB} bytes; GB/s = 1e9 bytes per second.")
+
+
+def _present_gpu_key() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            from kvtier.specs import gpu_from_device_name
+
+            found = gpu_from_device_name(torch.cuda.get_device_name(0))
+            if found:
+                return found.key
+    except ImportError:
+        pass
+    return "h100-sxm"
