@@ -87,7 +87,7 @@ def test_break_even_and_split_point():
 def test_analysis_modules_import_no_torch():
     code = (
         "import sys; import kvtier.specs, kvtier.models, kvtier.hfconfig, kvtier.roofline, kvtier.path, "
-        "kvtier.ceilings, kvtier.cli.report; print('torch' in sys.modules)"
+        "kvtier.ceilings, kvtier.cli.report, kvtier.cli.tables; print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -8,16 +8,8 @@ import json
 import click
 
 from kvtier.cli import cli
-from kvtier.cli.report import (
-    GIB,
-    analysis_json,
-    path_json,
-    print_path,
-    print_roofline,
-    print_specs,
-    roofline_json,
-    specs_json,
-)
+from kvtier.cli.report import analysis_json, path_json, roofline_json, specs_json
+from kvtier.cli.tables import GIB, print_path, print_roofline, print_specs
 
 POSITIVE = click.IntRange(min=1)
 

@@ -1,0 +1,151 @@
+"""Rich tables of the analysis reports (the dicts of `report.py`); units in every header or cell."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+GIB = 1 << 30
+
+_console = Console()
+
+
+def _table(title: str, *cols: str) -> Table:
+    t = Table(title=title, title_justify="left", header_style="bold")
+    for c in cols:
+        t.add_column(c, overflow="fold")
+    return t
+
+
+def print_specs(d: dict) -> None:
+    t = _table(
+        "GPUs (dense rates)",
+        "key",
+        "name",
+        "SMs",
+        "L2 MB",
+        "mem GB",
+        "mem GB/s",
+        "bf16 TFLOPS",
+        "fp8 TFLOPS",
+        "PCIe",
+        "balance FLOP/B",
+        "source",
+    )
+    for g in d["gpus"]:
+        fp8 = "-" if g["fp8_tflops"] is None else f"{g['fp8_tflops']:.0f}"
+        t.add_row(
+            g["key"],
+            g["name"],
+            str(g["sms"]),
+            f"{g['l2_mb']:g}",
+            f"{g['mem_gb']:g}",
+            f"{g['mem_bw_gbps']:.0f}",
+            f"{g['bf16_tflops']:.0f}",
+            fp8,
+            f"Gen{g['pcie_gen']}",
+            f"{g['balance_flop_per_byte']:.0f}",
+            g["source"],
+        )
+    _console.print(t)
+    t = _table(
+        "Links (per direction)", "key", "name", "theoretical GB/s", "typical GB/s", "latency us", "source"
+    )
+    for x in d["links"]:
+        t.add_row(
+            x["key"],
+            x["name"],
+            f"{x['theoretical_gbps']:g}",
+            f"{x['typical_gbps']:.1f}",
+            f"{x['latency_us']:g}",
+            x["source"],
+        )
+    _console.print(t)
+    t = _table(
+        "Models", "key", "params B", "active B", "weights GB (bf16)", "KV KiB/token (bf16)", "attention"
+    )
+    for m in d["models"]:
+        t.add_row(
+            m["key"],
+            f"{m['params'] / 1e9:.2f}",
+            f"{m['active_params'] / 1e9:.2f}",
+            f"{m['weight_bytes_bf16'] / 1e9:.1f}",
+            f"{m['kv_bytes_per_token'] / 1024:.1f}",
+            m["attention"],
+        )
+    _console.print(t)
+
+
+def print_roofline(d: dict) -> None:
+    g, m = d["gpu"], d["model"]
+    t = _table(f"Roofline: {m['name']} on {g['name']} ({d['dtype']})", "quantity", "value")
+    rows = [
+        ("balance point", f"{d['balance_flop_per_byte']:.0f} FLOP/byte"),
+        ("weights", f"{d['weights_bytes'] / 1e9:.2f} GB, read in {d['weights_read_ms']:.2f} ms"),
+        ("KV per token", f"{d['kv_bytes_per_token'] / 1024:.1f} KiB ({m['attention']})"),
+        (
+            f"KV per request ({d['context']} tokens)",
+            f"{d['kv_bytes_per_request'] / GIB:.3f} GiB, read in {d['kv_read_ms_per_request']:.3f} ms",
+        ),
+        (f"KV of the batch ({d['batch']} requests)", f"read in {d['kv_read_ms']:.2f} ms"),
+        (f"decode step, batch {d['batch']}", _bound_text(d["decode"])),
+        ("decode step, batch 1", _bound_text(d["decode_batch1"])),
+        ("turns compute-bound at batch", _batch_text(d["turning_batch"], d["context"])),
+        ("... weights only (no KV)", _batch_text(d["turning_batch_weights_only"], 0)),
+        (f"prefill {d['prefill']['tokens']} tokens", _bound_text(d["prefill"])),
+    ]
+    if "amdahl" in d:
+        a = d["amdahl"]
+        rows.append(
+            (
+                f"Amdahl: {a['fraction']:.0%} of time {a['part_speedup']:g}x faster",
+                f"{a['overall_speedup']:.3f}x overall ({(a['overall_speedup'] - 1) * 100:.1f}% faster)",
+            )
+        )
+    for r in rows:
+        t.add_row(*r)
+    _console.print(t)
+
+
+def _bound_text(b: dict) -> str:
+    return (
+        f"{b['bound_ms']:.3f} ms, {b['bound']}-bound (memory {b['memory_ms']:.3f} ms, compute "
+        f"{b['compute_ms']:.3f} ms; {b['intensity_flop_per_byte']:.1f} FLOP/byte)"
+    )
+
+
+def _batch_text(batch: int | None, context: int) -> str:
+    return str(batch) if batch else f"never (KV of {context} tokens grows with the batch as fast as FLOPs)"
+
+
+def print_path(d: dict) -> None:
+    p = d["path"]
+    t = _table(
+        f"Path: {d['direction'] if 'direction' in d else p['direction']} {d['gib']:.3f} GiB "
+        f"({d['tokens']} tokens of {d['model']['name']}) tier={p['tier']}",
+        "hop (data-flow order)",
+        "GB/s",
+        "time ms alone",
+    )
+    for h in p["hops"]:
+        mark = "  <- bottleneck" if h["name"] == p["bottleneck"] else ""
+        t.add_row(h["name"] + mark, f"{h['gbps']:.1f}", f"{h['time_ms']:.2f}")
+    _console.print(t)
+    lr = d["load_vs_recompute"]
+    s = lr["split"]
+    _console.print(f"transfer: {d['transfer_ms']:.2f} ms through {p['bottleneck']}")
+    for note in p["notes"]:
+        _console.print(f"  note: {note}")
+    _console.print(
+        f"load {lr['load_ms']:.2f} ms vs recompute {lr['recompute_ms']:.2f} ms on {d['gpu']['name']} "
+        f"(at {lr['efficiency']:.0%} of peak): {lr['faster']} is faster"
+    )
+    _console.print(
+        f"split: recompute tokens [0, {s['recompute_tokens']}) while loading [{s['recompute_tokens']}, "
+        f"{s['tokens']}) -> {s['time_ms']:.2f} ms"
+    )
+    be = ", ".join(f"{k}: {'never' if v is None else v}" for k, v in lr["break_even_tokens"].items())
+    _console.print(f"break-even prefix per link (tokens; loading wins from there on): {be}")
+    _console.print(
+        "(recompute = prefill FLOPs of the prefix at peak; sources of every figure: `kvtier specs`)"
+    )
