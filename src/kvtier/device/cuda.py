@@ -1,0 +1,208 @@
+"""CudaDevice: the device interface over torch.cuda streams, events and pinned memory.
+
+Importable anywhere; constructing it without a GPU raises a clear error.
+
+Pinned memory. torch's `pin_memory=True` goes through its caching host allocator, which
+rounds every request up to a power of two (a 5 GiB slab would lock 8 GiB). The default
+here (`pin="register"`) allocates ordinary pageable memory, touches it, and page-locks it
+with `cudaHostRegister` — exactly `nbytes`, no rounding (buffers of 2 MiB and more).
+`pin="torch"` uses torch's allocator instead; registration that fails falls back to it
+with a warning.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from kvtier.device.base import Device, Event, Stream, check_copy_args, check_nbytes
+
+_CUDA_HOST_REGISTER_PORTABLE = 1  # the registration is visible to every CUDA context
+_REGISTER_MIN = 2 << 20
+
+
+class CudaEvent(Event):
+    def __init__(self, device: CudaDevice, label: str):
+        self._dev = device
+        self.label = label
+        # Timing enabled so a trace can place every event on a timeline (costs ~nothing).
+        self.raw = torch.cuda.Event(enable_timing=True)
+        self._stream: CudaStream | None = None
+
+    @property
+    def stream(self) -> CudaStream | None:
+        return self._stream
+
+    def record(self, stream: Stream) -> None:
+        s = self._dev._own(stream, "stream")
+        self.raw.record(s.raw)
+        self._stream = s
+
+    def query(self) -> bool:
+        return self.raw.query()
+
+    def synchronize(self, timeout: float | None = None) -> bool:
+        if timeout is None:
+            self.raw.synchronize()  # the host needs the work done, not merely submitted
+            return True
+        # CUDA has no timed wait on an event: poll with a growing sleep (µs to 1 ms).
+        deadline = time.monotonic() + timeout
+        nap = 20e-6
+        while not self.raw.query():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(nap, left))
+            nap = min(nap * 2, 1e-3)
+        return True
+
+    def time_s(self) -> float:
+        if self._stream is None or not self.raw.query():
+            raise RuntimeError(f"event {self.label} has not completed; its time is not known yet")
+        return self._dev._epoch.elapsed_time(self.raw) / 1e3
+
+
+class CudaStream(Stream):
+    def __init__(self, device: CudaDevice, raw: torch.cuda.Stream, name: str):
+        self._dev = device
+        self.raw = raw
+        self.name = name
+        self._seq = itertools.count(1)
+
+    def record(self, label: str | None = None) -> CudaEvent:
+        ev = CudaEvent(self._dev, label or f"{self.name}#{next(self._seq)}")
+        ev.record(self)
+        return ev
+
+    def wait_event(self, event: Event) -> None:
+        if not isinstance(event, CudaEvent) or event._dev is not self._dev:
+            raise ValueError(f"event must be an event of this CudaDevice, got {event!r}")
+        if event.stream is None:
+            return  # never recorded: complete by definition
+        self.raw.wait_event(event.raw)  # later work here must not start on data the event guards
+
+    def synchronize(self) -> None:
+        self.raw.synchronize()  # returning from a submit proves nothing; this does
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CudaStream) and other.raw == self.raw
+
+    def __hash__(self) -> int:
+        return hash(self.raw)
+
+
+class CudaDevice(Device):
+    """The real device: torch.cuda streams and events, host memory page-locked once.
+
+    Args:
+        index: CUDA device ordinal.
+        pin: "register" (exact-size cudaHostRegister, default) or "torch" (pin_memory=True).
+    """
+
+    def __init__(self, index: int = 0, pin: str = "register"):
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "CudaDevice needs a CUDA GPU but torch.cuda.is_available() is False; "
+                "use kvtier.device.SimDevice to run on the CPU"
+            )
+        if not isinstance(index, int) or not 0 <= index < torch.cuda.device_count():
+            raise ValueError(f"index must be in [0, {torch.cuda.device_count()}), got {index!r}")
+        if pin not in ("register", "torch"):
+            raise ValueError(f"pin must be 'register' or 'torch', got {pin!r}")
+        self.index = index
+        self.name = f"cuda:{index}"
+        self.pin = pin
+        self._torch_device = torch.device("cuda", index)
+        self._registered: dict[int, torch.Tensor] = {}  # data_ptr -> buffer kept alive while locked
+        self._names = itertools.count()
+        self._compute = CudaStream(self, torch.cuda.current_stream(self._torch_device), "compute")
+        self._epoch = torch.cuda.Event(enable_timing=True)
+        self._epoch.record(self._compute.raw)  # time zero of every event's time_s()
+
+    def _own(self, stream: Stream, name: str) -> CudaStream:
+        if not isinstance(stream, CudaStream) or stream._dev is not self:
+            raise ValueError(f"{name} must be a stream of this CudaDevice, got {stream!r}")
+        return stream
+
+    def current_stream(self) -> CudaStream:
+        return self._compute
+
+    def new_stream(self, name: str | None = None) -> CudaStream:
+        raw = torch.cuda.Stream(device=self._torch_device)
+        return CudaStream(self, raw, name or f"stream{next(self._names)}")
+
+    def new_event(self, label: str | None = None) -> CudaEvent:
+        return CudaEvent(self, label or "event")
+
+    def _check_side(self, t: torch.Tensor, name: str) -> None:
+        if t.is_cuda:
+            if t.device != self._torch_device:
+                raise ValueError(f"{name} is on {t.device}, expected {self._torch_device}")
+        elif not t.is_pinned():
+            # A pageable host buffer makes the copy synchronous and staged: no overlap.
+            raise ValueError(f"{name} is pageable host memory; stream copies need pinned memory")
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
+        s = self._own(stream, "stream")
+        d, sv = check_copy_args(dst, src)
+        if not (dst.is_cuda or src.is_cuda):
+            raise ValueError("dst and src are both host tensors; a stream copy needs one side on the GPU")
+        self._check_side(dst, "dst")
+        self._check_side(src, "src")
+        with torch.cuda.stream(s.raw):
+            d.copy_(sv, non_blocking=True)
+        for t in (dst, src):
+            if t.is_cuda:
+                # Keeps torch's caching allocator from handing this memory to someone else
+                # while the copy stream may still be using it.
+                t.record_stream(s.raw)
+
+    def launch(self, fn: Callable[[], object], stream: Stream) -> None:
+        s = self._own(stream, "stream")
+        if not callable(fn):
+            raise ValueError(f"fn must be callable, got {fn!r}")
+        with torch.cuda.stream(s.raw):
+            fn()
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(check_nbytes(nbytes), dtype=torch.uint8, device=self._torch_device)
+
+    def alloc_pinned(self, nbytes: int) -> torch.Tensor:
+        check_nbytes(nbytes)
+        # Small buffers share pages with other allocations, and a page registers only once;
+        # below 2 MiB the power-of-two rounding of torch's allocator costs little anyway.
+        if self.pin == "register" and nbytes >= _REGISTER_MIN:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            buf.zero_()  # first touch: the pages exist (on the caller's NUMA node) before locking
+            err = int(
+                torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, _CUDA_HOST_REGISTER_PORTABLE)
+            )
+            if err == 0:
+                self._registered[buf.data_ptr()] = buf
+                return buf
+            warnings.warn(
+                f"cudaHostRegister of {nbytes} bytes failed (cudaError {err}); "
+                "falling back to torch pin_memory, which rounds up to a power of two",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def free_pinned(self, buf: torch.Tensor) -> None:
+        if self._registered.pop(buf.data_ptr(), None) is not None:
+            # Callers free only after their copies completed (the pool is closed last).
+            torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self._torch_device)
+
+    def close(self) -> None:
+        # No copy may still read or write a buffer we are about to unlock.
+        self.synchronize()
+        for ptr in list(self._registered):
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        self._registered.clear()

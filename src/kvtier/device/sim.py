@@ -1,0 +1,249 @@
+"""SimDevice: the device interface on the CPU, with copies that really land late.
+
+Each stream is a worker thread that executes its queue in order. A copy is a queued item
+that sleeps a delay (fixed, or drawn from a seeded range) and then copies the bytes, so a
+missing wait produces wrong data deterministically. Events complete only when their
+stream's worker reaches them; `wait_event` enqueues an item that blocks that worker until
+the event completes. "GPU memory" is ordinary CPU tensors.
+
+One condition variable per device guards all event state: the simulator has a handful of
+streams, and a single lock keeps the reasoning simple.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from kvtier.device.base import Device, DeviceError, Event, Stream, check_copy_args, check_nbytes
+
+Delay = float | tuple[float, float]
+
+
+def _check_delay(delay: Delay, name: str) -> Delay:
+    if isinstance(delay, tuple):
+        if len(delay) != 2 or not 0 <= delay[0] <= delay[1]:
+            raise ValueError(f"{name} must be seconds >= 0 or a (low, high) range, got {delay!r}")
+        return (float(delay[0]), float(delay[1]))
+    if not isinstance(delay, int | float) or delay < 0:
+        raise ValueError(f"{name} must be seconds >= 0 or a (low, high) range, got {delay!r}")
+    return float(delay)
+
+
+class SimEvent(Event):
+    def __init__(self, device: SimDevice, label: str):
+        self._dev = device
+        self.label = label
+        self._stream: SimStream | None = None
+        self._armed = 0  # generation of the latest record
+        self._reached = 0  # highest generation a worker has reached
+        self._t: float | None = None
+
+    @property
+    def stream(self) -> SimStream | None:
+        return self._stream
+
+    def record(self, stream: Stream) -> None:
+        s = self._dev._own(stream, "stream")
+        with self._dev._cv:
+            self._armed += 1
+            gen = self._armed
+            self._stream = s
+        s._put(lambda: self._reach(gen))
+
+    def _reach(self, gen: int) -> None:
+        with self._dev._cv:
+            if gen > self._reached:
+                self._reached = gen
+                self._t = time.perf_counter() - self._dev._epoch
+            self._dev._cv.notify_all()
+
+    def _done(self, gen: int) -> bool:
+        return self._reached >= gen
+
+    def query(self) -> bool:
+        with self._dev._cv:
+            return self._reached >= self._armed
+
+    def synchronize(self, timeout: float | None = None) -> bool:
+        with self._dev._cv:
+            gen = self._armed
+            # The host blocks until the worker reached this record: only then is the work done.
+            ok = self._dev._cv.wait_for(lambda: self._done(gen) or self._dev._closed, timeout)
+        self._dev._raise_error()
+        return ok and self._done(gen)
+
+    def time_s(self) -> float:
+        with self._dev._cv:
+            if self._reached < self._armed or self._t is None:
+                raise RuntimeError(f"event {self.label} has not completed; its time is not known yet")
+            return self._t
+
+
+class SimStream(Stream):
+    def __init__(self, device: SimDevice, name: str):
+        self._dev = device
+        self.name = name
+        self._q: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
+        self._seq = itertools.count(1)
+        self._thread = threading.Thread(target=self._run, name=f"kvtier-sim-{name}", daemon=True)
+        self._thread.start()
+
+    def _put(self, item: Callable[[], object]) -> None:
+        if self._dev._closed:
+            raise RuntimeError(f"stream {self.name}: device is closed")
+        self._q.put(item)
+
+    def _run(self) -> None:
+        while (item := self._q.get()) is not None:
+            try:
+                item()
+            except BaseException as e:  # noqa: BLE001 - kept and re-raised on the host, like CUDA
+                self._dev._set_error(e, self.name)
+
+    def record(self, label: str | None = None) -> SimEvent:
+        ev = SimEvent(self._dev, label or f"{self.name}#{next(self._seq)}")
+        ev.record(self)
+        return ev
+
+    def wait_event(self, event: Event) -> None:
+        ev = self._dev._own_event(event)
+        with self._dev._cv:
+            gen = ev._armed  # CUDA semantics: wait for the record current at this call
+        if gen == 0:
+            return  # never recorded: complete by definition, nothing to wait for
+
+        def block() -> None:
+            # Holding this worker is what makes later items on this stream wait for `ev`.
+            with self._dev._cv:
+                self._dev._cv.wait_for(lambda: ev._done(gen) or self._dev._closed)
+
+        self._put(block)
+
+    def synchronize(self) -> None:
+        # A marker at the tail: when it is reached, everything before it has run.
+        self.record(f"{self.name}:sync").synchronize()
+
+    def _stop(self) -> None:
+        self._q.put(None)
+
+
+class SimDevice(Device):
+    """CPU simulation of a GPU's streams, with late copies.
+
+    Args:
+        copy_delay: seconds each copy sleeps before moving its bytes; a (low, high) tuple
+            draws uniformly from a `random.Random(seed)` at submit time (reproducible for a
+            given submission order).
+        launch_delay: the same for `launch`ed work (a kernel that takes time).
+        seed: seeds the delay draws.
+    """
+
+    def __init__(self, copy_delay: Delay = 0.0, launch_delay: Delay = 0.0, seed: int = 0):
+        self.name = "sim"
+        self.copy_delay = _check_delay(copy_delay, "copy_delay")
+        self.launch_delay = _check_delay(launch_delay, "launch_delay")
+        self._rng = random.Random(seed)
+        self._rng_lock = threading.Lock()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._error: DeviceError | None = None
+        self._epoch = time.perf_counter()
+        self._streams: list[SimStream] = []
+        self._names = itertools.count()
+        self._compute = self.new_stream("compute")
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _own(self, stream: Stream, name: str) -> SimStream:
+        if not isinstance(stream, SimStream) or stream._dev is not self:
+            raise ValueError(f"{name} must be a stream of this SimDevice, got {stream!r}")
+        return stream
+
+    def _own_event(self, event: Event) -> SimEvent:
+        if not isinstance(event, SimEvent) or event._dev is not self:
+            raise ValueError(f"event must be an event of this SimDevice, got {event!r}")
+        return event
+
+    def _draw(self, delay: Delay) -> float:
+        if isinstance(delay, tuple):
+            with self._rng_lock:
+                return self._rng.uniform(*delay)
+        return delay
+
+    def _set_error(self, e: BaseException, stream: str) -> None:
+        with self._cv:
+            if self._error is None:
+                self._error = DeviceError(f"work on stream {stream} failed: {e!r}")
+                self._error.__cause__ = e
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    # -- Device ----------------------------------------------------------------------------
+    def current_stream(self) -> SimStream:
+        return self._compute
+
+    def new_stream(self, name: str | None = None) -> SimStream:
+        s = SimStream(self, name or f"stream{next(self._names)}")
+        self._streams.append(s)
+        return s
+
+    def new_event(self, label: str | None = None) -> SimEvent:
+        return SimEvent(self, label or "event")
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Stream) -> None:
+        s = self._own(stream, "stream")
+        d, sv = check_copy_args(dst, src)
+        delay = self._draw(self.copy_delay)
+
+        def run() -> None:
+            if delay:
+                time.sleep(delay)  # the copy engine is busy: the bytes land late on purpose
+            d.copy_(sv)
+
+        s._put(run)
+
+    def launch(self, fn: Callable[[], object], stream: Stream) -> None:
+        s = self._own(stream, "stream")
+        if not callable(fn):
+            raise ValueError(f"fn must be callable, got {fn!r}")
+        delay = self._draw(self.launch_delay)
+
+        def run() -> None:
+            if delay:
+                time.sleep(delay)
+            fn()
+
+        s._put(run)
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(check_nbytes(nbytes), dtype=torch.uint8)
+
+    def alloc_pinned(self, nbytes: int) -> torch.Tensor:
+        # CPU memory stands in for pinned memory: there is no driver to lock pages with.
+        return torch.empty(check_nbytes(nbytes), dtype=torch.uint8)
+
+    def free_pinned(self, buf: torch.Tensor) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        for s in list(self._streams):
+            s.synchronize()  # each stream's tail marker: all work submitted so far has run
+
+    def close(self) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            self._cv.notify_all()  # release workers blocked in wait_event so they can exit
+        for s in self._streams:
+            s._stop()
+        for s in self._streams:
+            s._thread.join(timeout=5.0)

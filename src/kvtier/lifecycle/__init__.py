@@ -1,0 +1,38 @@
+"""The lifecycle protocol: states of every buffer, the legal moves, and the sanitizer.
+
+Submitted is not completed: a buffer that a copy touches changes state only when the
+event recorded after that copy has completed. Two trackers hold the states.
+
+Pool slot (`SlotTracker`, one per `PinnedPool`)::
+
+    FREE -alloc-> ALLOCATED -begin_fill(e_save)-> FILLING -fill_done-> READY
+    READY -begin_read(e_load)-> READING (one entry per read) -end_read-> ... -> READY
+    ALLOCATED | READY -release-> FREE;  any live state -retire-> FREE once events complete
+
+GPU block (`BlockTracker`; blocks belong to the serving engine): IDLE, or a pending
+access whose event has not completed — LOADING(e_load), SAVING(e_save), compute
+READING(e_read) or WRITING(e_write). `MUST_FOLLOW` says which pending accesses a new one
+must wait for; `waits_for(kind, blocks)` returns exactly those events, so the protocol code and the
+checks come from one table.
+
+The trackers always keep the states and events (the protocol needs them). With the
+sanitizer on (`KVTIER_SANITIZE=1` or `sanitize=True`) every illegal move raises
+`LifecycleError` naming the buffer, its state, and the missing event; off, the moves are
+applied as asked — which is how the tests show each bug producing wrong data.
+"""
+
+from kvtier.lifecycle.blocks import MUST_FOLLOW, WHY, Access, BlockTracker
+from kvtier.lifecycle.errors import LifecycleError, sanitize_enabled
+from kvtier.lifecycle.slots import SLOT_MOVES, SlotState, SlotTracker
+
+__all__ = [
+    "MUST_FOLLOW",
+    "SLOT_MOVES",
+    "WHY",
+    "Access",
+    "BlockTracker",
+    "LifecycleError",
+    "SlotState",
+    "SlotTracker",
+    "sanitize_enabled",
+]

@@ -1,0 +1,333 @@
+"""PinnedPool: one pinned host slab, allocated once, carved into slots.
+
+The slab is `ceil(capacity / chunk_bytes)` buffers from `Device.alloc_pinned` (each at most
+`chunk_bytes`, 1 GiB by default: large registrations are slow and may fail), made once at
+start and never per request.
+
+Allocator: best fit over an address-ordered free list, coalescing on free.
+- A request is rounded up to `alignment` (256 B by default, for DMA and vector loads) and
+  nothing more: no power-of-two classes, so internal waste is < `alignment` per slot.
+- The smallest free extent that fits is split; the remainder stays free. Ties go to the
+  lowest address, which keeps allocations packed at the front of each chunk.
+- A freed slot merges with free neighbours in the same chunk; slots never straddle chunks.
+- Fragmentation is measured (`stats()`, `unusable_fraction`). With equal-size requests
+  (the usual KV chunk) only each chunk's tail (< one slot) is ever unusable and a request
+  fails only when every slot position is taken; mixed sizes are bounded by test.
+
+Exhaustion is back-pressure, never an out-of-memory crash: `alloc` waits up to `timeout`
+for a `free` (asking `on_pressure`, e.g. an evictor, to make room), then raises
+`PoolExhausted`; `try_alloc` returns None.
+
+`free` trusts its handle, as free(3) trusts its pointer: releasing a stale handle frees
+whatever now lives at that address. The lifecycle tracker (`kvtier.lifecycle`) is what
+refuses stale handles, double releases and releases under DMA.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import os
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtier.device.base import Device, check_nbytes
+
+
+class PoolExhausted(RuntimeError):
+    """No free extent fits the request within the timeout (back-pressure, not a crash)."""
+
+
+@dataclass(slots=True, eq=False)
+class Slot:
+    """One allocation: `nbytes` bytes at `offset` in chunk `chunk`; compared by identity.
+
+    `tensor` is a 1-D uint8 view of exactly `nbytes` bytes of the slab.
+    """
+
+    id: int  # unique per allocation: a stale handle never shares it with the new owner
+    chunk: int
+    offset: int
+    nbytes: int
+    span: int  # nbytes rounded up to the pool's alignment
+    tensor: torch.Tensor = field(repr=False)
+
+    @property
+    def name(self) -> str:
+        return f"slot#{self.id}(chunk {self.chunk} +{self.offset}, {self.nbytes} B)"
+
+    def view(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The slot's bytes as `dtype` with `shape` (must cover exactly `nbytes`)."""
+        return self.tensor.view(dtype).view(shape)
+
+
+@dataclass(slots=True, frozen=True)
+class PoolStats:
+    capacity: int
+    used: int  # bytes handed out (aligned spans)
+    free: int
+    in_flight: int  # bytes of slots marked in flight (FILLING / READING)
+    slots: int
+    largest_free: int  # the biggest request that would succeed now
+    external_fragmentation: float  # 1 - largest_free / free; 0 when free is one extent
+    internal_waste: int  # alignment padding inside used spans
+
+    def __post_init__(self) -> None:
+        if self.used + self.free != self.capacity or min(self.used, self.free, self.in_flight) < 0:
+            raise ValueError(f"inconsistent pool accounting: {self}")
+
+
+def _numa_cpus(node: int) -> set[int] | None:
+    """CPUs of NUMA `node` from sysfs, or None where that is unavailable."""
+    try:
+        with open(f"/sys/devices/system/node/node{node}/cpulist") as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    cpus: set[int] = set()
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus or None
+
+
+class PinnedPool:
+    """A fixed slab of pinned host memory carved into slots. Thread-safe.
+
+    Args:
+        device: provides `alloc_pinned`.
+        capacity_bytes: slab size (rounded up to `alignment`).
+        chunk_bytes: largest single pinned buffer; a multiple of `alignment`.
+        alignment: start alignment of every slot, a power of two.
+        numa_node: best effort: allocate and first-touch the slab with this thread bound to
+            the node's CPUs (Linux), so pages land near the GPU's node; ignored with a
+            warning where the node is unknown. `numa_bound` says whether it happened.
+    """
+
+    def __init__(
+        self,
+        device: Device,
+        capacity_bytes: int,
+        *,
+        chunk_bytes: int = 1 << 30,
+        alignment: int = 256,
+        numa_node: int | None = None,
+    ):
+        check_nbytes(capacity_bytes, "capacity_bytes")
+        check_nbytes(alignment, "alignment")
+        if alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two, got {alignment}")
+        check_nbytes(chunk_bytes, "chunk_bytes")
+        if chunk_bytes % alignment:
+            raise ValueError(f"chunk_bytes={chunk_bytes} must be a multiple of alignment={alignment}")
+        if numa_node is not None and (not isinstance(numa_node, int) or numa_node < 0):
+            raise ValueError(f"numa_node must be an int >= 0 or None, got {numa_node!r}")
+        self.device = device
+        self.alignment = alignment
+        self.chunk_bytes = chunk_bytes
+        self.capacity = -(-capacity_bytes // alignment) * alignment
+        self.numa_node = numa_node
+        self.numa_bound = False
+        self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)
+        self._ids = itertools.count(1)
+        # Free extents by global address (chunk * chunk_bytes + offset).
+        self._free_at: dict[int, int] = {}  # start -> size
+        self._free_end: dict[int, int] = {}  # end -> start, to find the left neighbour
+        self._by_size: list[tuple[int, int]] = []  # sorted (size, start): best fit by bisect
+        self._live: dict[int, Slot] = {}  # start -> slot
+        self._used = 0
+        self._waste = 0
+        self._in_flight: set[Slot] = set()
+        self._in_flight_bytes = 0
+        self.chunks = self._allocate_slab()
+        self._max_request = max(c.numel() for c in self.chunks)
+        for i, c in enumerate(self.chunks):
+            self._add_free(i * chunk_bytes, c.numel())
+
+    def _allocate_slab(self) -> list[torch.Tensor]:
+        sizes = [min(self.chunk_bytes, self.capacity - o) for o in range(0, self.capacity, self.chunk_bytes)]
+        cpus = _numa_cpus(self.numa_node) if self.numa_node is not None else None
+        if self.numa_node is not None and (cpus is None or not hasattr(os, "sched_setaffinity")):
+            warnings.warn(f"NUMA node {self.numa_node} unknown here; slab not placed", stacklevel=3)
+            cpus = None
+        old = os.sched_getaffinity(0) if cpus else None
+        old_threads = torch.get_num_threads()
+        try:
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+                # One thread: torch's worker threads have their own affinity and would
+                # first-touch pages on their nodes.
+                torch.set_num_threads(1)
+                self.numa_bound = True
+            chunks = [self.device.alloc_pinned(n) for n in sizes]
+            if cpus:
+                for c in chunks:
+                    c.zero_()  # first touch decides the page's node
+            return chunks
+        finally:
+            if old is not None:
+                os.sched_setaffinity(0, old)
+                torch.set_num_threads(old_threads)
+
+    # -- free list -------------------------------------------------------------------------
+    def _add_free(self, start: int, size: int) -> None:
+        self._free_at[start] = size
+        self._free_end[start + size] = start
+        bisect.insort(self._by_size, (size, start))
+
+    def _remove_free(self, start: int) -> int:
+        size = self._free_at.pop(start)
+        del self._free_end[start + size]
+        i = bisect.bisect_left(self._by_size, (size, start))
+        del self._by_size[i]
+        return size
+
+    def _take(self, nbytes: int) -> Slot | None:
+        span = -(-nbytes // self.alignment) * self.alignment
+        i = bisect.bisect_left(self._by_size, (span, -1))
+        if i == len(self._by_size):
+            return None
+        size, start = self._by_size[i]
+        self._remove_free(start)
+        if size > span:
+            self._add_free(start + span, size - span)
+        chunk, off = divmod(start, self.chunk_bytes)
+        slot = Slot(next(self._ids), chunk, off, nbytes, span, self.chunks[chunk][off : off + nbytes])
+        self._live[start] = slot
+        self._used += span
+        self._waste += span - nbytes
+        return slot
+
+    # -- public ----------------------------------------------------------------------------
+    def try_alloc(self, nbytes: int) -> Slot | None:
+        """A slot of exactly `nbytes` usable bytes, or None when no free extent fits."""
+        self._check_request(nbytes)
+        with self._lock:
+            return self._take(nbytes)
+
+    def alloc(
+        self, nbytes: int, timeout: float | None = 0.0, on_pressure: Callable[[int], bool] | None = None
+    ) -> Slot:
+        """A slot of `nbytes`, waiting up to `timeout` s (None: forever) for room.
+
+        `on_pressure(nbytes)` is asked to make room (evict, harvest completed releases)
+        whenever the pool is short; it returns True when it freed something.
+        Raises PoolExhausted when the time is up.
+        """
+        self._check_request(nbytes)
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if (slot := self._take(nbytes)) is not None:
+                    return slot
+            if on_pressure is not None and on_pressure(nbytes):
+                continue
+            with self._lock:
+                if (slot := self._take(nbytes)) is not None:
+                    return slot
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise PoolExhausted(
+                        f"no room for {nbytes} B within {timeout} s: {self.capacity - self._used} B free "
+                        f"(largest extent {self._largest()} B), {self._in_flight_bytes} B in flight"
+                    )
+                wait = left
+                if on_pressure is not None:
+                    # Completions that on_pressure could harvest do not notify us: poll.
+                    wait = 1e-3 if left is None else min(1e-3, left)
+                self._freed.wait(wait)  # back-pressure: a free() wakes us
+
+    def free(self, slot: Slot) -> None:
+        """Return the memory at `slot`'s address. Trusts the handle (see module doc)."""
+        start = slot.chunk * self.chunk_bytes + slot.offset
+        with self._lock:
+            live = self._live.pop(start, None)
+            if live is None:
+                raise ValueError(f"slot {slot.name} is not allocated: nothing lives at its address")
+            self._used -= live.span
+            self._waste -= live.span - live.nbytes
+            self._mark(live, False)
+            size = live.span
+            if start % self.chunk_bytes and start in self._free_end:  # left neighbour, same chunk
+                start = self._free_end[start]
+                size += self._remove_free(start)
+            end = start + size
+            if end % self.chunk_bytes and end in self._free_at:  # right neighbour, same chunk
+                size += self._remove_free(end)
+            self._add_free(start, size)
+            self._freed.notify_all()
+
+    def set_in_flight(self, slot: Slot, busy: bool) -> None:
+        """Count `slot` as in flight (a copy may touch it) or not; idempotent."""
+        with self._lock:
+            self._mark(slot, busy)
+
+    def _mark(self, slot: Slot, busy: bool) -> None:
+        if busy and slot not in self._in_flight:
+            self._in_flight.add(slot)
+            self._in_flight_bytes += slot.span
+        elif not busy and slot in self._in_flight:
+            self._in_flight.discard(slot)
+            self._in_flight_bytes -= slot.span
+
+    def _check_request(self, nbytes: int) -> None:
+        check_nbytes(nbytes)
+        if nbytes > self._max_request:
+            raise ValueError(f"nbytes={nbytes} exceeds the largest chunk; a slot never straddles chunks")
+
+    def _largest(self) -> int:
+        return self._by_size[-1][0] if self._by_size else 0
+
+    def unusable_fraction(self, nbytes: int) -> float:
+        """Fraction of free bytes in extents too small for a request of `nbytes`."""
+        span = -(-check_nbytes(nbytes) // self.alignment) * self.alignment
+        with self._lock:
+            free = self.capacity - self._used
+            small = sum(s for s, _ in self._by_size[: bisect.bisect_left(self._by_size, (span, -1))])
+            return small / free if free else 0.0
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            free = self.capacity - self._used
+            largest = self._largest()
+            return PoolStats(
+                capacity=self.capacity,
+                used=self._used,
+                free=free,
+                in_flight=self._in_flight_bytes,
+                slots=len(self._live),
+                largest_free=largest,
+                external_fragmentation=1.0 - largest / free if free else 0.0,
+                internal_waste=self._waste,
+            )
+
+    def check(self) -> None:
+        """Verify the free list: sorted, disjoint, coalesced, and adding up (for tests)."""
+        with self._lock:
+            ext = [(s, n, "free") for s, n in self._free_at.items()]
+            ext = sorted(ext + [(s, sl.span, "used") for s, sl in self._live.items()])
+            pos, prev = 0, None  # chunks tile [0, capacity) with no gaps
+            for start, size, kind in ext:
+                if start != pos:
+                    raise AssertionError(f"gap or overlap at {start} (expected {pos})")
+                if kind == prev == "free" and start % self.chunk_bytes:
+                    raise AssertionError(f"uncoalesced free extents at {start}")
+                pos, prev = start + size, kind
+            if pos != self.capacity:
+                raise AssertionError(f"extents end at {pos}, capacity is {self.capacity}")
+            assert len(self._by_size) == len(self._free_at) == len(self._free_end)
+            assert sum(n for n, _ in self._by_size) + self._used == self.capacity
+
+    def close(self) -> None:
+        """Give the slab back to the device; no copy may still be using it."""
+        for c in self.chunks:
+            self.device.free_pinned(c)
+        self.chunks = []

@@ -1,0 +1,245 @@
+"""PinnedPool: exact-size slots, chunking, accounting, fragmentation, back-pressure."""
+
+import os
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from kvtier.device import SimDevice
+from kvtier.pool import PinnedPool, PoolExhausted
+
+KiB = 1024
+
+
+@pytest.fixture(scope="module")
+def dev():
+    d = SimDevice()
+    yield d
+    d.close()
+
+
+def test_sizes_are_rounded_to_alignment_only(dev):
+    pool = PinnedPool(dev, 64 * KiB, alignment=256)
+    for n, span in [(1, 256), (1000, 1024), (3000, 3072), (5000, 5120), (4096, 4096)]:
+        s = pool.alloc(n)
+        assert s.nbytes == n and s.span == span and s.tensor.numel() == n  # no power-of-two classes
+        assert s.offset % 256 == 0
+    st = pool.stats()
+    assert st.used == 256 + 1024 + 3072 + 5120 + 4096
+    assert st.internal_waste == st.used - (1 + 1000 + 3000 + 5000 + 4096)
+    pool.check()
+
+
+def test_slots_are_disjoint_views_of_the_slab(dev):
+    pool = PinnedPool(dev, 16 * KiB)
+    slots = [pool.alloc(1000) for _ in range(8)]
+    for i, s in enumerate(slots):
+        s.tensor.fill_(i)
+    for i, s in enumerate(slots):
+        assert torch.all(s.tensor == i)
+    assert slots[0].view(torch.int32, (10, 25)).shape == (10, 25)
+
+
+def test_slab_is_chunked_and_slots_never_straddle(dev):
+    pool = PinnedPool(dev, 10 * KiB, chunk_bytes=4 * KiB, alignment=512)
+    assert [c.numel() for c in pool.chunks] == [4 * KiB, 4 * KiB, 2 * KiB]
+    got = []
+    while (s := pool.try_alloc(1536)) is not None:
+        got.append(s)
+    # 2 per 4 KiB chunk, 1 in the 2 KiB chunk; none crosses a boundary.
+    assert len(got) == 5
+    for s in got:
+        assert s.offset + s.span <= pool.chunks[s.chunk].numel()
+    with pytest.raises(ValueError, match="nbytes"):
+        pool.alloc(4 * KiB + 1)  # bigger than any chunk: can never succeed
+    pool.check()
+
+
+def test_free_coalesces_and_accounting_adds_up(dev):
+    pool = PinnedPool(dev, 8 * KiB, alignment=256)
+    a, b, c = pool.alloc(1024), pool.alloc(1024), pool.alloc(1024)
+    pool.set_in_flight(b, True)
+    pool.set_in_flight(b, True)  # idempotent
+    st = pool.stats()
+    assert (st.used, st.free, st.in_flight, st.slots) == (3072, 5120, 1024, 3)
+    pool.free(a)
+    pool.free(c)  # c merges with the tail
+    assert pool.stats().largest_free == 5120 + 1024
+    pool.free(b)  # b bridges a and the tail: one extent again
+    st = pool.stats()
+    assert (st.used, st.free, st.in_flight, st.largest_free) == (0, 8 * KiB, 0, 8 * KiB)
+    assert st.external_fragmentation == 0.0
+    pool.check()
+
+
+def test_free_of_unallocated_address_is_refused(dev):
+    pool = PinnedPool(dev, 4 * KiB)
+    s = pool.alloc(100)
+    pool.free(s)
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free(s)
+
+
+def test_best_fit_picks_the_tightest_hole(dev):
+    pool = PinnedPool(dev, 16 * KiB, alignment=256)
+    a, _, b, _ = pool.alloc(3 * KiB), pool.alloc(256), pool.alloc(1 * KiB), pool.alloc(256)
+    pool.free(a)
+    pool.free(b)
+    s = pool.alloc(1 * KiB)
+    assert (s.chunk, s.offset) == (b.chunk, b.offset)  # the 1 KiB hole, not the 3 KiB one
+
+
+def test_exhaustion_raises_or_returns_none_never_crashes(dev):
+    pool = PinnedPool(dev, 4 * KiB)
+    slots = [pool.alloc(1 * KiB) for _ in range(4)]
+    assert pool.try_alloc(1) is None
+    with pytest.raises(PoolExhausted, match="no room for 1 B"):
+        pool.alloc(1, timeout=0)
+    t0 = time.monotonic()
+    with pytest.raises(PoolExhausted):
+        pool.alloc(1, timeout=0.1)
+    assert time.monotonic() - t0 >= 0.09
+    for s in slots:
+        pool.free(s)
+
+
+def test_back_pressure_waits_for_a_free(dev):
+    pool = PinnedPool(dev, 4 * KiB)
+    slots = [pool.alloc(1 * KiB) for _ in range(4)]
+    threading.Timer(0.1, pool.free, args=(slots[2],)).start()
+    t0 = time.monotonic()
+    s = pool.alloc(1 * KiB, timeout=5.0)
+    assert 0.05 < time.monotonic() - t0 < 4.0
+    assert (s.chunk, s.offset) == (slots[2].chunk, slots[2].offset)
+
+
+def test_on_pressure_can_evict(dev):
+    pool = PinnedPool(dev, 2 * KiB)
+    victims = [pool.alloc(1 * KiB), pool.alloc(1 * KiB)]
+    calls = []
+
+    def evict(nbytes):
+        calls.append(nbytes)
+        if victims:
+            pool.free(victims.pop())
+            return True
+        return False
+
+    assert pool.alloc(1 * KiB, timeout=0, on_pressure=evict) is not None
+    assert calls == [1 * KiB]
+
+
+def test_equal_size_requests_never_fragment(dev):
+    """The usual KV case, every slot the same size: only each chunk's tail (< one slot) is
+    ever unusable, and an allocation fails only when the pool is really full."""
+    rng = random.Random(0)
+    size = 3 * KiB + 100  # span 3328: 4 per 16 KiB chunk, a 3072 B tail each
+    pool = PinnedPool(dev, 64 * size + 5000, chunk_bytes=16 * KiB, alignment=256)
+    tails = sum(c.numel() % 3328 for c in pool.chunks)
+    fits = sum(c.numel() // 3328 for c in pool.chunks)
+    live = []
+    for _ in range(3000):
+        if live and rng.random() < 0.5:
+            pool.free(live.pop(rng.randrange(len(live))))
+        elif (s := pool.try_alloc(size)) is not None:
+            live.append(s)
+        else:
+            assert len(live) == fits  # refused only when every slot position is taken
+        st = pool.stats()
+        assert pool.unusable_fraction(size) * st.free <= tails
+    pool.check()
+
+
+def test_mixed_sizes_fragmentation_is_bounded(dev):
+    """Random sizes in [1, 4] × 4 KiB at ~75% occupancy: measured, then bounded.
+
+    Best fit with coalescing, measured at this seed: at worst 25% of the free bytes sit in
+    holes too small for a 10 KiB request (external fragmentation peaks at 0.42), and no
+    allocation fails below 75% occupancy. The bound below guards against regressions.
+    """
+    rng = random.Random(1)
+    pool = PinnedPool(dev, 4 << 20, alignment=256)
+    live, worst, failed = [], 0.0, 0
+    for step in range(6000):
+        st = pool.stats()
+        if live and (st.used > 0.75 * st.capacity or rng.random() < 0.45):
+            pool.free(live.pop(rng.randrange(len(live))))
+            continue
+        n = rng.randint(4 * KiB, 16 * KiB)
+        s = pool.try_alloc(n)
+        if s is None:
+            failed += 1
+        else:
+            live.append(s)
+        if step > 1000:
+            worst = max(worst, pool.unusable_fraction(10 * KiB))
+    assert worst < 0.3, worst
+    assert failed == 0
+    pool.check()
+
+
+def test_concurrent_alloc_free_keeps_the_free_list_sound(dev):
+    pool = PinnedPool(dev, 256 * KiB, chunk_bytes=64 * KiB)
+    errors = []
+
+    def worker(seed):
+        rng = random.Random(seed)
+        mine = []
+        try:
+            for _ in range(400):
+                if mine and rng.random() < 0.5:
+                    pool.free(mine.pop(rng.randrange(len(mine))))
+                elif (s := pool.try_alloc(rng.randint(1, 8 * KiB))) is not None:
+                    s.tensor.fill_(seed)
+                    mine.append(s)
+            for s in mine:
+                assert torch.all(s.tensor == seed)  # nobody else wrote into my slots
+                pool.free(s)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert pool.stats().used == 0
+    pool.check()
+
+
+def test_numa_placement_is_best_effort(dev):
+    with pytest.warns(UserWarning, match="NUMA node 999"):
+        pool = PinnedPool(dev, 4 * KiB, numa_node=999)
+    assert not pool.numa_bound and pool.alloc(100) is not None
+    if os.path.exists("/sys/devices/system/node/node0/cpulist"):
+        before = os.sched_getaffinity(0)
+        pool = PinnedPool(dev, 4 * KiB, numa_node=0)
+        assert pool.numa_bound
+        assert os.sched_getaffinity(0) == before  # affinity restored after first touch
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"capacity_bytes": 0}, "capacity_bytes"),
+        ({"capacity_bytes": 1024, "alignment": 300}, "alignment"),
+        ({"capacity_bytes": 1024, "chunk_bytes": 1000}, "chunk_bytes"),
+        ({"capacity_bytes": 1024, "numa_node": -1}, "numa_node"),
+    ],
+)
+def test_bad_configuration_names_the_argument(dev, kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        PinnedPool(dev, **kwargs)
+
+
+def test_bad_requests_name_the_argument(dev):
+    pool = PinnedPool(dev, 4 * KiB)
+    for bad in (0, -5, 2.5):
+        with pytest.raises(ValueError, match="nbytes"):
+            pool.alloc(bad)
+    with pytest.raises(ValueError, match="timeout"):
+        pool.alloc(10, timeout=-1)
