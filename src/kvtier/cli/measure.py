@@ -1,1 +1,176 @@
-"""Subcommands `kvtier probe` and `kvtier bench` (placeholder until the bench layer lands)."""
+"""Subcommands `kvtier probe` (this machine's ceilings) and `kvtier bench` (suites -> result file).
+
+Reproduce the figures of a device run with one command, from the repository root:
+
+    PYTHONPATH=src python3 -m kvtier probe --save benchmarks/results/ceilings.json \\
+      && PYTHONPATH=src python3 -m kvtier bench
+
+`bench` measures its own ceilings in the same run; the result file records the command, commit,
+software versions and those ceilings. Heavy imports (torch, matplotlib) happen inside commands.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import click
+
+from kvtier.cli import cli
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+}
+
+
+class ByteSize(click.ParamType):
+    """Bytes: 1073741824, 1GiB, 512MiB, 64M (decimal), at least 1 MiB, a multiple of 4 KiB."""
+
+    name = "bytes"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            n = value
+        else:
+            m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+            unit = m.group(2).lower() if m else None
+            if not m or unit not in _UNITS:
+                self.fail(f"{value!r} is not a size (examples: 1073741824, 1GiB, 256MiB)", param, ctx)
+            n = int(float(m.group(1)) * _UNITS[unit])
+        if n < 1 << 20 or n % 4096:
+            self.fail(f"{value!r}: needs at least 1 MiB and a multiple of 4096 bytes", param, ctx)
+        return n
+
+
+def _console():
+    from rich.console import Console
+
+    # piped to a log file, rich would fold the tables to 80 columns
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON (nothing else on stdout).")
+@click.option("--save", type=click.Path(dir_okay=False), default=None, help="Write the ceilings file here.")
+@click.option(
+    "--size", type=ByteSize(), default=None, help="Bytes per transfer [GPU: 1GiB host<->device, 4GiB d2d]."
+)
+@click.option("--quick", is_flag=True, help="Small sizes, few repeats: a smoke test, not figures.")
+def probe(as_json: bool, save: str | None, size: int | None, quick: bool) -> None:
+    """Measure this machine's ceilings (copies, PCIe, launch, matmul) next to the datasheet."""
+    if save is not None and not Path(save).resolve().parent.is_dir():
+        raise click.UsageError(f"--save: folder {str(Path(save).parent)!r} does not exist")
+    try:
+        from kvtier.bench.probe import run_probe
+    except ImportError as e:
+        raise click.UsageError(f"probe needs torch: {e}") from None
+    console = _console()
+    if as_json:
+        report = run_probe(size=size, quick=quick)
+    else:
+        err = _err_console()
+        with err.status("probing") as status:
+            report = run_probe(size=size, quick=quick, on_step=lambda s: status.update(f"measuring {s}"))
+    doc = report.to_json()
+    if save is not None:
+        report.ceilings().save(save)
+    if as_json:
+        click.echo(json.dumps(doc, indent=1))
+        return
+    from kvtier.bench.report import probe_header, probe_table
+
+    for line in probe_header(doc):
+        console.print(line)
+    console.print(probe_table(doc))
+    if save is not None:
+        console.print(f"ceilings written to {save} (use with roofline/path --ceilings {save})")
+
+
+def _err_console():
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False)
+
+
+def _list_suites() -> None:
+    from kvtier.bench.runner import suites
+
+    for name, info in sorted(suites().items()):
+        click.echo(f"{name:24s} {'GPU' if info.needs_gpu else 'any'}  {info.description}")
+
+
+@cli.command()
+@click.option(
+    "--suite", "names", multiple=True, help="Suite to run (repeatable). Default: all that can run here."
+)
+@click.option("--quick", is_flag=True, help="Tiny sizes (CPU / CI smoke): not figures to compare.")
+@click.option("--out", type=click.Path(file_okay=False), default="benchmarks/results", show_default=True)
+@click.option(
+    "--plot/--no-plot", default=True, show_default=True, help="Write a PNG next to the result file."
+)
+@click.option(
+    "--profile",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write a Chrome-trace timeline (Perfetto / Nsight); timings then use few repeats.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the result document as JSON.")
+@click.option("--list", "list_only", is_flag=True, help="List the suites and exit.")
+def bench(names, quick, out, plot, profile, as_json, list_only) -> None:
+    """Run benchmark suites; write benchmarks/results/<gpu>-<date>.json with same-run ceilings."""
+    if list_only:
+        _list_suites()
+        return
+    if profile is not None and not Path(profile).resolve().parent.is_dir():
+        raise click.UsageError(f"--profile: folder {str(Path(profile).parent)!r} does not exist")
+    try:
+        from kvtier.bench.runner import plan, run_bench
+    except ImportError as e:
+        raise click.UsageError(f"bench needs torch: {e}") from None
+    import torch
+
+    try:
+        plan(names, torch.cuda.is_available())
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    run = run_bench(names, quick=quick, out_dir=out, plot=plot, profile=profile, progress=not as_json)
+    if as_json:
+        click.echo(json.dumps(run.doc, indent=1))
+    else:
+        from kvtier.bench.report import bench_status_lines, bench_table
+
+        console = _console()
+        env = run.doc["environment"]
+        if not env.get("gpu"):
+            console.print("[bold yellow]No GPU found[/]: ran the suites that need none.")
+        if run.doc["rows"]:
+            console.print(bench_table(run.doc))
+        else:
+            console.print("[yellow]no rows[/]: every suite chosen was skipped here (reasons below)")
+        for line in bench_status_lines(run.doc):
+            console.print(line)
+        ceil = ", ".join(f"{k} {v:,.1f} GB/s" for k, v in env["ceilings"].items())
+        console.print(f"same-run ceilings: {ceil}")
+        console.print(
+            f"wrote {run.path}" + (f" and {run.plot}" if run.plot else " (no plot: no block-size rows)")
+        )
+        if profile:
+            console.print(f"timeline: {profile} (open in ui.perfetto.dev or Nsight Systems)")
+    if run.failed or run.incorrect:
+        for f in run.failed:
+            click.echo(f"FAILED suite {f}", err=True)
+        for c in run.incorrect:
+            click.echo(f"WRONG RESULT {c}", err=True)
+        sys.exit(1)

@@ -1,0 +1,16 @@
+"""Benchmark suites; importing this package registers them (see kvtier.bench.suite).
+
+baseline: the ways peers move KV today (torch gather, gather + one copy, vLLM's per-block memcpy).
+kv:       kvtier's own kernels and paths, beside the same ceilings.
+"""
+
+import importlib
+
+# module -> why it could not be imported; the runner reports these instead of crashing
+IMPORT_ERRORS: dict[str, str] = {}
+
+for _module in ("baseline", "kv"):
+    try:
+        importlib.import_module(f"{__name__}.{_module}")
+    except Exception as e:  # one broken suite module must not take the others down
+        IMPORT_ERRORS[_module] = f"{type(e).__name__}: {e}"
