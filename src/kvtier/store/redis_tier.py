@@ -1,0 +1,302 @@
+"""RedisTier: the shared tier — one Redis (or Valkey) server, or a Redis Cluster.
+
+Value formats under ``{prefix}{key hex}``:
+
+    b"S" + header + payload                       a chunk of at most ``part_bytes``
+    b"M" + nonce(8) nparts(u32) part_bytes(u64) + header     a manifest; the payload is in
+    ``{prefix}{key hex}:{nonce hex}:{i}`` for i < nparts      (spread over cluster slots)
+
+A manifest is written (SET NX) only after all its parts, so a reader never finds a manifest
+whose parts were not all written. Parts are never overwritten (each put has its own nonce),
+so a reader never mixes two writers' bytes; a part evicted by the server, or bytes that fail
+the header checksum, make a miss. Capacity and eviction are the server's (``maxmemory`` with
+``maxmemory-policy allkeys-lru``): several serving hosts share this tier, so no one client's
+bookkeeping could see what the others store — and the server evicts orphans of failed puts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import time
+
+from .header import ChunkHeader, HeaderError
+from .health import CircuitBreaker
+from .keys import check_key
+from .metrics import StoreMetrics
+from .payload import as_writable_view
+from .redis_client import classify, make_client
+from .tier import Chunk, DestTooSmall, check_put_args
+
+log = logging.getLogger(__name__)
+_MANIFEST = struct.Struct("<8sIQ")
+
+
+class _Corrupt(Exception):
+    """The stored value is not this key's intact chunk."""
+
+    def __init__(self, message: str, part_missing: bool = False) -> None:
+        super().__init__(message)
+        self.part_missing = part_missing
+
+
+# Delete a manifest only if it is still the one read: a concurrent put may have replaced it,
+# and deleting the new manifest would orphan its parts.
+_DEL_IF_SAME = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+class RedisTier:
+    """client: a redis-py ``Redis`` or ``RedisCluster`` (or give ``url`` and ``cluster``).
+    part_bytes: chunks larger than this are split into parts of this size. ttl_s: optional
+    expiry of every key. timeout_s: per-command socket timeout when the client is made here.
+    A ``RedisCluster`` client reads the slot map when it is made, so an unreachable cluster
+    raises here, at setup — never later from put / get.
+    """
+
+    def __init__(
+        self,
+        client=None,
+        *,
+        url: str | None = None,
+        cluster: bool = False,
+        prefix: str = "kvtier:",
+        part_bytes: int = 4 << 20,
+        ttl_s: int | None = None,
+        timeout_s: float = 0.5,
+        name: str = "redis",
+        metrics: StoreMetrics | None = None,
+        failure_threshold: int = 3,
+        cooldown_s: float = 5.0,
+        parts_per_batch: int = 16,
+    ) -> None:
+        if (client is None) == (url is None):
+            raise ValueError("give exactly one of client or url")
+        if not isinstance(part_bytes, int) or part_bytes < 4096:
+            raise ValueError(f"part_bytes must be an int >= 4096, got {part_bytes!r}")
+        if ttl_s is not None and (not isinstance(ttl_s, int) or ttl_s < 1):
+            raise ValueError(f"ttl_s must be None or an int >= 1, got {ttl_s!r}")
+        if not isinstance(parts_per_batch, int) or parts_per_batch < 1:
+            raise ValueError(f"parts_per_batch must be an int >= 1, got {parts_per_batch!r}")
+        if not isinstance(prefix, str):
+            raise ValueError(f"prefix must be a str, got {prefix!r}")
+        self.client = client if client is not None else make_client(url, cluster, timeout_s)
+        self.name = name
+        self.prefix = prefix
+        self.part_bytes = part_bytes
+        self.ttl_s = ttl_s
+        self.parts_per_batch = parts_per_batch
+        self._m = (metrics if metrics is not None else StoreMetrics()).tier(name)
+        self._m.occupancy(0, 0, 0, 0)  # the server owns capacity; these stay unknown (0)
+        self._read_health = CircuitBreaker(failure_threshold, cooldown_s)
+        self._write_health = CircuitBreaker(failure_threshold, cooldown_s)
+
+    # -- public API ---------------------------------------------------------------------
+
+    def put(self, key: bytes, header: ChunkHeader, payload) -> bool:
+        view = check_put_args(key, header, payload)
+        t0 = time.perf_counter()
+        if not self._write_health.allow():
+            self._m.put_failed("skipped")
+            return False
+        parts: list[str] = []
+        try:
+            head = header.pack()
+            if 1 + len(head) + view.nbytes <= self.part_bytes:
+                stored = bool(
+                    self.client.set(self._key(key), b"".join((b"S", head, view)), nx=True, ex=self.ttl_s)
+                )
+            elif self.client.exists(self._key(key)):  # skip the upload of a chunk already shared
+                stored = False
+            else:
+                nonce = os.urandom(8)
+                parts = self._part_keys(key, nonce, -(-view.nbytes // self.part_bytes))
+                for batch in range(0, len(parts), self.parts_per_batch):
+                    pipe = self.client.pipeline(transaction=False)
+                    for i in range(batch, min(batch + self.parts_per_batch, len(parts))):
+                        pipe.set(
+                            parts[i], view[i * self.part_bytes : (i + 1) * self.part_bytes], ex=self.ttl_s
+                        )
+                    pipe.execute()
+                manifest = b"M" + _MANIFEST.pack(nonce, len(parts), self.part_bytes) + head
+                # Published last, and only if no other writer got there first: readers see
+                # either no manifest or one whose parts are all written.
+                stored = bool(self.client.set(self._key(key), manifest, nx=True, ex=self.ttl_s))
+                if not stored:
+                    self._delete_quietly(parts)
+        except Exception as exc:
+            kind = classify(exc)
+            log.warning("redis tier %s: put %s failed (%s): %s", self.name, key.hex(), kind, exc)
+            if kind == "full":  # the server is up, just out of memory: remove what this put wrote
+                self._delete_quietly(parts)
+                self._write_health.record_success()
+            else:  # unreachable or slow: cleanup would cost another timeout; the server evicts orphans
+                self._write_health.record_failure()
+            self._m.put_failed(kind)
+            return False
+        self._write_health.record_success()
+        if stored:
+            self._m.stored(view.nbytes, time.perf_counter() - t0)
+        else:
+            self._m.present()
+        return True
+
+    def get(self, key: bytes) -> Chunk | None:
+        got = self._get(key, None)
+        return None if got is None else Chunk(*got)
+
+    def get_into(self, key: bytes, dest) -> ChunkHeader | None:
+        got = self._get(key, as_writable_view(dest))
+        return None if got is None else got[0]
+
+    def contains(self, key: bytes) -> bool:
+        check_key(key)
+        if not self._read_health.allow():
+            return False
+        try:
+            found = bool(self.client.exists(self._key(key)))
+        except Exception as exc:
+            log.warning("redis tier %s: contains failed: %s", self.name, exc)
+            self._read_health.record_failure()
+            return False
+        self._read_health.record_success()
+        return found
+
+    def delete(self, key: bytes) -> bool:
+        check_key(key)
+        try:
+            rec = self.client.get(self._key(key))
+            return rec is not None and self._drop(key, rec)
+        except Exception as exc:
+            log.warning("redis tier %s: delete %s failed: %s", self.name, key.hex(), exc)
+            return False
+
+    def stats(self) -> dict[str, int | float]:
+        out = self._m.snapshot()
+        out.update(
+            read_skipping=int(self._read_health.is_open), write_skipping=int(self._write_health.is_open)
+        )
+        return out
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception as exc:  # closing a client of a dead server is not worth an exception
+            log.debug("redis tier %s: close: %s", self.name, exc)
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _get(self, key: bytes, dest: memoryview | None) -> tuple[ChunkHeader, memoryview] | None:
+        check_key(key)
+        t0 = time.perf_counter()
+        if not self._read_health.allow():
+            self._m.miss("skipped")
+            return None
+        rec = None
+        try:
+            rec = self.client.get(self._key(key))
+            got = None if rec is None else self._decode(key, memoryview(rec), dest)
+        except DestTooSmall:
+            self._read_health.record_success()
+            raise
+        except _Corrupt as exc:
+            self._read_health.record_success()  # the server answered, with bad bytes
+            try:
+                # A part missing because a concurrent delete removed this manifest first is
+                # a plain miss; a part missing under a live manifest (evicted) is corruption.
+                if exc.part_missing and self.client.get(self._key(key)) != rec:
+                    self._m.miss(None, time.perf_counter() - t0)
+                    return None
+                log.warning("redis tier %s: chunk %s is corrupt (%s); dropped", self.name, key.hex(), exc)
+                self._drop(key, rec)
+            except Exception as cleanup:  # the miss stands; cleanup is best-effort
+                log.debug("redis tier %s: dropping %s failed: %s", self.name, key.hex(), cleanup)
+            self._m.miss("corrupt", time.perf_counter() - t0)
+            return None
+        except Exception as exc:
+            kind = classify(exc)
+            log.warning("redis tier %s: get %s failed (%s): %s", self.name, key.hex(), kind, exc)
+            self._read_health.record_failure()
+            self._m.miss(kind, time.perf_counter() - t0)
+            return None
+        self._read_health.record_success()
+        if got is None:
+            self._m.miss()
+            return None
+        self._m.hit(got[0].payload_len, time.perf_counter() - t0)
+        return got
+
+    def _decode(self, key: bytes, rec: memoryview, dest: memoryview | None) -> tuple[ChunkHeader, memoryview]:
+        kind = bytes(rec[:1])
+        try:
+            if kind == b"S":
+                header, hlen = ChunkHeader.unpack(rec[1:])
+            elif kind == b"M" and rec.nbytes > 1 + _MANIFEST.size:
+                nonce, nparts, part_bytes = _MANIFEST.unpack_from(rec, 1)
+                header, _ = ChunkHeader.unpack(rec[1 + _MANIFEST.size :])
+            else:
+                raise _Corrupt(f"unknown record kind {kind!r}")
+        except HeaderError as exc:
+            raise _Corrupt(str(exc)) from None
+        if header.key != key:
+            raise _Corrupt(f"value holds key {header.key.hex()}")
+        n = header.payload_len
+        if dest is not None and dest.nbytes < n:
+            raise DestTooSmall(f"dest holds {dest.nbytes} bytes, chunk needs {n}")
+        if kind == b"S":
+            payload = rec[1 + hlen :]
+            if payload.nbytes != n:
+                raise _Corrupt(f"payload is {payload.nbytes} bytes, header says {n}")
+            if dest is not None:
+                dest[:n] = payload
+        else:
+            if part_bytes < 1 or nparts != -(-n // part_bytes):
+                raise _Corrupt(f"manifest of {nparts} parts of {part_bytes} bytes cannot hold {n} bytes")
+            payload = dest if dest is not None else memoryview(bytearray(n))
+            names = self._part_keys(key, nonce, nparts)
+            for batch in range(0, nparts, self.parts_per_batch):
+                pipe = self.client.pipeline(transaction=False)
+                for name in names[batch : batch + self.parts_per_batch]:
+                    pipe.get(name)
+                for i, part in enumerate(pipe.execute(), start=batch):
+                    want = min(part_bytes, n - i * part_bytes)
+                    if part is None:  # evicted by the server, or deleted under us
+                        raise _Corrupt(f"part {i} of {nparts} missing", part_missing=True)
+                    if len(part) != want:
+                        raise _Corrupt(f"part {i} is {len(part)} bytes, expected {want}")
+                    payload[i * part_bytes : i * part_bytes + want] = part
+        payload = payload[:n]
+        if not header.verify(payload):
+            raise _Corrupt("payload checksum mismatch")
+        return header, payload
+
+    def _drop(self, key: bytes, rec: bytes) -> bool:
+        """Delete the value ``rec`` read under ``key`` and, for a manifest, its parts."""
+        name = self._key(key)
+        if rec[:1] != b"M" or len(rec) < 1 + _MANIFEST.size:
+            return bool(self.client.delete(name))  # no parts: nothing can be orphaned
+        if not self.client.eval(_DEL_IF_SAME, 1, name, rec):
+            return False  # already gone or replaced: its parts are someone else's to delete
+        nonce, nparts, _ = _MANIFEST.unpack_from(rec, 1)
+        self._delete_quietly(self._part_keys(key, nonce, min(nparts, 1 << 20)), raise_errors=True)
+        return True
+
+    def _delete_quietly(self, names: list[str], raise_errors: bool = False) -> None:
+        if not names:
+            return
+        try:
+            pipe = self.client.pipeline(transaction=False)  # a cluster spreads names over nodes
+            for name in names:
+                pipe.delete(name)
+            pipe.execute()
+        except Exception as exc:
+            if raise_errors:
+                raise
+            log.debug("redis tier %s: cleanup failed (the server evicts orphans): %s", self.name, exc)
+
+    def _key(self, key: bytes) -> str:
+        return self.prefix + key.hex()
+
+    def _part_keys(self, key: bytes, nonce: bytes, nparts: int) -> list[str]:
+        base = f"{self.prefix}{key.hex()}:{nonce.hex()}:"
+        return [base + str(i) for i in range(nparts)]

@@ -1,0 +1,193 @@
+"""RedisTier against a real redis-server: split chunks, sharing, corruption, kill/restart, slow, full."""
+
+import os
+import threading
+import time
+
+import pytest
+import redis
+
+from kvtier.store.header import ChunkHeader
+from kvtier.store.redis_tier import RedisTier
+from kvtier.store.tier import DestTooSmall, Tier
+from store_redis_fixtures import redis_server  # noqa: F401  (a fixture)
+
+pytestmark = pytest.mark.redis
+
+
+def chunk(i: int, n: int = 5000, salt: int = 0):
+    key = i.to_bytes(16, "little")
+    payload = bytes((i * 31 + j + salt) % 251 for j in range(n))
+    return key, ChunkHeader.for_payload(key, payload, (n,), "uint8", "flat"), payload
+
+
+def raw(server):
+    return redis.Redis.from_url(server.url)
+
+
+def test_small_and_split_chunks_round_trip(redis_server):  # noqa: F811
+    tier = RedisTier(url=redis_server.url, part_bytes=4096, ttl_s=600)
+    assert isinstance(tier, Tier)
+    r = raw(redis_server)
+    for i, n in enumerate((1, 3000, 4096 * 5 + 17)):
+        key, header, payload = chunk(i, n)
+        assert tier.get(key) is None and not tier.contains(key)
+        before = r.dbsize()
+        assert tier.put(key, header, payload) and tier.put(key, header, payload)
+        assert r.dbsize() - before == (1 if n <= 3000 else 1 + -(-n // 4096))  # the manifest + parts
+        got = tier.get(key)
+        assert got.header == header and bytes(got.payload) == payload and tier.contains(key)
+        dest = bytearray(n + 3)
+        assert tier.get_into(key, dest) == header and dest[:n] == payload
+    assert all(0 < r.ttl(k) <= 600 for k in r.keys("kvtier:*"))
+    with pytest.raises(DestTooSmall):
+        tier.get_into(chunk(2)[0], bytearray(10))
+    s = tier.stats()
+    assert s["puts"] == 3 and s["puts_present"] == 3 and s["misses"] == 3 and s["hits"] == 6
+    assert tier.delete(chunk(2)[0]) and r.dbsize() == 2 and tier.get(chunk(2)[0]) is None
+
+
+def test_a_chunk_saved_by_one_host_is_loaded_by_another(redis_server):  # noqa: F811
+    host_a = RedisTier(url=redis_server.url, part_bytes=4096)
+    host_b = RedisTier(url=redis_server.url, part_bytes=8192)  # part size is read from the manifest
+    key, header, payload = chunk(7, 30_000)
+    assert host_a.put(key, header, payload)
+    assert bytes(host_b.get(key).payload) == payload
+    assert host_b.put(key, header, payload) and host_b.stats()["puts_present"] == 1
+
+
+@pytest.mark.parametrize("damage", ["garbage", "payload_bit", "missing_part", "short_part", "foreign"])
+def test_corrupt_values_are_misses_and_dropped(redis_server, damage):  # noqa: F811
+    tier = RedisTier(url=redis_server.url, part_bytes=4096)
+    r = raw(redis_server)
+    key, header, payload = chunk(1, 3000 if damage in ("garbage", "payload_bit", "foreign") else 20_000)
+    tier.put(key, header, payload)
+    name = "kvtier:" + key.hex()
+    parts = sorted(k for k in r.keys("kvtier:*") if k != name.encode())
+    if damage == "garbage":
+        r.set(name, b"S" + os.urandom(100))
+    elif damage == "payload_bit":
+        value = bytearray(r.get(name))
+        value[-5] ^= 1
+        r.set(name, bytes(value))
+    elif damage == "missing_part":  # what a server-side LRU eviction of one part looks like
+        r.delete(parts[2])
+    elif damage == "short_part":
+        r.set(parts[0], b"x" * 10)
+    else:
+        k2, h2, p2 = chunk(2, 3000)
+        r.set(name, b"S" + h2.pack() + p2)
+    assert tier.get(key) is None
+    assert tier.stats()["errors_corrupt"] == 1
+    assert r.get(name) is None  # dropped, so the next put can store it again
+    assert tier.put(key, header, payload) and bytes(tier.get(key).payload) == payload
+
+
+def test_concurrent_writers_of_one_key_never_mix_bytes(redis_server):  # noqa: F811
+    tiers = [RedisTier(url=redis_server.url, part_bytes=4096, name=f"t{i}") for i in range(4)]
+    versions = [chunk(5, 40_000, salt=s) for s in range(4)]  # same key, different bytes
+    for _ in range(5):
+        threads = [threading.Thread(target=t.put, args=v) for t, v in zip(tiers, versions, strict=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()  # all writers done before the read that judges them
+        got = bytes(tiers[0].get(versions[0][0]).payload)
+        assert any(got == v[2] for v in versions)
+        tiers[0].delete(versions[0][0])
+    r = raw(redis_server)
+    assert r.dbsize() == 0  # losers removed their own parts
+
+
+def test_server_killed_mid_run_then_restarted(redis_server):  # noqa: F811
+    tier = RedisTier(
+        url=redis_server.url, part_bytes=4096, timeout_s=0.2, failure_threshold=3, cooldown_s=0.2
+    )
+    stop = threading.Event()
+    errors, wrong, counts = [], [], {"ok_get": 0, "none": 0}
+
+    def worker(seed):
+        i = seed
+        while not stop.is_set():
+            i += 4
+            key, header, payload = chunk(i % 50, 6000)
+            try:
+                tier.put(key, header, payload)
+                got = tier.get(key)
+            except Exception as exc:  # the point of the test: nothing may escape a tier
+                errors.append(exc)
+                return
+            if got is None:
+                counts["none"] += 1
+            elif bytes(got.payload) != payload:
+                wrong.append(key)
+            else:
+                counts["ok_get"] += 1
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # workers run against a live server first
+    redis_server.kill()
+    time.sleep(0.6)  # against a dead one: errors, then the breaker skips it
+    down = tier.stats()
+    redis_server.restart()  # same port, empty: what was stored before is simply gone
+    time.sleep(1.0)  # past the cooldown: probes succeed and hits come back
+    stop.set()
+    for t in threads:
+        t.join()  # workers finished before their results are read
+    assert not errors and not wrong
+    assert down["errors_error"] > 0 and down["errors_skipped"] > 0  # failed, then skipped
+    after = tier.stats()
+    assert after["hits"] > down["hits"]  # recovered after the restart
+    key, header, payload = chunk(999)
+    assert tier.put(key, header, payload) and bytes(tier.get(key).payload) == payload
+
+
+def test_slow_server_times_out_into_a_miss_and_is_skipped(redis_server):  # noqa: F811
+    tier = RedisTier(url=redis_server.url, timeout_s=0.1, failure_threshold=2, cooldown_s=0.3)
+    key, header, payload = chunk(1)
+    assert tier.put(key, header, payload)
+    sleeper = threading.Thread(target=lambda: raw(redis_server).execute_command("DEBUG", "SLEEP", "0.8"))
+    sleeper.start()
+    time.sleep(0.2)  # DEBUG SLEEP must hold the server before our gets, or they would not time out
+    t0 = time.perf_counter()
+    assert tier.get(key) is None and tier.get(key) is None  # two timeouts open the breaker
+    assert tier.get(key) is None  # skipped: no network, no timeout
+    assert time.perf_counter() - t0 < 0.5
+    s = tier.stats()
+    assert s["errors_timeout"] == 2 and s["errors_skipped"] == 1 and s["read_skipping"] == 1
+    sleeper.join()  # server responsive again before the recovery check
+    time.sleep(0.35)  # past the cooldown: the next get is the probe
+    assert bytes(tier.get(key).payload) == payload and tier.stats()["read_skipping"] == 0
+
+
+def test_full_server_fails_puts_cleanly(redis_server):  # noqa: F811
+    r = raw(redis_server)
+    r.config_set("maxmemory", 3 * 1024 * 1024)
+    r.config_set("maxmemory-policy", "noeviction")
+    tier = RedisTier(url=redis_server.url, part_bytes=64 * 1024)
+    stored = []
+    for i in range(40):
+        key, header, payload = chunk(i, 200_000)
+        if tier.put(key, header, payload):
+            stored.append(i)
+    s = tier.stats()
+    assert stored and len(stored) < 40 and s["errors_full"] > 0
+    assert s["write_skipping"] == 0  # a full server is not a broken one
+    parts_per_chunk = 1 + -(-200_000 // (64 * 1024))
+    assert r.dbsize() == len(stored) * parts_per_chunk  # failed puts left no orphan parts
+    for i in stored:
+        assert bytes(tier.get(chunk(i)[0]).payload) == chunk(i, 200_000)[2]
+
+
+def test_arguments(redis_server):  # noqa: F811
+    with pytest.raises(ValueError, match="client or url"):
+        RedisTier()
+    with pytest.raises(ValueError, match="part_bytes"):
+        RedisTier(url=redis_server.url, part_bytes=10)
+    with pytest.raises(ValueError, match="ttl_s"):
+        RedisTier(url=redis_server.url, ttl_s=0)
+    tier = RedisTier(url=redis_server.url)
+    with pytest.raises(ValueError, match="key"):
+        tier.get(b"k")
