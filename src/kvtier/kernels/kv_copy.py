@@ -1,0 +1,83 @@
+"""Paged KV cache <-> contiguous chunk, every layer (K and V) in one launch.
+
+One kernel, two variants (`GATHER`): gather reads blocks of a paged cache and writes them
+densely into a chunk; scatter is the inverse. The kernel moves raw bits in integer "units"
+(int8/int16/int32, chosen by the wrapper from alignment), so bf16, fp16, fp8 and fp32 need no
+special case and 16-byte vector loads/stores happen wherever the wrapper proved alignment
+(`VEC` units = 16 bytes). Alignment reaches the compiler through arithmetic, not hints: every
+runtime offset arrives in multiples of `VEC` units and is multiplied by the constexpr `VEC`
+here, and segment lengths are constexpr multiples of it (a `tl.multiple_of` hint on a sum can
+be folded away together with the sum it sits on).
+
+Addressing (all in units). One K or V block of one layer ("piece") is `O` segments of
+`BS * I` contiguous units: NHD blocks are one segment (O = 1, I = heads * dim), HND blocks are
+one segment per head (O = heads, I = dim); tokens are `I` units apart inside a segment.
+
+    paged piece (l, kv, block b):  paged + VEC * (layer_off[l] + kv * kv_stride + b * block_stride)
+    chunk piece (i, l, kv):        chunk + ((i * num_layers + l) * KV + kv) * O * BS * I
+
+Work is a list of rows (one segment, or one `COLS`-wide slice of it); a program copies
+`ROWS x COLS` units per step and walks the tiles grid-stride, so the launch may use fewer
+programs than tiles (a persistent grid that leaves SMs to other work). Only the first
+`last_valid` tokens of the call's last block are real: gather writes zeros after them in the
+chunk, scatter never touches them in the cache.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["n_blocks", "last_valid"])  # one binary for any request size
+def kv_copy_kernel(
+    paged,  # *unit: base of the paged cache (the layer at the lowest address)
+    layer_off,  # *int64 [num_layers]: VEC-units from `paged` to layer l's (kv 0, block 0)
+    block_ids,  # *int32 [n_blocks]: block ids, checked in range by the wrapper
+    chunk,  # *unit: contiguous chunk (n_blocks, num_layers, KV, O, BS, I), GPU or pinned host
+    n_blocks,  # blocks in this call (>= 1)
+    last_valid,  # valid tokens in the last block of this call, 1..BS
+    num_layers,  # layers in the cache
+    kv_stride,  # VEC-units from K to V of one block (unused when KV == 1)
+    block_stride,  # VEC-units from block b to block b + 1
+    KV: tl.constexpr,  # 2 (K and V) or 1 (MLA latent)
+    O: tl.constexpr,  # segments per piece
+    BS: tl.constexpr,  # tokens per block
+    I: tl.constexpr,  # units per token inside a segment
+    COLS: tl.constexpr,  # units per row slice (power of 2)
+    ROWS: tl.constexpr,  # rows per tile (power of 2)
+    VEC: tl.constexpr,  # alignment of every row start and token boundary, in units
+    GATHER: tl.constexpr,  # True: paged -> chunk; False: chunk -> paged
+):
+    SEG: tl.constexpr = BS * I
+    NCT: tl.constexpr = (SEG + COLS - 1) // COLS  # row slices per segment
+    lk_count = num_layers * KV
+    n_rows = n_blocks * lk_count * (O * NCT)  # < 2**31, checked by the wrapper
+    n_tiles = tl.cdiv(n_rows, ROWS)
+    cols = tl.arange(0, COLS)
+    tile = tl.program_id(0)
+    # `while`, not `for ... in range(pid, n_tiles, nprog)`: the interpreter (numpy 2) cannot turn a
+    # runtime loop bound into a Python int; the compiled loop is the same either way.
+    while tile < n_tiles:
+        r = tile * ROWS + tl.arange(0, ROWS)
+        row_ok = r < n_rows
+        ct = r % NCT
+        s = r // NCT  # segment index in the chunk: ((i * L + l) * KV + kv) * O + o
+        o = s % O
+        lk = (s // O) % lk_count
+        i = (s // O) // lk_count
+        blk = tl.load(block_ids + i, mask=row_ok, other=0).to(tl.int64)
+        loff = tl.load(layer_off + lk // KV, mask=row_ok, other=0)
+        src_row = (loff + (lk % KV).to(tl.int64) * kv_stride + blk * block_stride) * VEC
+        src_row += o.to(tl.int64) * SEG
+        dst_row = s.to(tl.int64) * SEG
+        nvalid = tl.where(i == n_blocks - 1, last_valid * I, SEG)
+        c = (ct * COLS)[:, None] + cols[None, :]  # unit offset inside the segment
+        valid = row_ok[:, None] & (c < nvalid[:, None])
+        p_off = src_row[:, None] + c
+        c_off = dst_row[:, None] + c
+        if GATHER:
+            x = tl.load(paged + p_off, mask=valid, other=0)
+            tl.store(chunk + c_off, x, mask=row_ok[:, None] & (c < SEG))
+        else:
+            x = tl.load(chunk + c_off, mask=valid)
+            tl.store(paged + p_off, x, mask=valid)
+        tile += tl.num_programs(0)

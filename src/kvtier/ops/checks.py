@@ -1,0 +1,158 @@
+"""Validation of every argument of the copy ops, in one place: a bad argument raises ValueError
+naming it, before anything is launched; nothing out of range ever reaches a kernel."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+from kvtier.kernels.kv_copy import kv_copy_kernel
+from kvtier.layout import PagedKV
+
+# Kernels defined under TRITON_INTERPRET=1 run in Triton's interpreter, on CPU tensors.
+INTERPRETING = isinstance(kv_copy_kernel, InterpretedFunction)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class BlockIds:
+    """Block ids checked against one cache (in range; distinct when `unique`), with the number of
+    valid tokens in the last block. Build once with `block_ids`, reuse for many copies.
+
+    cpu: int64 [n]; dev: int32 [n] on the cache's device; ready: event after `dev` landed (CUDA).
+    """
+
+    kv: PagedKV
+    cpu: torch.Tensor
+    dev: torch.Tensor
+    unique: bool
+    last_valid: int
+    ready: torch.cuda.Event | None
+
+    def __len__(self) -> int:
+        return len(self.cpu)
+
+
+def block_ids(
+    kv: PagedKV, ids: torch.Tensor | Sequence[int], *, unique: bool = True, num_tokens: int | None = None
+) -> BlockIds:
+    """Check `ids` (a 1-D int tensor on the CPU or the cache's device, or a sequence of ints)
+    against `kv`. CPU ids are checked for free; GPU ids are read back to be checked, which waits
+    for the current stream. `unique` is required for writes (scatter, load)."""
+    check_cache(kv)
+    name = "block_ids"
+    if isinstance(ids, BlockIds):
+        raise ValueError(f"{name}: already a BlockIds; pass it to the op directly")
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name}: expected a 1-D int32/int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
+        if ids.device.type != "cpu" and ids.device != kv.device:
+            raise ValueError(f"{name}: on {ids.device}, expected the CPU or the cache's {kv.device}")
+        cpu = ids.to("cpu", torch.int64)  # GPU ids: waits for the current stream, to read them
+    else:
+        try:
+            cpu = torch.as_tensor(list(ids), dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+            raise ValueError(f"{name}: expected a sequence of ints ({e})") from None
+        if cpu.dim() != 1:
+            raise ValueError(f"{name}: expected a flat sequence of ints")
+    if len(cpu):
+        bad = ((cpu < 0) | (cpu >= kv.num_blocks)).nonzero()
+        if len(bad):
+            j = int(bad[0])
+            raise ValueError(
+                f"{name}[{j}] = {int(cpu[j])} out of range: the cache has {kv.num_blocks} blocks"
+            )
+        if unique and len(torch.unique(cpu)) != len(cpu):
+            raise ValueError(f"{name}: duplicate block ids; a block cannot be written twice in one copy")
+    last_valid = check_num_tokens(kv, len(cpu), num_tokens)
+    if isinstance(ids, torch.Tensor) and ids.device == kv.device and kv.device.type != "cpu":
+        dev = ids.to(torch.int32)
+    else:
+        dev = cpu.to(torch.int32).to(kv.device, non_blocking=True)  # pageable source: staged at once
+    ready = None
+    if dev.is_cuda:
+        ready = torch.cuda.Event()
+        # Marks the ids landed on the GPU: an op on another stream waits for it before reading them.
+        ready.record(torch.cuda.current_stream(kv.device))
+    return BlockIds(kv, cpu, dev, unique, last_valid, ready)
+
+
+def as_block_ids(kv: PagedKV, ids, unique: bool, num_tokens: int | None) -> BlockIds:
+    """`ids` as BlockIds for this op: checked now, or checked before (then for this cache)."""
+    if not isinstance(ids, BlockIds):
+        return block_ids(kv, ids, unique=unique, num_tokens=num_tokens)
+    if ids.kv is not kv:
+        raise ValueError("block_ids: a BlockIds made for another cache")
+    if unique and not ids.unique:
+        raise ValueError("block_ids: this op writes blocks; make the BlockIds with unique=True")
+    if num_tokens is not None:
+        raise ValueError("num_tokens: already given to the BlockIds; leave it None here")
+    return ids
+
+
+def check_num_tokens(kv: PagedKV, n: int, num_tokens: int | None) -> int:
+    """-> valid tokens in the last block (block_size when all are)."""
+    bs = kv.block_size
+    if num_tokens is None:
+        return bs
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+        raise ValueError(f"num_tokens: expected an int, got {num_tokens!r}")
+    if n == 0 and num_tokens == 0:
+        return bs
+    if not (n - 1) * bs < num_tokens <= n * bs:
+        raise ValueError(f"num_tokens: {num_tokens} does not fit {n} blocks of {bs} tokens")
+    return num_tokens - (n - 1) * bs
+
+
+def check_max_ctas(max_ctas: int | None) -> None:
+    if max_ctas is not None and (isinstance(max_ctas, bool) or not isinstance(max_ctas, int) or max_ctas < 1):
+        raise ValueError(f"max_ctas: expected a positive int or None, got {max_ctas!r}")
+
+
+def check_chunk(kv: PagedKV, t: torch.Tensor, n: int, name: str, host_only: bool = False) -> None:
+    """A chunk of n blocks: right dtype/shape, contiguous, in memory the kernel can reach."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    shape = kv.chunk_shape(n)
+    if t.dtype == torch.uint8:
+        if t.dim() != 1 or t.numel() != kv.chunk_nbytes(n):
+            raise ValueError(
+                f"{name}: a uint8 buffer must be 1-D of {kv.chunk_nbytes(n)} bytes, got {tuple(t.shape)}"
+            )
+    elif t.dtype != kv.dtype:
+        raise ValueError(f"{name}: dtype {t.dtype} differs from the cache's {kv.dtype}")
+    elif tuple(t.shape) != shape:
+        raise ValueError(
+            f"{name}: shape {tuple(t.shape)}, expected {shape} (n_blocks, layers, kv, *block_shape)"
+        )
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous")
+    if INTERPRETING:
+        if t.device.type != "cpu":
+            raise ValueError(f"{name}: the Triton interpreter runs on CPU tensors, got {t.device}")
+    elif t.device.type == "cpu":
+        if not t.is_pinned():
+            raise ValueError(
+                f"{name}: host buffer is pageable; the GPU can only reach pinned host memory "
+                "(allocate with pin_memory=True or take it from a PinnedPool)"
+            )
+    elif host_only:
+        raise ValueError(f"{name}: expected pinned host memory, got {t.device}")
+    elif t.device != kv.device:
+        raise ValueError(f"{name}: on {t.device}, expected the cache's {kv.device} or pinned host memory")
+
+
+def check_cache(kv: PagedKV) -> None:
+    if not isinstance(kv, PagedKV):
+        raise ValueError(f"kv: expected a PagedKV (see kvtier.layout), got {type(kv).__name__}")
+    if INTERPRETING and kv.device.type != "cpu":
+        raise ValueError(
+            f"kv: the Triton interpreter (TRITON_INTERPRET=1) runs on CPU tensors, got {kv.device}"
+        )
+    if not INTERPRETING and kv.device.type != "cuda":
+        raise ValueError(
+            f"kv: on {kv.device}; a CPU cache needs TRITON_INTERPRET=1 set before kvtier is imported"
+        )

@@ -1,0 +1,213 @@
+"""Wrappers of the paged-KV copy kernel (kernels/kv_copy.py): validate, plan the launch, launch.
+
+`gather` copies blocks of every layer (K and V) from a paged cache into a contiguous chunk;
+`scatter` copies a chunk back into blocks. The chunk (format in `kvtier.layout`) lives in GPU
+memory or in pinned host memory, which the kernel reads/writes directly through unified
+virtual addressing (UVA). Both run on the current stream and return once *submitted*: the data
+is there only when that stream's work has completed (record an event after the call).
+
+Nothing invalid reaches a kernel: a bad argument raises `ValueError` naming it (ops/checks.py).
+Block ids are a list, a CPU or GPU tensor (checked on every call), or a `BlockIds` checked once.
+
+On a machine without CUDA the kernels run in Triton's interpreter (`TRITON_INTERPRET=1`, set
+before `kvtier.kernels` is imported) on CPU tensors; there a host chunk is a plain CPU tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kvtier.kernels.kv_copy import kv_copy_kernel
+from kvtier.layout import PagedKV, gcd_bytes
+from kvtier.ops.checks import INTERPRETING, BlockIds, as_block_ids, check_cache, check_chunk, check_max_ctas
+
+TILE_BYTES = 16 << 10  # bytes per program step: 8 x 16-byte vectors per thread at 4 warps
+CTAS_PER_SM = 8  # default persistent grid: ~all resident at once (48 regs x 128 threads: 10 fit per SM)
+NUM_WARPS = 4
+_UNITS = {4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+class _HostPtr:
+    """A pinned host buffer as Triton sees it: an address the GPU reaches through UVA."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t, self.dtype = t, t.dtype
+
+    def data_ptr(self) -> int:
+        return self.t.data_ptr()
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    unit: torch.dtype
+    vec: int  # units per aligned vector
+    o: int  # segments per piece
+    inner: int  # units per token in a segment
+    cols: int
+    rows: int
+    layer_off: torch.Tensor  # int64 [num_layers] on the cache's device, in vec-units
+    kv_stride: int  # vec-units
+    block_stride: int  # vec-units
+
+
+def gather(
+    kv: PagedKV,
+    block_ids: BlockIds | torch.Tensor | Sequence[int],
+    dst: torch.Tensor,
+    *,
+    num_tokens: int | None = None,
+    max_ctas: int | None = None,
+) -> torch.Tensor:
+    """Copy blocks `block_ids` (n of them) of every layer, K and V, into `dst`.
+
+    block_ids: n block ids (list, int tensor on the CPU or the cache's GPU, or a `BlockIds`).
+    dst: the chunk, (n, num_layers, num_kv, *kv.block_shape) of kv.dtype, or a 1-D uint8
+         buffer of kv.chunk_nbytes(n); contiguous; on the cache's GPU or in pinned host memory.
+    num_tokens: tokens in these blocks, (n - 1) * block_size < num_tokens <= n * block_size;
+         default all. Tokens past it in the last block are written as zeros.
+    max_ctas: cap on the programs launched (persistent grid), e.g. to leave SMs to compute
+         while writing to host memory; default fills the GPU.
+    Returns dst. Asynchronous on the current stream.
+    """
+    check_cache(kv)
+    ids = as_block_ids(kv, block_ids, False, num_tokens)
+    check_chunk(kv, dst, len(ids), "dst")
+    check_max_ctas(max_ctas)
+    launch(kv, use_ids(ids), dst, ids.last_valid, gather=True, max_ctas=max_ctas)
+    return dst
+
+
+def scatter(
+    kv: PagedKV,
+    block_ids: BlockIds | torch.Tensor | Sequence[int],
+    src: torch.Tensor,
+    *,
+    num_tokens: int | None = None,
+    max_ctas: int | None = None,
+) -> None:
+    """Copy the chunk `src` into blocks `block_ids` (n distinct ids) of every layer, K and V.
+
+    block_ids: as in `gather`, without duplicates.
+    src: the chunk, (n, num_layers, num_kv, *kv.block_shape) of kv.dtype, or a 1-D uint8
+         buffer of kv.chunk_nbytes(n); contiguous; on the cache's GPU or in pinned host memory.
+    num_tokens: as in `gather`; cache tokens past it in the last block are left untouched.
+    Asynchronous on the current stream; `src` must stay alive and unchanged until it completes.
+    """
+    check_cache(kv)
+    ids = as_block_ids(kv, block_ids, True, num_tokens)
+    check_chunk(kv, src, len(ids), "src")
+    check_max_ctas(max_ctas)
+    launch(kv, use_ids(ids), src, ids.last_valid, gather=False, max_ctas=max_ctas)
+
+
+# ---- launch -----------------------------------------------------------------------------
+
+
+def use_ids(ids: BlockIds) -> torch.Tensor:
+    """ids.dev, made safe to read on the current stream. Inside a CUDA-graph capture nothing is
+    recorded (an outside event cannot be waited on there): the ids must have landed already, and
+    the graph's owner keeps them alive."""
+    if ids.ready is not None and not torch.cuda.is_current_stream_capturing():
+        stream = torch.cuda.current_stream(ids.dev.device)
+        # The ids may have been copied to the GPU on another stream: read them only once landed.
+        stream.wait_event(ids.ready)
+        # And their memory must not be handed out again before this stream has read them.
+        ids.dev.record_stream(stream)
+    return ids.dev
+
+
+def launch(
+    kv: PagedKV, ids_dev: torch.Tensor, chunk: torch.Tensor, last_valid: int, *, gather: bool, max_ctas
+):
+    """Launch on the current stream; arguments already validated."""
+    n = ids_dev.numel()
+    if n == 0:
+        return
+    plan = _plan(kv, math.gcd(chunk.data_ptr(), chunk.untyped_storage().data_ptr()))
+    nct = triton.cdiv(kv.block_size * plan.inner, plan.cols)
+    n_rows = n * kv.num_layers * kv.num_kv * plan.o * nct
+    if n_rows + plan.rows >= 2**31:
+        raise ValueError(f"block_ids: {n} blocks make {n_rows} rows, past the kernel's int32 row index")
+    n_tiles = triton.cdiv(n_rows, plan.rows)
+    if INTERPRETING:
+        cap = 4
+    else:
+        cap = torch.cuda.get_device_properties(kv.device).multi_processor_count * CTAS_PER_SM
+    grid = (min(n_tiles, max_ctas or cap),)
+    paged = _alias(kv.layers[kv.base], plan.unit)
+    chunk_arg = _alias(chunk, plan.unit)
+    if not INTERPRETING and chunk.device.type == "cpu":
+        chunk_arg = _HostPtr(chunk_arg)  # pinned: the kernel stores/loads through UVA
+    with torch.cuda.device(kv.device) if kv.device.type == "cuda" else nullcontext():
+        kv_copy_kernel[grid](
+            paged,
+            plan.layer_off,
+            ids_dev,
+            chunk_arg,
+            n,
+            last_valid,
+            kv.num_layers,
+            plan.kv_stride,
+            plan.block_stride,
+            KV=kv.num_kv,
+            O=plan.o,
+            BS=kv.block_size,
+            I=plan.inner,
+            COLS=plan.cols,
+            ROWS=plan.rows,
+            VEC=plan.vec,
+            GATHER=gather,
+            num_warps=NUM_WARPS,
+        )
+
+
+def _plan(kv: PagedKV, chunk_align: int) -> _Plan:
+    """chunk_align: a number every chunk address the kernel sees is a multiple of."""
+    g = gcd_bytes(kv)
+    while chunk_align % g:
+        g //= 2
+    if g in kv.plans:
+        return kv.plans[g]
+    ubytes = min(g, 4)
+    esize = kv.dtype.itemsize
+    hnd = kv.interior == "HND" and kv.block_size > 1
+    o = kv.num_heads if hnd else 1
+    inner = (kv.head_dim if hnd else kv.num_heads * kv.head_dim) * esize // ubytes
+    vec_b = g  # bytes per aligned vector
+    cols, rows = tile_shape(kv.block_size * inner, TILE_BYTES // ubytes)
+    to_v = lambda elems: elems * esize // vec_b  # noqa: E731 - exact: g divides all of them
+    offs = torch.tensor([to_v(x) for x in kv.layer_offsets], dtype=torch.int64).to(kv.device)
+    plan = _Plan(
+        _UNITS[ubytes], g // ubytes, o, inner, cols, rows, offs, to_v(kv.kv_stride), to_v(kv.block_stride)
+    )
+    kv.plans[g] = plan
+    return plan
+
+
+def tile_shape(seg: int, tile: int) -> tuple[int, int]:
+    """(COLS, ROWS) for segments of `seg` units and `tile` units per step: the widest power-of-2
+    row slice that wastes at most 1/8 of each segment (else the least wasteful)."""
+    c = min(tile, triton.next_power_of_2(seg))
+    floor, best = min(16, c), None
+    while c >= floor:
+        waste = -seg % c
+        if waste * 8 <= seg:
+            return c, tile // c
+        if best is None or waste < best[0]:
+            best = (waste, c)
+        c //= 2
+    return best[1], tile // best[1]
+
+
+def _alias(t: torch.Tensor, unit: torch.dtype) -> torch.Tensor:
+    """A 1-D `unit` tensor starting at t's first byte (to the end of t's storage)."""
+    storage = t.untyped_storage()
+    start = t.data_ptr() - storage.data_ptr()
+    size = (storage.nbytes() - start) // unit.itemsize
+    return torch.empty(0, dtype=unit, device=t.device).set_(storage, start // unit.itemsize, (size,), (1,))

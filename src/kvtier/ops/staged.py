@@ -1,0 +1,201 @@
+"""Staged save/load: a GPU gather into a staging buffer at HBM speed, then one large pinned DMA
+per chunk on the copy engine (and the inverse), pipelined over two staging buffers.
+
+Why: a kernel that stores into host memory holds its SMs for the whole PCIe-bound transfer
+(a full-grid UVA save made a concurrent matmul 5.4x slower); the copy engine uses no SM, and
+one large DMA reaches the pinned-copy ceiling where per-block DMAs do not. The gather of chunk
+c + 1 overlaps the DMA of chunk c.
+
+The host side is the same block-major chunk as `ops.gather` writes (`kvtier.layout`), so a
+chunk saved either way loads either way; a group of consecutive blocks is one byte range.
+
+    gather stream:  [wait e_after] gather c0 -> buf0 | gather c1 -> buf1 | wait dma(c0) gather c2 -> buf0
+    copy stream:             wait gathered(c0), DMA buf0 -> host | wait gathered(c1), DMA buf1 ...
+
+Streams and events are torch objects; every call only submits. The returned event is the one
+the lifecycle waits for: after it, the host chunk is complete (save) or the blocks hold the
+data (load), and the staging buffers, the blocks (save) and the host chunk (load) are free.
+Without CUDA (Triton interpreter) the same steps run in order and the result is None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+
+import torch
+
+from kvtier.layout import PagedKV
+from kvtier.ops.checks import INTERPRETING, BlockIds, as_block_ids, check_cache, check_chunk, check_max_ctas
+from kvtier.ops.kv_copy import launch, use_ids
+
+
+def make_staging(kv: PagedKV, chunk_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two staging buffers on the cache's device, each 1-D uint8 of kv.chunk_nbytes(chunk_blocks).
+
+    Keep them alive until the last event of every call that used them. Calls on the same pair of
+    streams order themselves; a save and a load sharing buffers on different streams must be
+    ordered by the caller (or get a pair each)."""
+    if isinstance(chunk_blocks, bool) or not isinstance(chunk_blocks, int) or chunk_blocks < 1:
+        raise ValueError(f"chunk_blocks: expected a positive int, got {chunk_blocks!r}")
+    check_cache(kv)
+    return tuple(
+        torch.empty(kv.chunk_nbytes(chunk_blocks), dtype=torch.uint8, device=kv.device) for _ in range(2)
+    )
+
+
+def save_staged(
+    kv: PagedKV,
+    block_ids: BlockIds | torch.Tensor | Sequence[int],
+    dst: torch.Tensor,
+    *,
+    staging: Sequence[torch.Tensor],
+    gather_stream: torch.cuda.Stream | None,
+    copy_stream: torch.cuda.Stream | None,
+    wait_event: torch.cuda.Event | None = None,
+    num_tokens: int | None = None,
+    max_ctas: int | None = None,
+) -> torch.cuda.Event | None:
+    """Save blocks `block_ids` (n) of every layer into the pinned host chunk `dst`.
+
+    dst: (n, num_layers, num_kv, *kv.block_shape) of kv.dtype, or 1-D uint8 of kv.chunk_nbytes(n),
+         contiguous, pinned host memory.
+    staging: two GPU buffers from `make_staging`; a chunk is as many blocks as one holds.
+    wait_event: recorded after the KV of these blocks was written; the first gather waits for it.
+    Returns the event recorded after the last DMA (None without CUDA).
+    """
+    check_cache(kv)
+    _check_streams(kv, gather_stream, copy_stream, wait_event)
+    with _on(gather_stream):  # ids live on the stream that reads them
+        ids = as_block_ids(kv, block_ids, False, num_tokens)
+        ids_dev = use_ids(ids)
+    n, last_valid = len(ids), ids.last_valid
+    check_chunk(kv, dst, n, "dst", host_only=True)
+    check_max_ctas(max_ctas)
+    bufs, per = _check_staging(kv, staging)
+    host = dst.view(-1).view(torch.uint8)
+    if not INTERPRETING:
+        # Staging buffers may still be under DMA from the previous save on these streams.
+        gather_stream.wait_stream(copy_stream)
+        if wait_event is not None:
+            # The KV of these blocks must be written before we read it (else stale KV is saved).
+            gather_stream.wait_event(wait_event)
+    dma_done: list[torch.cuda.Event | None] = [None, None]
+    for c, start in enumerate(range(0, n, per)):
+        m = min(per, n - start)
+        buf = bufs[c % 2][: kv.chunk_nbytes(m)]
+        with _on(gather_stream):
+            if dma_done[c % 2] is not None:
+                # Reuse a staging buffer only after its DMA has completed (else that DMA reads new data).
+                gather_stream.wait_event(dma_done[c % 2])
+            valid = last_valid if start + m == n else kv.block_size  # only the last block is partial
+            launch(kv, ids_dev[start : start + m], buf, valid, gather=True, max_ctas=max_ctas)
+            gathered = _record(gather_stream)  # marks: staging buffer filled
+        with _on(copy_stream):
+            if gathered is not None:
+                # The DMA must not read the staging buffer before the gather has filled it.
+                copy_stream.wait_event(gathered)
+            host[kv.chunk_nbytes(start) : kv.chunk_nbytes(start + m)].copy_(buf, non_blocking=True)
+            dma_done[c % 2] = _record(copy_stream)  # marks: buffer drained, host bytes written
+    return dma_done[(n - 1) // per % 2] if n else _record(copy_stream)
+
+
+def load_staged(
+    kv: PagedKV,
+    block_ids: BlockIds | torch.Tensor | Sequence[int],
+    src: torch.Tensor,
+    *,
+    staging: Sequence[torch.Tensor],
+    copy_stream: torch.cuda.Stream | None,
+    scatter_stream: torch.cuda.Stream | None,
+    wait_event: torch.cuda.Event | None = None,
+    num_tokens: int | None = None,
+    max_ctas: int | None = None,
+) -> torch.cuda.Event | None:
+    """Load the pinned host chunk `src` into blocks `block_ids` (n distinct ids) of every layer.
+
+    src: (n, num_layers, num_kv, *kv.block_shape) of kv.dtype, or 1-D uint8 of kv.chunk_nbytes(n),
+         contiguous, pinned host memory; it must stay unchanged until the returned event.
+    wait_event: recorded after the last reader of the destination blocks; the first scatter waits.
+    Returns the event recorded after the last scatter (None without CUDA).
+    """
+    check_cache(kv)
+    _check_streams(kv, scatter_stream, copy_stream, wait_event)
+    with _on(scatter_stream):  # ids live on the stream that reads them
+        ids = as_block_ids(kv, block_ids, True, num_tokens)
+        ids_dev = use_ids(ids)
+    n, last_valid = len(ids), ids.last_valid
+    check_chunk(kv, src, n, "src", host_only=True)
+    check_max_ctas(max_ctas)
+    bufs, per = _check_staging(kv, staging)
+    host = src.view(-1).view(torch.uint8)
+    if not INTERPRETING:
+        # Staging buffers may still be read by the previous load's scatter on these streams.
+        copy_stream.wait_stream(scatter_stream)
+        if wait_event is not None:
+            # Pending readers of the destination blocks finish before we overwrite them.
+            scatter_stream.wait_event(wait_event)
+    freed: list[torch.cuda.Event | None] = [None, None]
+    for c, start in enumerate(range(0, n, per)):
+        m = min(per, n - start)
+        buf = bufs[c % 2][: kv.chunk_nbytes(m)]
+        with _on(copy_stream):
+            if freed[c % 2] is not None:
+                # Overwrite a staging buffer only after the scatter that read it has completed.
+                copy_stream.wait_event(freed[c % 2])
+            buf.copy_(host[kv.chunk_nbytes(start) : kv.chunk_nbytes(start + m)], non_blocking=True)
+            arrived = _record(copy_stream)  # marks: staging buffer holds the chunk
+        with _on(scatter_stream):
+            if arrived is not None:
+                # The scatter must not read the staging buffer before the H2D copy has landed.
+                scatter_stream.wait_event(arrived)
+            valid = last_valid if start + m == n else kv.block_size  # only the last block is partial
+            launch(kv, ids_dev[start : start + m], buf, valid, gather=False, max_ctas=max_ctas)
+            freed[c % 2] = _record(scatter_stream)  # marks: blocks written, buffer free again
+    return freed[(n - 1) // per % 2] if n else _record(scatter_stream)
+
+
+def _check_staging(kv: PagedKV, staging) -> tuple[list[torch.Tensor], int]:
+    """-> (the two buffers, blocks per chunk)."""
+    if not isinstance(staging, (list, tuple)) or len(staging) != 2:
+        raise ValueError("staging: expected two buffers (make_staging)")
+    a, b = staging
+    for i, t in enumerate(staging):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
+            raise ValueError(f"staging[{i}]: expected a contiguous 1-D uint8 tensor")
+        if t.device != kv.device:
+            raise ValueError(f"staging[{i}]: on {t.device}, expected the cache's {kv.device}")
+    if a.numel() != b.numel() or a.numel() < kv.block_nbytes:
+        raise ValueError(
+            f"staging: two buffers of equal size >= one block ({kv.block_nbytes} bytes) expected"
+        )
+    lo, hi = sorted((a, b), key=lambda t: t.data_ptr())
+    if lo.data_ptr() + lo.numel() > hi.data_ptr():
+        raise ValueError("staging: the two buffers overlap")
+    return [a, b], a.numel() // kv.block_nbytes
+
+
+def _check_streams(kv: PagedKV, kernel_stream, copy_stream, wait_event) -> None:
+    if INTERPRETING:
+        if kernel_stream is not None or copy_stream is not None or wait_event is not None:
+            raise ValueError("streams/wait_event: must be None without CUDA (the interpreter runs in order)")
+        return
+    for name, s in (("kernel stream", kernel_stream), ("copy_stream", copy_stream)):
+        if not isinstance(s, torch.cuda.Stream):
+            raise ValueError(f"{name}: expected a torch.cuda.Stream, got {type(s).__name__}")
+        if s.device != kv.device:
+            raise ValueError(f"{name}: on {s.device}, expected the cache's {kv.device}")
+    if wait_event is not None and not isinstance(wait_event, torch.cuda.Event):
+        raise ValueError(f"wait_event: expected a torch.cuda.Event or None, got {type(wait_event).__name__}")
+
+
+def _on(stream):
+    return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+
+def _record(stream) -> torch.cuda.Event | None:
+    if stream is None:
+        return None
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return ev
