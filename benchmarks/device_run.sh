@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device run: GPU tests, compute-sanitizer, probe, benchmark suites. Everything lands in $OUT
+# (or ./out). Reproduce the committed figures with:   bash benchmarks/device_run.sh full
+#   smoke: GPU tests + `bench --quick` (minutes)      full: GPU tests + memcheck + probe + all suites
+set -uo pipefail
+mode=${1:-full}
+shift || true
+out=${OUT:-out}
+mkdir -p "$out"
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+
+nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current,clocks.sm,clocks.mem \
+  --format=csv > "$out/nvidia-smi.txt" 2>&1
+$py -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))" | tee -a "$out/nvidia-smi.txt"
+
+echo "== GPU tests"
+timeout 400 $py -m pytest -q -m gpu -p no:cacheprovider tests "$@" 2>&1 | tail -40 | tee "$out/pytest-gpu.log"
+
+if [ "$mode" = smoke ]; then
+  echo "== bench --quick"
+  timeout 300 $py -m kvtier bench --quick --out "$out" 2>&1 | tail -60 | tee "$out/bench.log"
+  exit 0
+fi
+
+echo "== compute-sanitizer memcheck on the GPU kernel tests"
+timeout 300 compute-sanitizer --tool memcheck --error-exitcode 99 $py -m pytest -q -p no:cacheprovider \
+  tests/test_kernels_gpu.py -k "${MEMCHECK_K:-small}" > "$out/memcheck.log" 2>&1
+echo "memcheck exit code: $?" | tee -a "$out/memcheck.log"
+tail -5 "$out/memcheck.log"
+
+echo "== probe"
+timeout 300 $py -m kvtier probe --save "$out/ceilings-h200.json" 2>&1 | tee "$out/probe.log"
+
+echo "== bench (all suites)"
+timeout 900 $py -m kvtier bench --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | tail -80
