@@ -28,7 +28,11 @@ from kvtier.layout import PagedKV, gcd_bytes
 from kvtier.ops.checks import INTERPRETING, BlockIds, as_block_ids, check_cache, check_chunk, check_max_ctas
 
 TILE_BYTES = 16 << 10  # bytes per program step: 8 x 16-byte vectors per thread at 4 warps
-CTAS_PER_SM = 8  # default persistent grid: ~all resident at once (48 regs x 128 threads: 10 fit per SM)
+# Default grids, from the H200 run of 2026-11-29 (benchmarks/results): GPU<->GPU is fastest with one
+# program per tile (94.6% of the D2D copy vs 90.8% with 8 resident CTAs per SM); a UVA copy is
+# PCIe-bound and ran as fast on 32 CTAs as on 1056, so it holds a quarter of the SMs at most and
+# leaves the rest to the model's compute.
+UVA_SM_DIVISOR = 4
 NUM_WARPS = 4
 _UNITS = {4: torch.int32, 2: torch.int16, 1: torch.int8}
 
@@ -137,8 +141,10 @@ def launch(
     n_tiles = triton.cdiv(n_rows, plan.rows)
     if INTERPRETING:
         cap = 4
+    elif chunk.device.type == "cpu":
+        cap = max(1, torch.cuda.get_device_properties(kv.device).multi_processor_count // UVA_SM_DIVISOR)
     else:
-        cap = torch.cuda.get_device_properties(kv.device).multi_processor_count * CTAS_PER_SM
+        cap = n_tiles
     grid = (min(n_tiles, max_ctas or cap),)
     paged = _alias(kv.layers[kv.base], plan.unit)
     chunk_arg = _alias(chunk, plan.unit)

@@ -7,9 +7,10 @@
 
 Shape: Llama-3-8B KV (32 layers, 8 KV heads, head_dim 128, bf16), vLLM flash layout per layer,
 random block ids from a pool 4x larger than the request. Headline rows: 16-token blocks, 1 GiB;
-then block sizes 1..256 and the shapes sweep at 256 MiB. Each row is checked bit-exact once
-against `kvtier.reference`, on a poisoned output. GPU-resident rows are timed as CUDA-graph
-replays (the kernel, not Python's launch); host rows eagerly (tens of ms).
+then block sizes 1..256 and the shapes sweep, also at 1 GiB (the ceilings are 1-4 GiB copies).
+Each row is checked bit-exact once against `kvtier.reference`, on a poisoned output. GPU-resident
+rows are timed as CUDA-graph replays (the kernel, not Python's launch); host rows eagerly (tens of
+ms), beside one pinned DMA of the same buffer.
 """
 
 from __future__ import annotations
@@ -118,19 +119,19 @@ def _gpu_rows(ctx: Context, w: Work, bs: int, label: str, *, scatter=True, basel
         run = lambda c=cap: ops.gather(kv, src, out, max_ctas=c)
         ok = checked[cap] = _saved_ok(kv, src, out, run)
         t = ctx.time(run, flush_l2=True, graph=True, name=f"gather/{label}/ctas{cap}")
-        p = w.params(bs, "triton gather GPU->GPU", max_ctas=cap, ctas_per_sm=(cap or 0) / sms, timing="graph")
+        p = w.params(bs, "triton gather GPU->GPU", max_ctas=cap, ctas_per_sm=(cap or 0) / sms, launch="graph")
         case = f"gather {label}" + (f" ctas={cap}" if cap else "")
         yield ctx.row(case, w.payload, t, "d2d_copy", traffic_factor=2, correct=ok, **p)
     if scatter:
         run = lambda: ops.scatter(kv, dst, out)
         ok = _loaded_ok(kv, dst, out, run)
         t = ctx.time(run, flush_l2=True, graph=True, name=f"scatter/{label}")
-        p = w.params(bs, "triton scatter GPU->GPU", timing="graph")
+        p = w.params(bs, "triton scatter GPU->GPU", launch="graph")
         yield ctx.row(f"scatter {label}", w.payload, t, "d2d_copy", traffic_factor=2, correct=ok, **p)
     if baseline:
         run = lambda: ops.gather(kv, src, out)
         t = ctx.time(run, flush_l2=True, name=f"gather_eager/{label}")
-        p = w.params(bs, "triton gather GPU->GPU", timing="eager")
+        p = w.params(bs, "triton gather GPU->GPU", launch="eager")
         ok = checked[None]  # the same call as the first row, checked there
         yield ctx.row(f"gather {label} eager", w.payload, t, "d2d_copy", traffic_factor=2, correct=ok, **p)
         idx = src.dev.long()
@@ -142,7 +143,7 @@ def _gpu_rows(ctx: Context, w: Work, bs: int, label: str, *, scatter=True, basel
 
         ok = _saved_ok(kv, src, out, torch_gather)
         t = ctx.time(torch_gather, flush_l2=True, name=f"torch_gather/{label}")
-        p = w.params(bs, "torch advanced indexing GPU->GPU", timing="eager")
+        p = w.params(bs, "torch advanced indexing GPU->GPU", launch="eager")
         yield ctx.row(f"torch gather {label}", w.payload, t, "d2d_copy", traffic_factor=2, correct=ok, **p)
 
 
@@ -164,6 +165,7 @@ def _host_rows(ctx: Context, w: Work, bs: int, label: str, *, save: bool, uva=Tr
         yield ctx.row(
             f"uva {label}" + (f" ctas={cap}" if cap else ""), w.payload, t, ceiling, correct=ok, **p
         )
+    yield from _dma_row(ctx, w, bs, label, host, save, ceiling)
     for cb in chunks or (max(1, STAGE_CHUNK // kv.block_nbytes),):
         cb = min(cb, len(ids))
         run = _staged(kv, ids, host, cb, save)
@@ -174,6 +176,19 @@ def _host_rows(ctx: Context, w: Work, bs: int, label: str, *, save: bool, uva=Tr
         yield ctx.row(f"staged {label} chunk={cb}", w.payload, t, ceiling, correct=ok, **p)
 
 
+def _dma_row(ctx: Context, w: Work, bs: int, label: str, host: torch.Tensor, save: bool, ceiling: str):
+    """One pinned DMA of the same bytes into (out of) the same host buffer: the rate this buffer
+    allows, beside the ceiling (measured on a buffer of its own)."""
+    flat = host.view(-1).view(torch.uint8)
+    dev = torch.empty_like(flat, device=ctx.device).random_()
+    run = (
+        (lambda: flat.copy_(dev, non_blocking=True)) if save else (lambda: dev.copy_(flat, non_blocking=True))
+    )
+    t = ctx.time(run, name=f"{'save' if save else 'load'}_dma/{label}")
+    p = w.params(bs, "one pinned DMA of the same buffer, contiguous (reference)")
+    yield ctx.row(f"dma {label} same buffer", w.payload, t, ceiling, **p)
+
+
 def _need_gpu(ctx: Context) -> None:
     if not ctx.on_gpu:
         raise SkipSuite("needs a CUDA GPU")
@@ -181,7 +196,7 @@ def _need_gpu(ctx: Context) -> None:
 
 def _sizes(ctx: Context) -> tuple[int, int, tuple[int, ...]]:
     """(headline payload, sweep payload, block sizes)."""
-    return (32 * MiB, 16 * MiB, (1, 16, 256)) if ctx.quick else (GiB, 256 * MiB, BLOCK_SIZES)
+    return (32 * MiB, 16 * MiB, (1, 16, 256)) if ctx.quick else (GiB, GiB, BLOCK_SIZES)
 
 
 @register("gather_d2d", description="kvtier gather/scatter kernel, paged GPU <-> contiguous GPU")
@@ -224,7 +239,7 @@ def load_h2d(ctx: Context):
 @register("shapes", description="head_dim x dtype sweep at 16-token blocks: GPU<->GPU, save, load")
 def shapes(ctx: Context):
     _need_gpu(ctx)
-    sweep = 16 * MiB if ctx.quick else 256 * MiB
+    sweep = 16 * MiB if ctx.quick else GiB
     dims = (80, 576) if ctx.quick else HEAD_DIMS
     for head_dim in dims:
         for name, dtype in DTYPES.items():
