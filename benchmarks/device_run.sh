@@ -9,6 +9,8 @@ shift || true
 out=${OUT:-out}
 mkdir -p "$out"
 export PYTHONPATH=src PYTHONUNBUFFERED=1
+# a tree copied to a GPU box has no .git: pass the commit in: KVTIER_COMMIT=<sha> bash benchmarks/device_run.sh
+export KVTIER_COMMIT=${KVTIER_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}
 py=${PYTHON:-python3}
 
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current,clocks.sm,clocks.mem \

@@ -6,6 +6,7 @@ A figure without it cannot be reproduced or compared; missing pieces are null, n
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
 import re
 import socket
@@ -17,7 +18,8 @@ import kvtier
 
 
 def git_commit(where: str | Path | None = None) -> tuple[str | None, bool | None]:
-    """(commit hash, dirty?) of the checkout kvtier runs from; (None, None) outside git."""
+    """(commit hash, dirty?) of the checkout kvtier runs from; outside git, the commit named by
+    KVTIER_COMMIT (a copy of the tree without .git, e.g. on a remote GPU box) with dirty unknown."""
     cwd = Path(where) if where else Path(kvtier.__file__).resolve().parent
     try:
         head = subprocess.run(
@@ -32,7 +34,7 @@ def git_commit(where: str | Path | None = None) -> tuple[str | None, bool | None
             check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
-        return None, None
+        return os.environ.get("KVTIER_COMMIT") or None, None
     return (head or None), bool(status.strip())
 
 
