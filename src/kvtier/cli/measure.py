@@ -174,3 +174,23 @@ def bench(names, quick, out, plot, profile, as_json, list_only) -> None:
         for c in run.incorrect:
             click.echo(f"WRONG RESULT {c}", err=True)
         sys.exit(1)
+
+
+@cli.command()
+@click.argument("result_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def results(result_file: str, as_json: bool) -> None:
+    """Summarize a result file of `kvtier bench`: per suite and path, the headline row, the worst
+    and best rows, and how many rows meet the target (markdown table)."""
+    from kvtier.bench.result import validate
+    from kvtier.bench.summary import markdown, summarize
+
+    try:
+        doc = json.loads(Path(result_file).read_text())
+        validate(doc)
+    except (json.JSONDecodeError, ValueError) as e:
+        raise click.UsageError(f"{result_file}: not a valid kvtier result file ({e})") from None
+    if as_json:
+        click.echo(json.dumps(summarize(doc), indent=2, default=str))
+    else:
+        click.echo(markdown(doc))

@@ -1,0 +1,88 @@
+"""A result file in a few lines: per suite and path, the headline row (16-token blocks, Llama-3-8B
+shape), the worst and best row of the sweep, and the target that applies (PERF.md P1-P3, P7).
+
+Everything is read from the file: nothing here measures or rounds a figure before printing it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+# suite -> (target name, minimum ratio) for kvtier's own paths (baselines have none)
+TARGETS: dict[str, tuple[str, float]] = {
+    "gather_d2d": ("P1", 0.92),
+    "save_d2h": ("P2", 0.97),
+    "load_h2d": ("P3", 0.97),
+}
+
+
+def _group(rows: list[dict]) -> dict[tuple[str, str, str], list[dict]]:
+    groups: dict[tuple[str, str, str], list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(r["suite"], r["params"].get("path", "?"), r["ceiling"])].append(r)
+    return groups
+
+
+def _headline(rows: list[dict]) -> dict | None:
+    """The first 16-token row at the largest size: the row the targets speak of."""
+    cands = [r for r in rows if r["params"].get("block_size") == 16]
+    if not cands:
+        return None
+    biggest = max(r["bytes"] for r in cands)
+    return next(r for r in cands if r["bytes"] == biggest)
+
+
+def summarize(doc: dict) -> list[dict]:
+    """One entry per (suite, path, ceiling) group, in file order."""
+    out = []
+    for (suite, path, ceiling), rows in _group(doc["rows"]).items():
+        head = _headline(rows)
+        lo = min(rows, key=lambda r: r["ratio"])
+        hi = max(rows, key=lambda r: r["ratio"])
+        target = TARGETS.get(suite) if "triton" in path or "staged" in path else None
+        if suite == "shapes" and ("triton" in path or "staged" in path):
+            target = ("P7", 0.92 if ceiling == "d2d_copy" else 0.97)
+        out.append(
+            {
+                "suite": suite,
+                "path": path,
+                "ceiling": ceiling,
+                "rows": len(rows),
+                "all_correct": all(r["correct"] is not False for r in rows),
+                "headline": head,
+                "worst": lo,
+                "best": hi,
+                "target": target,
+                "rows_meeting_target": sum(r["ratio"] >= target[1] for r in rows) if target else None,
+            }
+        )
+    return out
+
+
+def markdown(doc: dict) -> str:
+    env = doc["environment"]
+    lines = [
+        f"{env.get('gpu')} · driver {env.get('driver')} · torch {env.get('torch')} "
+        f"· triton {env.get('triton')} · commit {env.get('commit') or 'not recorded'} · {env.get('date')}",
+        "",
+        "same-run ceilings: "
+        + ", ".join(f"{k} {v:,.1f} GB/s" for k, v in sorted(doc["environment"].get("ceilings", {}).items())),
+        "",
+        "| suite | path | vs ceiling | headline (16-token blocks) | worst row | best row | rows ≥ target |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for s in summarize(doc):
+        h = s["headline"]
+        head = f"{h['gbps']:,.1f} GB/s = {h['ratio']:.1%} ({h['case']})" if h else "-"
+        w, b = s["worst"], s["best"]
+        tgt = (
+            f"{s['target'][0]} ≥ {s['target'][1]:.0%}: {s['rows_meeting_target']}/{s['rows']}"
+            if s["target"]
+            else "-"
+        )
+        ok = "" if s["all_correct"] else " **(a row was not bit-exact)**"
+        lines.append(
+            f"| {s['suite']} | {s['path']}{ok} | {s['ceiling']} | {head} | {w['ratio']:.1%} ({w['case']}) "
+            f"| {b['ratio']:.1%} ({b['case']}) | {tgt} |"
+        )
+    return "\n".join(lines)

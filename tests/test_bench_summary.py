@@ -1,0 +1,35 @@
+"""`kvtier results`: a committed H200 result file summarized; targets counted from its rows."""
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+import kvtier.cli.measure  # noqa: F401  (registers the subcommands)
+from kvtier.bench.summary import summarize
+from kvtier.cli import cli
+
+RESULT = Path(__file__).parent.parent / "benchmarks" / "results" / "nvidia-h200-2026-11-29.json"
+
+
+def test_summary_counts_rows_against_targets():
+    doc = json.loads(RESULT.read_text())
+    groups = summarize(doc)
+    gather = next(g for g in groups if g["suite"] == "gather_d2d" and g["path"].startswith("triton gather"))
+    assert gather["target"] == ("P1", 0.92)
+    assert gather["rows_meeting_target"] == sum(
+        r["ratio"] >= 0.92
+        for r in doc["rows"]
+        if r["suite"] == "gather_d2d" and r["params"]["path"] == gather["path"]
+    )
+    assert all(g["target"] is None for g in groups if g["suite"].startswith("baseline"))
+
+
+def test_results_command_prints_markdown_and_rejects_bad_files(tmp_path):
+    r = CliRunner().invoke(cli, ["results", str(RESULT)])
+    assert r.exit_code == 0, r.output
+    assert "| gather_d2d |" in r.output and "P2 ≥ 97%" in r.output
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"rows": []}')
+    r = CliRunner().invoke(cli, ["results", str(bad)])
+    assert r.exit_code == 2 and "not a valid kvtier result file" in r.output
