@@ -31,15 +31,14 @@ from .header import ChunkHeader
 from .health import CircuitBreaker
 from .keys import check_key
 from .metrics import StoreMetrics
-from .payload import as_writable_view
 from .policy import EvictionPolicy, make_policy
-from .tier import Chunk, DestTooSmall, check_put_args
+from .tier import DestTooSmall, TierReads, check_put_args
 
 log = logging.getLogger(__name__)
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-class DiskTier:
+class DiskTier(TierReads):
     """root: directory (created). capacity_bytes: on-disk bytes (headers and padding included).
     policy: "lru", "arc" or an EvictionPolicy. o_direct: bypass the page cache (falls back to
     buffered IO, logged once, where the filesystem refuses it). fsync: make each put durable
@@ -130,14 +129,6 @@ class DiskTier:
         self._write_health.record_failure()
         self._m.put_failed(kind)
         return False
-
-    def get(self, key: bytes) -> Chunk | None:
-        got = self._get(key, None)
-        return None if got is None else Chunk(*got)
-
-    def get_into(self, key: bytes, dest) -> ChunkHeader | None:
-        got = self._get(key, as_writable_view(dest))
-        return None if got is None else got[0]
 
     def contains(self, key: bytes) -> bool:
         check_key(key)

@@ -25,9 +25,8 @@ from .header import ChunkHeader, HeaderError
 from .health import CircuitBreaker
 from .keys import check_key
 from .metrics import StoreMetrics
-from .payload import as_writable_view
 from .redis_client import classify, make_client
-from .tier import Chunk, DestTooSmall, check_put_args
+from .tier import DestTooSmall, TierReads, check_put_args
 
 log = logging.getLogger(__name__)
 _MANIFEST = struct.Struct("<8sIQ")
@@ -46,7 +45,7 @@ class _Corrupt(Exception):
 _DEL_IF_SAME = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
 
-class RedisTier:
+class RedisTier(TierReads):
     """client: a redis-py ``Redis`` or ``RedisCluster`` (or give ``url`` and ``cluster``).
     part_bytes: chunks larger than this are split into parts of this size. ttl_s: optional
     expiry of every key. timeout_s: per-command socket timeout when the client is made here.
@@ -140,14 +139,6 @@ class RedisTier:
         else:
             self._m.present()
         return True
-
-    def get(self, key: bytes) -> Chunk | None:
-        got = self._get(key, None)
-        return None if got is None else Chunk(*got)
-
-    def get_into(self, key: bytes, dest) -> ChunkHeader | None:
-        got = self._get(key, as_writable_view(dest))
-        return None if got is None else got[0]
 
     def contains(self, key: bytes) -> bool:
         check_key(key)

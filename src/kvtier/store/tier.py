@@ -12,7 +12,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 from .header import ChunkHeader
 from .keys import check_key
-from .payload import as_view
+from .payload import as_view, as_writable_view
 
 
 class DestTooSmall(ValueError):
@@ -55,6 +55,22 @@ class Tier(Protocol):
     def stats(self) -> dict[str, int | float]: ...
 
     def close(self) -> None: ...
+
+
+class TierReads:
+    """`get` and `get_into` of a tier that implements one private read,
+    `_get(key, dest_view_or_None) -> (header, payload) | None`."""
+
+    def _get(self, key: bytes, dest: memoryview | None) -> tuple[ChunkHeader, memoryview] | None:
+        raise NotImplementedError
+
+    def get(self, key: bytes) -> Chunk | None:
+        got = self._get(key, None)
+        return None if got is None else Chunk(*got)
+
+    def get_into(self, key: bytes, dest) -> ChunkHeader | None:
+        got = self._get(key, as_writable_view(dest))
+        return None if got is None else got[0]
 
 
 def check_put_args(key: bytes, header: ChunkHeader, payload) -> memoryview:
