@@ -16,6 +16,9 @@ one segment per head (O = heads, I = dim); tokens are `I` units apart inside a s
     paged piece (l, kv, block b):  paged + VEC * (layer_off[l] + kv * kv_stride + b * block_stride)
     chunk piece (i, l, kv):        chunk + ((i * num_layers + l) * KV + kv) * O * BS * I
 
+A call may copy a range of layers (`layer0`, `n_layers`; all of them by default): the chunk
+keeps its full block-major shape and only that layer range's pieces are touched.
+
 Work is a list of rows (one segment, or one `COLS`-wide slice of it); a program copies
 `ROWS x COLS` units per step and walks the tiles grid-stride, so the launch may use fewer
 programs than tiles (a persistent grid that leaves SMs to other work). Only the first
@@ -27,7 +30,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["n_blocks", "last_valid"])  # one binary for any request size
+@triton.jit(do_not_specialize=["n_blocks", "last_valid", "layer0", "n_layers"])  # one binary for any size
 def kv_copy_kernel(
     paged,  # *unit: base of the paged cache (the layer at the lowest address)
     layer_off,  # *int64 [num_layers]: VEC-units from `paged` to layer l's (kv 0, block 0)
@@ -35,7 +38,9 @@ def kv_copy_kernel(
     chunk,  # *unit: contiguous chunk (n_blocks, num_layers, KV, O, BS, I), GPU or pinned host
     n_blocks,  # blocks in this call (>= 1)
     last_valid,  # valid tokens in the last block of this call, 1..BS
-    num_layers,  # layers in the cache
+    num_layers,  # layers in the cache (and in each block of the chunk)
+    layer0,  # first layer this call copies (a per-layer load copies one layer per launch)
+    n_layers,  # layers this call copies: layer0 .. layer0 + n_layers - 1
     kv_stride,  # VEC-units from K to V of one block (unused when KV == 1)
     block_stride,  # VEC-units from block b to block b + 1
     KV: tl.constexpr,  # 2 (K and V) or 1 (MLA latent)
@@ -49,7 +54,7 @@ def kv_copy_kernel(
 ):
     SEG: tl.constexpr = BS * I
     NCT: tl.constexpr = (SEG + COLS - 1) // COLS  # row slices per segment
-    lk_count = num_layers * KV
+    lk_count = n_layers * KV
     n_rows = n_blocks * lk_count * (O * NCT)  # < 2**31, checked by the wrapper
     n_tiles = tl.cdiv(n_rows, ROWS)
     cols = tl.arange(0, COLS)
@@ -60,15 +65,17 @@ def kv_copy_kernel(
         r = tile * ROWS + tl.arange(0, ROWS)
         row_ok = r < n_rows
         ct = r % NCT
-        s = r // NCT  # segment index in the chunk: ((i * L + l) * KV + kv) * O + o
+        s = r // NCT  # segment index among this call's: ((i * n_layers + l') * KV + kv) * O + o
         o = s % O
         lk = (s // O) % lk_count
         i = (s // O) // lk_count
+        layer = layer0 + lk // KV
         blk = tl.load(block_ids + i, mask=row_ok, other=0).to(tl.int64)
-        loff = tl.load(layer_off + lk // KV, mask=row_ok, other=0)
+        loff = tl.load(layer_off + layer, mask=row_ok, other=0)
         src_row = (loff + (lk % KV).to(tl.int64) * kv_stride + blk * block_stride) * VEC
         src_row += o.to(tl.int64) * SEG
-        dst_row = s.to(tl.int64) * SEG
+        # Segment in the chunk, which always holds every layer of a block (block-major).
+        dst_row = (((i.to(tl.int64) * num_layers + layer) * KV + lk % KV) * O + o) * SEG
         nvalid = tl.where(i == n_blocks - 1, last_valid * I, SEG)
         c = (ct * COLS)[:, None] + cols[None, :]  # unit offset inside the segment
         valid = row_ok[:, None] & (c < nvalid[:, None])

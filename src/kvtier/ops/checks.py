@@ -112,6 +112,17 @@ def check_max_ctas(max_ctas: int | None) -> None:
         raise ValueError(f"max_ctas: expected a positive int or None, got {max_ctas!r}")
 
 
+def check_layers(kv: PagedKV, layers) -> tuple[int, int] | None:
+    """(first, count) of a layer range inside the cache, or None for all layers."""
+    if layers is None:
+        return None
+    ok = isinstance(layers, tuple) and len(layers) == 2
+    ok = ok and all(isinstance(x, int) and not isinstance(x, bool) for x in layers)
+    if not ok or not (layers[0] >= 0 and layers[1] >= 1 and layers[0] + layers[1] <= kv.num_layers):
+        raise ValueError(f"layers: expected (first, count) inside {kv.num_layers} layers, got {layers!r}")
+    return layers
+
+
 def check_chunk(kv: PagedKV, t: torch.Tensor, n: int, name: str, host_only: bool = False) -> None:
     """A chunk of n blocks: right dtype/shape, contiguous, in memory the kernel can reach."""
     if not isinstance(t, torch.Tensor):

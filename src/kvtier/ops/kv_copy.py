@@ -25,7 +25,15 @@ import triton
 
 from kvtier.kernels.kv_copy import kv_copy_kernel
 from kvtier.layout import PagedKV, gcd_bytes
-from kvtier.ops.checks import INTERPRETING, BlockIds, as_block_ids, check_cache, check_chunk, check_max_ctas
+from kvtier.ops.checks import (
+    INTERPRETING,
+    BlockIds,
+    as_block_ids,
+    check_cache,
+    check_chunk,
+    check_layers,
+    check_max_ctas,
+)
 
 TILE_BYTES = 16 << 10  # bytes per program step: 8 x 16-byte vectors per thread at 4 warps
 # Default grids, from the H200 run of 2026-11-29 (benchmarks/results): GPU<->GPU is fastest with one
@@ -67,6 +75,7 @@ def gather(
     *,
     num_tokens: int | None = None,
     max_ctas: int | None = None,
+    layers: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Copy blocks `block_ids` (n of them) of every layer, K and V, into `dst`.
 
@@ -77,13 +86,15 @@ def gather(
          default all. Tokens past it in the last block are written as zeros.
     max_ctas: cap on the programs launched (persistent grid), e.g. to leave SMs to compute
          while writing to host memory; default fills the GPU.
+    layers: (first, count): copy only these layers' pieces (the chunk keeps every layer); default all.
     Returns dst. Asynchronous on the current stream.
     """
     check_cache(kv)
     ids = as_block_ids(kv, block_ids, False, num_tokens)
     check_chunk(kv, dst, len(ids), "dst")
     check_max_ctas(max_ctas)
-    launch(kv, use_ids(ids), dst, ids.last_valid, gather=True, max_ctas=max_ctas)
+    layers = check_layers(kv, layers)
+    launch(kv, use_ids(ids), dst, ids.last_valid, gather=True, max_ctas=max_ctas, layers=layers)
     return dst
 
 
@@ -94,6 +105,7 @@ def scatter(
     *,
     num_tokens: int | None = None,
     max_ctas: int | None = None,
+    layers: tuple[int, int] | None = None,
 ) -> None:
     """Copy the chunk `src` into blocks `block_ids` (n distinct ids) of every layer, K and V.
 
@@ -101,13 +113,15 @@ def scatter(
     src: the chunk, (n, num_layers, num_kv, *kv.block_shape) of kv.dtype, or a 1-D uint8
          buffer of kv.chunk_nbytes(n); contiguous; on the cache's GPU or in pinned host memory.
     num_tokens: as in `gather`; cache tokens past it in the last block are left untouched.
+    layers: as in `gather` (a per-layer load scatters one layer per call, then records an event).
     Asynchronous on the current stream; `src` must stay alive and unchanged until it completes.
     """
     check_cache(kv)
     ids = as_block_ids(kv, block_ids, True, num_tokens)
     check_chunk(kv, src, len(ids), "src")
     check_max_ctas(max_ctas)
-    launch(kv, use_ids(ids), src, ids.last_valid, gather=False, max_ctas=max_ctas)
+    layers = check_layers(kv, layers)
+    launch(kv, use_ids(ids), src, ids.last_valid, gather=False, max_ctas=max_ctas, layers=layers)
 
 
 # ---- launch -----------------------------------------------------------------------------
@@ -127,15 +141,23 @@ def use_ids(ids: BlockIds) -> torch.Tensor:
 
 
 def launch(
-    kv: PagedKV, ids_dev: torch.Tensor, chunk: torch.Tensor, last_valid: int, *, gather: bool, max_ctas
+    kv: PagedKV,
+    ids_dev: torch.Tensor,
+    chunk: torch.Tensor,
+    last_valid: int,
+    *,
+    gather: bool,
+    max_ctas,
+    layers: tuple[int, int] | None = None,
 ):
-    """Launch on the current stream; arguments already validated."""
+    """Launch on the current stream; arguments already validated. layers: (first, count) or all."""
+    layer0, n_layers = layers if layers is not None else (0, kv.num_layers)
     n = ids_dev.numel()
     if n == 0:
         return
     plan = _plan(kv, math.gcd(chunk.data_ptr(), chunk.untyped_storage().data_ptr()))
     nct = triton.cdiv(kv.block_size * plan.inner, plan.cols)
-    n_rows = n * kv.num_layers * kv.num_kv * plan.o * nct
+    n_rows = n * n_layers * kv.num_kv * plan.o * nct
     if n_rows + plan.rows >= 2**31:
         raise ValueError(f"block_ids: {n} blocks make {n_rows} rows, past the kernel's int32 row index")
     n_tiles = triton.cdiv(n_rows, plan.rows)
@@ -159,6 +181,8 @@ def launch(
             n,
             last_valid,
             kv.num_layers,
+            layer0,
+            n_layers,
             plan.kv_stride,
             plan.block_stride,
             KV=kv.num_kv,

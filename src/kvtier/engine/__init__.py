@@ -1,0 +1,15 @@
+"""The transfer engine: save (GPU blocks -> pinned slot) and load (slot -> GPU blocks) jobs on
+copy streams, in the lifecycle protocol's order (`kvtier.lifecycle`), with a per-device mover
+for the bytes themselves.
+
+    TransferEngine   the protocol: waits, events, tracker moves, settling   (engine.py)
+    SaveJob, LoadJob the handles a save / load returns                      (jobs.py)
+    Path, choose     which copy path a job takes, and why (measured)        (paths.py)
+    movers           SimMover (CPU, late copies) and CudaMover (staged / kernel / batch)
+"""
+
+from kvtier.engine.engine import TransferEngine
+from kvtier.engine.jobs import LoadJob, SaveJob
+from kvtier.engine.paths import Path, choose_path
+
+__all__ = ["LoadJob", "Path", "SaveJob", "TransferEngine", "choose_path"]

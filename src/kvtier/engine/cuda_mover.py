@@ -1,0 +1,115 @@
+"""CudaMover: the bytes of a job on a CUDA device, through `kvtier.ops` (Triton).
+
+Every path enqueues on the engine's copy stream, or on a helper stream that the copy stream
+is made to wait for before the engine records the job's event:
+
+- staged save: gathers on `gather_stream`, DMAs on the save stream (ops.save_staged makes the
+  gather stream wait for the save stream's tail, so it follows the engine's waits);
+- staged load: DMAs on the load stream, scatters on `scatter_stream`, then the load stream
+  waits for the last scatter (so e_load, recorded on the load stream, covers them);
+- kernel: one UVA launch on the copy stream itself (per layer on loads with per_layer),
+  on a persistent grid of `uva_ctas` CTAs;
+- batch: `batch.py` (cudaMemcpyBatchAsync), on the copy stream itself.
+
+Block ids reach the GPU as one tensor per job (ops.block_ids): no per-block Python loop.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvtier import ops
+from kvtier.device.base import Event, Stream
+from kvtier.engine import batch
+from kvtier.engine.paths import Path
+from kvtier.pool import Slot
+
+if TYPE_CHECKING:
+    from kvtier.engine.engine import TransferEngine
+
+
+class CudaMover:
+    def __init__(self, engine: TransferEngine):
+        self.kv = engine.kv
+        if self.kv.device.type != "cuda":
+            raise ValueError(f"kv: CudaDevice needs a CUDA cache, got {self.kv.device}")
+        self.uva_ctas = engine.uva_ctas
+        # Two staging buffers per direction, each half of staging_bytes, whole blocks.
+        self.chunk_blocks = max(1, engine.staging_bytes // 2 // self.kv.block_nbytes)
+        self._save_staging = None  # made on first use: a pure-kernel user never pays for them
+        self._load_staging = None
+        self.gather_stream = torch.cuda.Stream(device=self.kv.device)  # staged saves' short gathers
+        self.scatter_stream = torch.cuda.Stream(device=self.kv.device)  # staged loads' scatters
+        self.batch_available = batch.available()
+
+    def check_path(self, path: Path) -> None:
+        if path is Path.BATCH and not self.batch_available:
+            raise ValueError(f"path 'batch' unavailable: {batch.why_unavailable()}")
+
+    def save(self, path: Path, ids: torch.Tensor, num_tokens: int | None, slot: Slot, stream: Stream) -> None:
+        kv, raw = self.kv, stream.raw
+        if path is Path.STAGED:
+            if self._save_staging is None:
+                self._save_staging = ops.make_staging(kv, self.chunk_blocks)
+            # Returns the event after the last DMA, which is on `raw`: e_save follows it.
+            ops.save_staged(
+                kv,
+                ids,
+                slot.tensor,
+                staging=self._save_staging,
+                gather_stream=self.gather_stream,
+                copy_stream=raw,
+                num_tokens=num_tokens,
+            )
+        elif path is Path.KERNEL:
+            with torch.cuda.stream(raw):
+                ops.gather(kv, ids, slot.tensor, num_tokens=num_tokens, max_ctas=self.uva_ctas)
+        else:
+            with torch.cuda.stream(raw):
+                batch.copy(
+                    kv, ops.block_ids(kv, ids, unique=False, num_tokens=num_tokens), slot, raw, save=True
+                )
+
+    def load(
+        self, path: Path, ids, num_tokens, slot: Slot, stream: Stream, per_layer: bool, label: str
+    ) -> list[Event]:
+        """Enqueue the load; return the events of layers 0..L-2 (the engine records the last)."""
+        kv, raw = self.kv, stream.raw
+        if path is Path.STAGED:
+            if self._load_staging is None:
+                self._load_staging = ops.make_staging(kv, self.chunk_blocks)
+            last = ops.load_staged(
+                kv,
+                ids,
+                slot.tensor,
+                staging=self._load_staging,
+                copy_stream=raw,
+                scatter_stream=self.scatter_stream,
+                num_tokens=num_tokens,
+            )
+            # The last scatter runs on the scatter stream: e_load (on `raw`) must follow it.
+            raw.wait_event(last)
+            return []
+        with torch.cuda.stream(raw):
+            bid = ops.block_ids(kv, ids, unique=True, num_tokens=num_tokens)  # one H2D of the ids
+            if path is Path.BATCH:
+                batch.copy(kv, bid, slot, raw, save=False)
+                return []
+            if not per_layer:
+                ops.scatter(kv, bid, slot.tensor, max_ctas=self.uva_ctas)
+                return []
+            events = []
+            for layer in range(kv.num_layers):
+                ops.scatter(kv, bid, slot.tensor, max_ctas=self.uva_ctas, layers=(layer, 1))
+                if layer < kv.num_layers - 1:
+                    events.append(stream.record(f"{label}:layer{layer}"))  # layer `layer` has landed
+            return events
+
+    def synchronize(self) -> None:
+        self.gather_stream.synchronize()  # helper streams: their work must land before close
+        self.scatter_stream.synchronize()
+
+    def close(self) -> None:
+        self._save_staging = self._load_staging = None

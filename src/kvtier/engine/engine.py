@@ -1,0 +1,294 @@
+"""TransferEngine: save and load jobs in the lifecycle protocol's order (DESIGN.md).
+
+Save (GPU blocks -> a new pool slot), on `save_stream`:
+  wait `after` and pending writers/loaders of the blocks -> gather + copy -> record e_save;
+  slot FILLING(e_save); READY only once e_save has completed (settled by poll/wait).
+Load (slot -> GPU blocks), on `load_stream`:
+  wait pending readers/writers/savers/loaders of the blocks -> copy + scatter, an event per
+  layer -> record e_load; slot READING(e_load); the read ends only once e_load completed.
+
+One code path holds the protocol (waits, events, tracker moves); the bytes move through a
+per-device mover (`movers.py`). Submission takes one lock, so the order of work on the
+streams is the order the trackers see. Nothing is ever released on a timeout or because a
+call returned: only `poll`/`wait` apply completions, and they look at events.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import torch
+
+from kvtier.device.base import Device, Event, Stream
+from kvtier.engine.jobs import LoadJob, SaveJob, _Job
+from kvtier.engine.movers import make_mover
+from kvtier.engine.paths import Path, choose_path, parse_path
+from kvtier.layout import PagedKV
+from kvtier.lifecycle import Access, BlockTracker, LifecycleError, SlotState, SlotTracker, sanitize_enabled
+from kvtier.pool import PinnedPool, Slot
+
+
+class TransferEngine:
+    """Moves paged KV blocks between `kv` (GPU) and slots of `pool` (pinned host).
+
+    Args:
+        path: "auto" (rule in `paths.py`), "staged", "kernel" or "batch"; per job `path=` wins.
+        sanitize: raise LifecycleError on illegal moves (default: env KVTIER_SANITIZE).
+        staging_bytes: GPU staging per direction for the staged path (two buffers of half).
+        uva_ctas: CTAs of the kernel path's persistent grid (default: a quarter of the SMs).
+        compute_beside: the model computes while jobs run (steers "auto" to copy-engine paths).
+    """
+
+    def __init__(
+        self,
+        device: Device,
+        kv: PagedKV,
+        pool: PinnedPool,
+        *,
+        path: str = "auto",
+        sanitize: bool | None = None,
+        staging_bytes: int = 128 << 20,
+        uva_ctas: int | None = None,
+        compute_beside: bool = True,
+    ):
+        if not isinstance(kv, PagedKV):
+            raise ValueError(f"kv: expected a PagedKV, got {type(kv).__name__}")
+        if pool.device is not device:
+            raise ValueError("pool: must be a PinnedPool of the same device")
+        if uva_ctas is not None and (
+            isinstance(uva_ctas, bool) or not isinstance(uva_ctas, int) or uva_ctas < 1
+        ):
+            raise ValueError(f"uva_ctas: expected a positive int or None, got {uva_ctas!r}")
+        if not isinstance(staging_bytes, int) or staging_bytes < 2 * kv.block_nbytes:
+            raise ValueError(f"staging_bytes: need at least two blocks ({2 * kv.block_nbytes} B)")
+        self.device, self.kv, self.pool = device, kv, pool
+        self.path = parse_path(path)
+        self.sanitize = sanitize_enabled(sanitize)
+        self.staging_bytes, self.uva_ctas, self.compute_beside = staging_bytes, uva_ctas, compute_beside
+        self.save_stream: Stream = device.new_stream("kvtier-save")
+        self.load_stream: Stream = device.new_stream("kvtier-load")
+        self.slots = SlotTracker(pool, sanitize=self.sanitize)
+        self.blocks = BlockTracker(sanitize=self.sanitize)
+        self.mover = make_mover(self)
+        self._lock = threading.RLock()
+        self._jobs: list[_Job] = []  # submitted, not settled
+        self._stream_waits: dict[Stream, list[Event]] = {}  # events a stream was made to wait for
+        self._seq = itertools.count(1)
+        self._closed = False
+
+    # ---- jobs -----------------------------------------------------------------------------
+    def save(
+        self,
+        block_ids,
+        *,
+        after: Event | None,
+        num_tokens: int | None = None,
+        path: str | None = None,
+        timeout: float | None = None,
+    ) -> SaveJob:
+        """Copy blocks `block_ids` (every layer, K and V) into a new slot of kv.chunk_nbytes(n).
+
+        after: recorded on the compute stream after these blocks' KV was written (None: no
+            compute write is pending beyond those told through `compute_write`).
+        timeout: seconds to wait for pool room (completed jobs are harvested meanwhile); None
+            waits no longer than one harvest. Then PoolExhausted.
+        """
+        t0 = time.perf_counter()
+        self._check_open()
+        ids = self._ids(block_ids, unique=False, num_tokens=num_tokens)
+        p = self._path("save", path)
+        nbytes = self.kv.chunk_nbytes(len(ids))
+        # Back-pressure: settled jobs and retired slots give their room back while we wait.
+        slot = self.slots.alloc(nbytes, timeout=timeout or 0.0, on_pressure=lambda _n: self.poll() > 0)
+        try:
+            with self._lock:
+                k = next(self._seq)
+                bset = frozenset(ids.tolist())  # made once: the tracker takes a frozenset as is
+                waits = self.blocks.waits_for(Access.SAVE, bset, stream=self.save_stream)
+                if after is not None:
+                    # The copy must not read KV the compute has not finished writing (vLLM #31341).
+                    self.save_stream.wait_event(after)
+                for e in waits:
+                    # Nor blocks a load or a registered compute write still writes.
+                    self.save_stream.wait_event(e)
+                self.mover.save(p, ids, num_tokens, slot, self.save_stream)
+                e_save = self.save_stream.record(f"e_save#{k}")
+                waited = waits + ([after] if after is not None else [])
+                self.blocks.begin_save(bset, e_save, waited=waited)
+                self.slots.begin_fill(slot, e_save)  # READY only once e_save has completed
+                job = SaveJob(self, slot, e_save, ids, nbytes, p.value, time.perf_counter() - t0)
+                self._jobs.append(job)
+                return job
+        except BaseException:
+            if self.slots.state(slot) is SlotState.ALLOCATED:
+                self.slots.release(slot)  # nothing was submitted into it
+            raise
+
+    def load(
+        self,
+        slot: Slot,
+        block_ids,
+        *,
+        num_tokens: int | None = None,
+        per_layer: bool = True,
+        path: str | None = None,
+    ) -> LoadJob:
+        """Copy the READY slot `slot` into blocks `block_ids` (n distinct ids, every layer)."""
+        t0 = time.perf_counter()
+        self._check_open()
+        ids = self._ids(block_ids, unique=True, num_tokens=num_tokens)
+        nbytes = self.kv.chunk_nbytes(len(ids))
+        if slot.nbytes != nbytes:
+            raise ValueError(f"slot: holds {slot.nbytes} B, {len(ids)} blocks need {nbytes} B")
+        p = self._path("load", path, per_layer)
+        self.poll()  # a save into this slot that has completed becomes READY now
+        with self._lock:
+            state = self.slots.state(slot)
+            if self.sanitize and state not in (SlotState.READY, SlotState.READING):
+                # Checked before submitting anything: a half-submitted job could not be undone.
+                why = "the slot holds no complete data yet: wait for its save job first"
+                raise LifecycleError("load", slot.name, state.value, None, why)
+            k = next(self._seq)
+            bset = frozenset(ids.tolist())  # made once: the tracker takes a frozenset as is
+            waits = self.blocks.waits_for(Access.LOAD, bset, stream=self.load_stream)
+            for e in waits:
+                # The load must not overwrite blocks still read, written or saved (vLLM #47282).
+                self.load_stream.wait_event(e)
+            layers = self.mover.load(p, ids, num_tokens, slot, self.load_stream, per_layer, f"e_load#{k}")
+            e_load = self.load_stream.record(f"e_load#{k}")
+            self.slots.begin_read(slot, e_load)  # the slot may be freed only after e_load
+            self.blocks.begin_load(bset, e_load, waited=waits)
+            layer_events = [*layers, e_load] if layers else [e_load] * self.kv.num_layers
+            job = LoadJob(self, slot, e_load, ids, nbytes, p.value, 0.0, layer_events=layer_events)
+            self._jobs.append(job)
+        job.submit_s = time.perf_counter() - t0
+        return job
+
+    # ---- what the serving engine tells us --------------------------------------------------
+    def compute_read(self, blocks, event: Event, waited=()) -> None:
+        """Compute reads `blocks` until `event`; a later load into them waits for it."""
+        ids = self._ids(blocks, unique=False)
+        self.blocks.compute_read(ids, event, waited=self._waited(event, waited))
+
+    def compute_write(self, blocks, event: Event, waited=()) -> None:
+        """Compute writes `blocks` until `event`; a later save or load of them waits for it."""
+        ids = self._ids(blocks, unique=False)
+        self.blocks.compute_write(ids, event, waited=self._waited(event, waited))
+
+    # ---- completion --------------------------------------------------------------------------
+    def poll(self) -> int:
+        """Settle every job whose event has completed; return how many were settled."""
+        with self._lock:
+            done = [j for j in self._jobs if j.event.query()]
+            for j in done:
+                self._settle(j)
+            self.slots.poll()  # retired slots whose events completed go back to the pool
+        return len(done)
+
+    def wait(self, job: _Job, timeout: float | None = None) -> bool:
+        """Block until `job` completed and settle it; False on timeout: nothing is released."""
+        if not job.event.synchronize(timeout):
+            return False  # in flight: the slot stays FILLING/READING, the blocks stay pending
+        self._settle(job)
+        return True
+
+    def _settle(self, job: _Job) -> None:
+        with self._lock:
+            if job.settled:
+                return
+            if not job.event.query():
+                raise RuntimeError(f"internal: settling {job.event.label} before it completed")
+            if isinstance(job, SaveJob):
+                if not job.slot_released:
+                    self.slots.fill_done(job.slot)  # e_save completed: the slot holds the data
+            else:
+                self.slots.end_read(job.slot, job.event)  # e_load completed: the copy read it all
+            job.settled = True
+            self._jobs.remove(job)
+
+    def release(self, slot: Slot) -> None:
+        """The owner drops `slot`; it returns to the pool once no copy into/out of it is pending."""
+        with self._lock:
+            self.poll()
+            for j in self._jobs:
+                if j.slot is slot and isinstance(j, SaveJob):
+                    j.slot_released = True  # the retired slot turns READY by itself on completion
+            # retire, not release: a copy may still be in flight (never free on a timeout).
+            self.slots.retire(slot)
+
+    def close(self) -> None:
+        """Wait for every job, settle them, drop the staging buffers. The pool stays open."""
+        if self._closed:
+            return
+        self.save_stream.synchronize()  # submitted is not done: the copies must land first
+        self.load_stream.synchronize()
+        self.mover.synchronize()
+        self.poll()
+        self.mover.close()
+        self._closed = True
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("TransferEngine is closed")
+
+    def _path(self, direction: str, path: str | None, per_layer: bool = False) -> Path:
+        p = parse_path(path) if path is not None else self.path
+        if p is Path.AUTO:
+            piece = self.kv.piece_numel * self.kv.dtype.itemsize
+            p = choose_path(
+                direction,
+                piece_nbytes=piece,
+                per_layer=per_layer,
+                compute_beside=self.compute_beside,
+                batch_ok=self.mover.batch_available,
+            )
+        self.mover.check_path(p)
+        return p
+
+    def _ids(self, block_ids, unique: bool, num_tokens: int | None = None) -> torch.Tensor:
+        """int64 [n] CPU block ids, checked (no Python loop per block)."""
+        if isinstance(block_ids, torch.Tensor):
+            if block_ids.dim() != 1 or block_ids.dtype not in (torch.int32, torch.int64):
+                raise ValueError(
+                    f"block_ids: expected 1-D int32/int64, got {block_ids.dtype} {tuple(block_ids.shape)}"
+                )
+            ids = block_ids.to("cpu", torch.int64)
+        else:
+            try:
+                ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
+            except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+                raise ValueError(f"block_ids: expected a sequence of ints ({e})") from None
+        if ids.dim() != 1 or len(ids) == 0:
+            raise ValueError("block_ids: expected a non-empty flat sequence of ints")
+        if bool(((ids < 0) | (ids >= self.kv.num_blocks)).any()):
+            raise ValueError(f"block_ids: out of range; the cache has {self.kv.num_blocks} blocks")
+        if unique and len(torch.unique(ids)) != len(ids):
+            raise ValueError("block_ids: duplicate ids; a load cannot write one block twice")
+        if num_tokens is not None:
+            bs, n = self.kv.block_size, len(ids)
+            if (
+                isinstance(num_tokens, bool)
+                or not isinstance(num_tokens, int)
+                or not (n - 1) * bs < num_tokens <= n * bs
+            ):
+                raise ValueError(f"num_tokens: {num_tokens!r} does not fit {n} blocks of {bs} tokens")
+        return ids
+
+    def _note_wait(self, stream: Stream, event: Event) -> None:
+        with self._lock:
+            evs = [e for e in self._stream_waits.get(stream, []) if not e.query()]
+            evs.append(event)
+            self._stream_waits[stream] = evs
+
+    def _waited(self, event: Event, waited) -> list[Event]:
+        with self._lock:
+            return [*waited, *self._stream_waits.get(event.stream, [])]

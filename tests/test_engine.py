@@ -1,0 +1,282 @@
+"""TransferEngine on SimDevice: copies land late for real, so every wait the engine makes is
+tested by data, with the sanitizer on (LifecycleError on any illegal move)."""
+
+import time
+
+import pytest
+import torch
+
+from kvtier.device import SimDevice
+from kvtier.engine import Path, TransferEngine, choose_path
+from kvtier.lifecycle import LifecycleError, SlotState
+from kvtier.pool import PinnedPool, PoolExhausted
+from kvtier.reference import bits_equal, gather_ref, poison_, random_cache
+
+L, NB, BS, H, D = 3, 12, 4, 2, 8
+
+
+def rig(fmt="vllm_flash", dtype=torch.bfloat16, slots=4, n=3, path="auto", **delays):
+    dev = SimDevice(**delays)
+    kv = random_cache(fmt, L, NB, BS, H, D, dtype, seed=1)
+    pool = PinnedPool(dev, slots * kv.chunk_nbytes(n))
+    eng = TransferEngine(dev, kv, pool, path=path, sanitize=True, staging_bytes=4 * kv.block_nbytes)
+    return dev, kv, pool, eng
+
+
+def slow_fill(kv, blocks, value, seconds):
+    """A compute "kernel" that writes `value` into every layer of `blocks` after `seconds`."""
+
+    def run():
+        time.sleep(seconds)
+        for x in kv.layers:
+            x[:, blocks] = value
+
+    return run
+
+
+@pytest.mark.parametrize("fmt", ["vllm_flash", "flashinfer_hnd", "mla", "cross_layer"])
+@pytest.mark.parametrize("path", ["staged", "kernel"])
+def test_round_trip_partial_last_block(fmt, path):
+    dev, kv, pool, eng = rig(fmt, path=path, copy_delay=0.01, launch_delay=0.005)
+    src, dst, ntok = [7, 1, 4], [0, 9, 3], 2 * BS + 3
+    try:
+        want = gather_ref(kv, src, ntok)
+        others = [b for b in range(NB) if b not in dst]
+        before_others, before_last = gather_ref(kv, others), gather_ref(kv, [dst[-1]])
+        save = eng.save(src, after=None, num_tokens=ntok)
+        assert save.path == path and save.nbytes == kv.chunk_nbytes(3) and save.submit_s > 0
+        assert save.wait()
+        assert eng.slots.state(save.slot) is SlotState.READY
+        assert bits_equal(save.slot.view(kv.dtype, kv.chunk_shape(3)), want)
+        load = eng.load(save.slot, dst, num_tokens=ntok)
+        assert load.wait() and len(load.layer_events) == L
+        assert bits_equal(gather_ref(kv, dst, ntok), want)
+        assert bits_equal(gather_ref(kv, others), before_others)  # nothing else touched
+        tail = 3 + kv.token_dim  # tokens past num_tokens in the last block are left alone
+        after_last = gather_ref(kv, [dst[-1]])
+        assert bits_equal(after_last.narrow(tail, 3, BS - 3), before_last.narrow(tail, 3, BS - 3))
+        eng.release(save.slot)
+        eng.close()
+        assert pool.stats().used == 0
+    finally:
+        dev.close()
+
+
+def test_fp8_kernel_save_staged_load_cross_path():
+    dev, kv, pool, eng = rig("flashinfer_nhd", dtype=torch.float8_e4m3fn, launch_delay=0.002)
+    try:
+        want = gather_ref(kv, [2, 5])
+        job = eng.save([2, 5], after=None, path="kernel")
+        assert job.wait()
+        load = eng.load(job.slot, [10, 11], path="staged")
+        assert load.wait() and bits_equal(gather_ref(kv, [10, 11]), want)
+    finally:
+        dev.close()
+
+
+def test_per_layer_events_complete_in_order_with_their_bytes():
+    dev, kv, pool, eng = rig(path="kernel", launch_delay=0.06)
+    try:
+        save = eng.save([1, 2, 3], after=None)
+        assert save.wait()
+        want = save.slot.view(kv.dtype, kv.chunk_shape(3)).clone()
+        for x in kv.layers:
+            poison_(x[:, [6, 7, 8]])
+        load = eng.load(save.slot, [6, 7, 8], per_layer=True)
+        assert load.layer_events[-1] is load.event
+        assert len({id(e) for e in load.layer_events}) == L  # a real event per layer
+        times = []
+        for layer, ev in enumerate(load.layer_events):
+            assert ev.synchronize(timeout=5)
+            got = gather_ref(kv, [6, 7, 8])
+            assert bits_equal(got[:, layer], want[:, layer])  # this layer has landed
+            if layer + 1 < L:  # the next one (60 ms away) has not
+                assert not bits_equal(got[:, layer + 1], want[:, layer + 1])
+            times.append(ev.time_s())
+        assert times == sorted(times)
+        assert load.wait()
+    finally:
+        dev.close()
+
+
+def test_wait_layer_orders_compute_after_that_layer():
+    dev, kv, pool, eng = rig(path="kernel", launch_delay=0.03)
+    compute = dev.current_stream()
+    try:
+        save = eng.save([0, 1], after=None)
+        assert save.wait()
+        want = save.slot.view(kv.dtype, kv.chunk_shape(2)).clone()
+        load = eng.load(save.slot, [4, 5])
+        out = {}
+        load.wait_layer(1, compute)  # attention of layer 1 starts once layer 1 arrived
+        dev.launch(lambda: out.setdefault("l1", gather_ref(kv, [4, 5])[:, 1].clone()), compute)
+        compute.synchronize()
+        assert bits_equal(out["l1"], want[:, 1])
+        with pytest.raises(ValueError, match="layer"):
+            load.wait_layer(L, compute)
+    finally:
+        dev.close()
+
+
+@pytest.mark.parametrize("path", ["staged", "kernel"])
+def test_save_waits_for_compute_event(path):
+    dev, kv, pool, eng = rig(path=path, copy_delay=0.01)
+    compute = dev.current_stream()
+    try:
+        # Without the wait (the bug): the save copies the KV before the slow kernel wrote it.
+        dev.launch(slow_fill(kv, [2, 3], 1.0, 0.2), compute)
+        compute.record("e_compute")
+        stale = eng.save([2, 3], after=None)
+        assert stale.wait()
+        assert not bool((stale.slot.view(kv.dtype, kv.chunk_shape(2)) == 1.0).all())
+        compute.synchronize()
+        # With `after`: the copy stream waits for the compute event, the slot is right.
+        dev.launch(slow_fill(kv, [2, 3], 2.0, 0.2), compute)
+        job = eng.save([2, 3], after=compute.record("e_compute"))
+        assert not job.done()
+        assert job.wait()
+        assert bool((job.slot.view(kv.dtype, kv.chunk_shape(2)) == 2.0).all())
+        # Told through compute_write instead of `after`: the tracker makes the save wait too.
+        dev.launch(slow_fill(kv, [2, 3], 3.0, 0.2), compute)
+        eng.compute_write([2, 3], compute.record("e_write"), waited=[stale.event, job.event])
+        job3 = eng.save([2, 3], after=None)
+        assert job3.wait()
+        assert bool((job3.slot.view(kv.dtype, kv.chunk_shape(2)) == 3.0).all())
+    finally:
+        dev.close()
+
+
+@pytest.mark.parametrize("register", [True, False])
+def test_load_waits_for_pending_compute_readers(register):
+    dev, kv, pool, eng = rig(copy_delay=0.01)
+    compute = dev.current_stream()
+    try:
+        for x in kv.layers:
+            x[:, [5]] = 4.0  # KV another request still attends over
+        save = eng.save([0], after=None)  # different data, to be loaded into block 5
+        assert save.wait()
+        out = {}
+
+        def slow_read():
+            time.sleep(0.2)
+            out["kv"] = gather_ref(kv, [5])
+
+        dev.launch(slow_read, compute)
+        e_read = compute.record("e_read")
+        if register:
+            eng.compute_read([5], e_read)
+        load = eng.load(save.slot, [5])
+        assert load.wait()
+        compute.synchronize()
+        # Registered: the load waited for the reader. Not: it overwrote the block under it.
+        assert bool((out["kv"] == 4.0).all()) is register
+    finally:
+        dev.close()
+
+
+def test_wait_timeout_releases_nothing():
+    dev, kv, pool, eng = rig(copy_delay=0.3)
+    try:
+        job = eng.save([1, 2, 3], after=None, path="staged")
+        used = pool.stats().used
+        assert not job.wait(timeout=0.01)
+        assert eng.slots.state(job.slot) is SlotState.FILLING and pool.stats().used == used
+        assert eng.poll() == 0
+        eng.release(job.slot)  # the owner gives up: retired, freed only once e_save completed
+        assert pool.stats().used == used and pool.stats().in_flight == used
+        assert job.wait(timeout=5)
+        eng.poll()
+        assert pool.stats().used == 0
+        # The same for a load: its slot stays READING until e_load completed.
+        save = eng.save([1, 2, 3], after=None)
+        assert save.wait()
+        load = eng.load(save.slot, [4, 5, 6], path="staged")
+        assert not load.wait(timeout=0.01)
+        assert eng.slots.state(save.slot) is SlotState.READING
+        eng.release(save.slot)
+        assert pool.stats().used == used
+        assert load.wait(timeout=5) and pool.stats().used == 0
+    finally:
+        dev.close()
+
+
+def test_pool_back_pressure():
+    dev, kv, pool, eng = rig(slots=2, copy_delay=0.2)
+    try:
+        a = eng.save([0, 1, 2], after=None)
+        eng.save([3, 4, 5], after=None)
+        with pytest.raises(PoolExhausted):
+            eng.save([6, 7, 8], after=None, timeout=0.05)
+        eng.release(a.slot)  # still in flight: the room comes back when its copy has landed
+        t0 = time.monotonic()
+        c = eng.save([6, 7, 8], after=None, timeout=5)
+        assert a.event.query() and time.monotonic() - t0 > 0.05
+        assert c.wait()
+    finally:
+        dev.close()
+
+
+def test_poll_settles_completed_jobs():
+    dev, kv, pool, eng = rig(copy_delay=0.02)
+    try:
+        jobs = [eng.save([i], after=None) for i in range(3)]
+        assert eng.poll() in range(0, 4)
+        for j in jobs:
+            j.event.synchronize()
+        eng.poll()
+        assert all(eng.slots.state(j.slot) is SlotState.READY for j in jobs)
+        assert eng.poll() == 0 and all(j.done() for j in jobs)
+    finally:
+        dev.close()
+
+
+def test_sanitizer_catches_illegal_moves():
+    dev, kv, pool, eng = rig(copy_delay=0.2)
+    compute = dev.current_stream()
+    try:
+        job = eng.save([0, 1, 2], after=None)
+        with pytest.raises(LifecycleError, match="FILLING"):
+            eng.load(job.slot, [3, 4, 5])  # the save has not landed
+        with pytest.raises(LifecycleError, match="release|FILLING"):
+            eng.slots.release(job.slot)  # freeing a slot under DMA
+        assert job.wait()
+        load = eng.load(job.slot, [6, 7, 8])
+        with pytest.raises(LifecycleError, match="LOADING"):  # reading a block before its load
+            eng.compute_read([6], compute.record("e_read"))
+        load.wait_on(compute)
+        eng.compute_read([6], compute.record("e_read"))  # ordered now: accepted
+        assert load.wait()
+    finally:
+        dev.close()
+
+
+def test_bad_arguments():
+    dev, kv, pool, eng = rig()
+    try:
+        with pytest.raises(ValueError, match="out of range"):
+            eng.save([NB], after=None)
+        with pytest.raises(ValueError, match="num_tokens"):
+            eng.save([1, 2], after=None, num_tokens=2 * BS + 1)
+        with pytest.raises(ValueError, match="batch"):
+            eng.save([1], after=None, path="batch")
+        with pytest.raises(ValueError, match="path"):
+            eng.save([1], after=None, path="dma")
+        job = eng.save([1, 2], after=None)
+        assert job.wait()
+        with pytest.raises(ValueError, match="duplicate"):
+            eng.load(job.slot, [3, 3])
+        with pytest.raises(ValueError, match="slot"):
+            eng.load(job.slot, [3])
+        assert pool.stats().slots == 1  # failed calls left nothing allocated
+    finally:
+        dev.close()
+
+
+def test_auto_path_rule():
+    small = 32 << 10
+    assert choose_path("save", piece_nbytes=small) is Path.STAGED
+    assert choose_path("load", piece_nbytes=small, per_layer=True, compute_beside=True) is Path.STAGED
+    assert choose_path("load", piece_nbytes=small, per_layer=True, compute_beside=False) is Path.KERNEL
+    assert choose_path("load", piece_nbytes=small, per_layer=False, compute_beside=False) is Path.STAGED
+    assert choose_path("save", piece_nbytes=small, batch_ok=True) is Path.STAGED  # never for small pieces
+    assert choose_path("save", piece_nbytes=8 << 20, batch_ok=True) is Path.BATCH
