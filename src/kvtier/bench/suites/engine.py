@@ -1,0 +1,255 @@
+"""Suites of the transfer engine (`kvtier.engine`), beside the same-run ceilings (PERF.md P4-P6).
+
+  bidir               a save and a load at once, one job per direction on the engine's two copy
+                      streams, 1 GiB each way          vs bidir_pinned (P4: >= 95%); each one alone
+  save_beside_matmul  bf16 8192^3 matmuls on their own stream, alone vs beside a save looping on
+                      the engine's copy stream, per path (P5: the matmul loses <= 3%)
+  submit_overhead     CPU time to submit one save / load job, 1 GiB, block sizes 1..256 tokens
+                      (8192..32 blocks) and 4 GiB of 16-token blocks (P6: <= 100 us, flat)
+
+Shape: Llama-3-8B KV (32 layers, 8 KV heads, head_dim 128, bf16), vLLM flash layout, random ids
+(`kv.Work`). Jobs are timed with device events from before the submit to after the job's event,
+one job at a time from an idle engine; the slot is waited and released outside the timed region.
+
+save_beside_matmul lives in `interference.py` (its method and rows are described there).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from kvtier.bench.stats import summarize
+from kvtier.bench.suite import Context, GiB, MiB, SkipSuite, register
+from kvtier.bench.suites.kv import Work
+from kvtier.engine import SaveJob
+from kvtier.reference import bits_equal, gather_ref
+
+P4, P5_PCT, P6_US = 0.95, 3.0, 100.0
+
+
+def _gpu(ctx: Context):
+    if not ctx.on_gpu:
+        raise SkipSuite("needs a CUDA GPU")
+    from kvtier.device import CudaDevice
+
+    return CudaDevice(ctx.device.index or 0)
+
+
+def _engine(dev, kv, nbytes: int, slots: int, **kw):
+    from kvtier.engine import TransferEngine
+    from kvtier.pool import PinnedPool
+
+    pool = PinnedPool(dev, slots * nbytes, chunk_bytes=nbytes)  # one slot per chunk: no straddling
+    return TransferEngine(dev, kv, pool, **kw), pool
+
+
+def _time_jobs(dev, submit, finish, reps: int, warmup: int = 2):
+    """Device-event time from before `submit(start)` to after the events of the jobs it returns,
+    one run at a time; `finish(jobs)` (untimed) waits for them and releases their slots."""
+    cur, samples = dev.current_stream(), []
+    for i in range(warmup + reps):
+        start = cur.record("bench:start")  # the clock starts when the GPU reaches the submit, not the CPU
+        jobs = submit(start)
+        for j in jobs:
+            cur.wait_event(j.event)  # the end event must follow each job's last copy, or it under-reports
+        end = cur.record("bench:end")  # after the waits above: covers every job
+        end.synchronize()  # elapsed time is known only once the end event completed
+        finish(jobs)
+        if i >= warmup:
+            samples.append(start.elapsed_ms(end))
+    return summarize(samples, "cuda_events")
+
+
+def _load(eng, slot, ids, start, **kw):
+    if start is not None:
+        eng.load_stream.wait_event(start)  # the timed load must not start before the timer's start event
+    return eng.load(slot, ids, **kw)
+
+
+def _unavailable(path: str) -> str | None:
+    """Why `path` cannot run here (checked before a pool is pinned for it), or None."""
+    from kvtier.engine import batch
+
+    return batch.why_unavailable() if path == "batch" and not batch.available() else None
+
+
+def _settle(eng, jobs) -> None:
+    for j in jobs:
+        eng.wait(j)  # only a completed job gives its slot back: never release under DMA
+        if isinstance(j, SaveJob):
+            eng.release(j.slot)
+
+
+def _done(eng, job):
+    eng.wait(job)  # the slot is released only once e_save completed: never under DMA
+    eng.release(job.slot)
+    return job.event
+
+
+# ---- bidir ------------------------------------------------------------------------------------
+
+
+@register("bidir", description="engine save + load at once (two copy streams) vs bidir_pinned (P4)")
+def bidir(ctx: Context):
+    dev = _gpu(ctx)
+    w = Work(ctx, 64 * MiB if ctx.quick else GiB, layers=2 if ctx.quick else 32)
+    kv, src, dst = w.request(16)
+    nbytes, reps = w.payload, 3 if ctx.quick else 10
+    for path in ("staged", "kernel", "batch"):
+        if why := _unavailable(path):
+            ctx.skip(f"bidir {path}", why)
+            continue
+        eng, pool = _engine(dev, kv, nbytes, 3, path=path)
+        try:
+            first = eng.save(src.cpu, after=None)
+        except ValueError as e:  # e.g. "batch" where the API is missing
+            ctx.skip(f"bidir {path}", str(e))
+        else:
+            eng.wait(first)  # the load's source slot holds complete data only after e_save
+            yield from _bidir_rows(ctx, dev, w, eng, first.slot, src, dst, reps)
+            eng.release(first.slot)
+        eng.close(), pool.close()
+
+
+def _bidir_rows(ctx, dev, w, eng, src_slot, src, dst, reps):
+    kv, nbytes, path = eng.kv, w.payload, eng.path.value
+    save = lambda start: [eng.save(src.cpu, after=start)]  # after: the timer's start marker
+    load = lambda start: [_load(eng, src_slot, dst.cpu, start, per_layer=False)]
+    both = lambda start: save(start) + load(start)
+    settle = lambda js: _settle(eng, js)
+    ok = _checked(eng, kv, src, dst, both, src_slot)
+    p = w.params(16, path, target="P4 >= 95% of bidir_pinned")
+    t = _time_jobs(dev, both, settle, reps)
+    r = ctx.row(f"save+load {path} bs16", 2 * nbytes, t, "bidir_pinned", correct=ok, **p)
+    r.params["meets_target"] = r.ratio >= P4
+    yield r
+    t = _time_jobs(dev, save, settle, reps)
+    yield ctx.row(f"save alone {path} bs16", nbytes, t, "d2h_pinned", **w.params(16, path))
+    t = _time_jobs(dev, load, settle, reps)
+    yield ctx.row(f"load alone {path} bs16", nbytes, t, "h2d_pinned", **w.params(16, path))
+
+
+def _checked(eng, kv, src, dst, both, src_slot) -> bool:
+    """One save + load at once, both directions bit-exact: the saved slot against the reference
+    gather, the loaded blocks (poisoned first: a block left untouched fails) against the source."""
+    idx = dst.dev.long()
+    for layer in range(kv.num_layers):
+        kv.block_view(layer).view(torch.uint8)[:, idx] = 0xA5
+    # The poison is a compute write: the load must land after it, or the poison overwrites the load.
+    eng.compute_write(dst.cpu, eng.device.current_stream().record("poison"))
+    jobs = both(None)
+    for j in jobs:
+        eng.wait(j)  # read the slot and the blocks only after e_save / e_load completed
+    shape = kv.chunk_shape(len(src))
+    ok = bits_equal(jobs[0].slot.view(kv.dtype, shape).to(kv.device), gather_ref(kv, src.cpu))
+    ok &= bits_equal(gather_ref(kv, dst.cpu), src_slot.view(kv.dtype, shape).to(kv.device))
+    _settle(eng, jobs)
+    return bool(ok)
+
+
+# ---- submit_overhead --------------------------------------------------------------------------
+
+
+@register("submit_overhead", description="CPU time to submit one save / load job, 32..32768 blocks (P6)")
+def submit_overhead(ctx: Context):
+    """On a GPU: 1 GiB at block sizes 1..256 and 4 GiB of 16-token blocks. Without one, in quick
+    mode, a dry pass on `SimDevice` (tiny cache, host_memcpy as the ceiling): not figures."""
+    if not ctx.on_gpu and not ctx.quick:
+        raise SkipSuite("needs a CUDA GPU (with --quick, a dry pass runs on the simulator)")
+    reps = 5 if ctx.quick else 20
+    rows = []
+    if ctx.on_gpu:
+        dev = _gpu(ctx)
+        w = Work(ctx, 16 * MiB if ctx.quick else GiB, layers=2 if ctx.quick else 32)
+        for bs in (1, 16, 256) if ctx.quick else (1, 4, 16, 64, 256):
+            kv, src, dst = w.request(bs)
+            rows += _submit_rows(ctx, dev, kv, src.cpu, dst.cpu, w.payload, reps, w.params(bs, "auto"))
+        del w, kv, src, dst  # the views keep the 1 GiB request's pool alive otherwise
+        if not ctx.quick:
+            torch.cuda.empty_cache()
+            try:
+                w = Work(ctx, 4 * GiB)
+                kv, src, dst = w.request(16)
+                rows += _submit_rows(ctx, dev, kv, src.cpu, dst.cpu, w.payload, reps, w.params(16, "auto"))
+            except (RuntimeError, torch.OutOfMemoryError) as e:  # pinned registration or HBM too small
+                ctx.skip("submit 4 GiB bs16", f"{type(e).__name__}: {e}"[:300])
+    else:
+        from kvtier.device import SimDevice
+
+        dev = SimDevice()
+        try:
+            for bs in (1, 16, 256):
+                kv, src, dst, nbytes = _sim_cache(bs)
+                rows += _submit_rows(
+                    ctx, dev, kv, src, dst, nbytes, reps, {"block_size": bs, "device": "sim"}
+                )
+        finally:
+            dev.close()
+    for direction in ("save", "load"):  # flat in block count: the spread of the medians across cases
+        mine = [r for r in rows if r.case.startswith(direction)]
+        us = [r.params["submit_us"] for r in mine]
+        for r in mine:
+            r.params["flat_ratio"] = max(us) / min(us)
+    yield from rows
+
+
+def _submit_rows(ctx, dev, kv, src, dst, nbytes, reps, params) -> list:
+    """Save then load rows: the timing is the whole job (device events, vs the ceiling), the
+    params hold the CPU time spent inside save()/load() (perf_counter around the call only)."""
+    eng, pool = _engine(dev, kv, nbytes, 2)  # the load's source + one timed save at a time
+    host = dev.name == "sim"
+    ceil = ("host_memcpy", "host_memcpy") if host else ("d2h_pinned", "h2d_pinned")
+    rows = []
+    try:
+        first = eng.save(src, after=None)
+        eng.wait(first)  # the load's source slot holds complete data only after e_save
+        jobs = {
+            "save": lambda start: eng.save(src, after=start),  # after: the timer's start marker
+            "load": lambda start: _load(eng, first.slot, dst, start),
+        }
+        for (direction, call), ceiling in zip(jobs.items(), ceil, strict=True):
+            us, job_us, paths = [], [], set()
+
+            def submit(start, call=call, us=us, job_us=job_us, paths=paths):
+                t0 = time.perf_counter()
+                job = call(start)
+                us.append((time.perf_counter() - t0) * 1e6)  # submitted, not done: the CPU cost
+                job_us.append(job.submit_s * 1e6)
+                paths.add(job.path)
+                return [job]
+
+            t = _time_jobs(dev, submit, lambda js: _settle(eng, js), reps)
+            us, job_us = us[2:], job_us[2:]  # drop the warm-up runs
+            med = statistics.median(us)
+            p = params | dict(
+                blocks=len(src), submit_us=med, submit_us_min=min(us), submit_us_max=max(us),
+                job_submit_us=statistics.median(job_us), engine_path=",".join(sorted(paths)),
+                target="P6 <= 100 us, flat in block count", meets_target=med <= P6_US,
+            )  # fmt: skip
+            bs = params["block_size"]
+            size = f"{nbytes / GiB:g}GiB" if nbytes >= GiB else f"{nbytes / MiB:.3g}MiB"
+            rows.append(ctx.row(f"{direction} bs{bs} {size}", nbytes, t, ceiling, **p))
+        _settle(eng, [first])
+    finally:
+        eng.close()
+        pool.close()
+    return rows
+
+
+def _sim_cache(bs: int, tokens: int = 256):
+    """A tiny CPU cache for the simulator: 2 layers, 2 heads, head_dim 16, bf16, random bits."""
+    from kvtier import layout
+
+    nb = 2 * tokens // bs
+    caches = [
+        torch.randint(0, 256, (2 * nb * bs * 2 * 16 * 2,), dtype=torch.uint8)
+        .view(torch.bfloat16)
+        .view(2, nb, bs, 2, 16)
+        for _ in range(2)
+    ]
+    kv = layout.vllm_flash(caches)
+    n = tokens // bs
+    return kv, torch.arange(n), torch.arange(n, 2 * n), kv.chunk_nbytes(n)

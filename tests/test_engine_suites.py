@@ -1,0 +1,82 @@
+"""The engine bench suites (bidir, save_beside_matmul, submit_overhead): registered, skip cleanly
+without a GPU, and submit_overhead's quick dry pass runs on the simulator."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvtier.bench.suite import SUITES, Context, SkipSuite  # noqa: E402
+from kvtier.bench.suites import IMPORT_ERRORS  # noqa: E402
+from kvtier.bench.suites.interference import _SaveLoop  # noqa: E402
+
+NAMES = ("bidir", "save_beside_matmul", "submit_overhead")
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
+
+
+def test_registered():
+    for module in ("engine", "interference"):
+        assert module not in IMPORT_ERRORS, IMPORT_ERRORS[module]
+    for name in NAMES:
+        assert SUITES[name].needs_gpu and SUITES[name].description
+        assert SUITES[name].fn.__module__.rsplit(".", 1)[1] in ("engine", "interference")
+
+
+@no_gpu
+@pytest.mark.parametrize("name", NAMES)
+def test_skip_without_gpu(name):
+    with pytest.raises(SkipSuite, match="CUDA GPU"):
+        list(SUITES[name].fn(Context("cpu", quick=False)))
+
+
+@no_gpu
+@pytest.mark.parametrize("name", ("bidir", "save_beside_matmul"))
+def test_skip_without_gpu_quick(name):
+    with pytest.raises(SkipSuite, match="CUDA GPU"):
+        list(SUITES[name].fn(Context("cpu", quick=True)))
+
+
+@no_gpu
+def test_runner_skips_them_without_gpu():
+    from kvtier.bench.runner import plan
+
+    run, skipped = plan(list(NAMES), on_gpu=False)
+    assert run == [] and set(NAMES) <= set(skipped)
+
+
+@no_gpu
+def test_submit_overhead_dry_pass_on_sim():
+    ctx = Context("cpu", quick=True)
+    ctx.suite = "submit_overhead"
+    rows = list(SUITES["submit_overhead"].fn(ctx))
+    assert [r.case.split()[0] for r in rows] == ["save", "load"] * 3
+    blocks = {r.params["blocks"] for r in rows}
+    assert blocks == {256, 16, 1}  # block counts varying 256x
+    for r in rows:
+        assert r.ceiling == "host_memcpy" and r.gbps > 0
+        p = r.params
+        assert 0 < p["submit_us_min"] <= p["submit_us"] <= p["submit_us_max"]
+        assert p["job_submit_us"] > 0 and p["flat_ratio"] >= 1
+        assert p["engine_path"] in ("staged", "kernel")
+
+
+def test_save_loop_keeps_jobs_queued_and_reraises():
+    submitted, finished = [], []
+
+    def submit():
+        submitted.append(len(submitted))
+        return submitted[-1]
+
+    def finish(j):
+        finished.append(j)
+        return j
+
+    with _SaveLoop(submit, finish, depth=3) as loop:
+        while len(finished) < 10:
+            pass
+    assert loop.events == finished == submitted  # every job finished, in order, none left queued
+
+    def broken():
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"), _SaveLoop(broken, finish):
+        pass
