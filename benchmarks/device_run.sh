@@ -3,6 +3,8 @@
 # (or ./out). Reproduce the committed figures with:   bash benchmarks/device_run.sh full
 #   smoke: GPU tests + `bench --quick`     tests: GPU tests + memcheck     bench: probe + all suites
 #   full: tests + bench  (extra arguments go to pytest; BENCH_ARGS to `kvtier bench`)
+#   engine-tests: GPU tests + memcheck (kernels, engine) + racecheck/synccheck (engine) + `kvtier trace`
+#   engine-bench: probe + suites bidir, save_beside_matmul, submit_overhead, gather_d2d
 set -uo pipefail
 mode=${1:-full}
 shift || true
@@ -16,6 +18,33 @@ py=${PYTHON:-python3}
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current,clocks.sm,clocks.mem \
   --format=csv > "$out/nvidia-smi.txt" 2>&1
 $py -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))" | tee -a "$out/nvidia-smi.txt"
+
+if [ "$mode" = engine-tests ]; then
+  echo "== GPU tests"
+  timeout 300 $py -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors tests 2>&1 \
+    | tail -30 | tee "$out/pytest-gpu.log"
+  for tool in memcheck racecheck synccheck; do
+    case $tool in
+      memcheck) sel="tests/test_kernels_gpu.py tests/test_engine_gpu.py"; k="not llama" ;;
+      *) sel="tests/test_engine_gpu.py"; k="round_trip" ;;
+    esac
+    echo "== compute-sanitizer $tool: $sel -k '$k'"
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 200 compute-sanitizer --tool $tool --error-exitcode 99 \
+      $([ $tool = memcheck ] && echo --leak-check no) $py -m pytest -q -p no:cacheprovider $sel -k "$k" \
+      > "$out/$tool.log" 2>&1
+    echo "$tool exit code: $?" | tee -a "$out/$tool.log"
+    tail -4 "$out/$tool.log"
+  done
+  echo "== kvtier trace on the GPU"
+  timeout 120 $py -m kvtier trace --device cuda --out "$out/trace.png" 2>&1 | tail -5
+  exit 0
+fi
+if [ "$mode" = engine-bench ]; then
+  timeout 200 $py -m kvtier probe --save "$out/ceilings-h200.json" > "$out/probe.log" 2>&1
+  timeout 500 $py -m kvtier bench --out "$out" --suite bidir --suite save_beside_matmul \
+    --suite submit_overhead --suite gather_d2d 2>&1 | tee "$out/bench.log" | tail -40
+  exit 0
+fi
 
 if [ "$mode" != bench ]; then
 echo "== GPU tests"
