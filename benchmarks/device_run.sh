@@ -5,6 +5,7 @@
 #   full: tests + bench  (extra arguments go to pytest; BENCH_ARGS to `kvtier bench`)
 #   engine-tests: GPU tests + memcheck (kernels, engine) + racecheck/synccheck (engine) + `kvtier trace`
 #   engine-bench: probe + suites bidir, save_beside_matmul, submit_overhead, gather_d2d
+#   engine-all: GPU tests + engine-bench
 set -uo pipefail
 mode=${1:-full}
 shift || true
@@ -38,6 +39,12 @@ if [ "$mode" = engine-tests ]; then
   echo "== kvtier trace on the GPU"
   timeout 120 $py -m kvtier trace --device cuda --out "$out/trace.png" 2>&1 | tail -5
   exit 0
+fi
+if [ "$mode" = engine-all ]; then
+  echo "== GPU tests"
+  timeout 200 $py -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors tests 2>&1 \
+    | tail -30 | tee "$out/pytest-gpu.log"
+  mode=engine-bench
 fi
 if [ "$mode" = engine-bench ]; then
   timeout 200 $py -m kvtier probe --save "$out/ceilings-h200.json" > "$out/probe.log" 2>&1

@@ -15,11 +15,13 @@ from __future__ import annotations
 import itertools
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
 
 from kvtier.device.base import Device, Event, Stream, check_copy_args, check_nbytes
+from kvtier.device.cudart import clear_last_error
 
 _CUDA_HOST_REGISTER_PORTABLE = 1  # the registration is visible to every CUDA context
 _REGISTER_MIN = 2 << 20
@@ -118,6 +120,9 @@ class CudaDevice(Device):
         self.pin = pin
         self._torch_device = torch.device("cuda", index)
         self._registered: dict[int, torch.Tensor] = {}  # data_ptr -> buffer kept alive while locked
+        # A device dropped without close() must not leave its pages registered: freed memory that
+        # malloc hands out again would then fail cudaHostRegister ("already registered").
+        weakref.finalize(self, _unregister_all, self._registered)
         self._names = itertools.count()
         self._compute = CudaStream(self, torch.cuda.current_stream(self._torch_device), "compute")
         self._epoch = torch.cuda.Event(enable_timing=True)
@@ -184,6 +189,7 @@ class CudaDevice(Device):
             if err == 0:
                 self._registered[buf.data_ptr()] = buf
                 return buf
+            clear_last_error()  # the handled failure must not surface at torch's next CUDA call
             warnings.warn(
                 f"cudaHostRegister of {nbytes} bytes failed (cudaError {err}); "
                 "falling back to torch pin_memory, which rounds up to a power of two",
@@ -203,6 +209,10 @@ class CudaDevice(Device):
     def close(self) -> None:
         # No copy may still read or write a buffer we are about to unlock.
         self.synchronize()
-        for ptr in list(self._registered):
-            torch.cuda.cudart().cudaHostUnregister(ptr)
-        self._registered.clear()
+        _unregister_all(self._registered)
+
+
+def _unregister_all(registered: dict[int, torch.Tensor]) -> None:
+    for ptr in list(registered):
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    registered.clear()

@@ -18,10 +18,10 @@ streams are never that one.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
+from kvtier.device.cudart import runtime
 from kvtier.layout import PagedKV
 from kvtier.ops.checks import BlockIds
 from kvtier.pool import Slot
@@ -43,28 +43,14 @@ class _MemcpyAttributes(ctypes.Structure):
     ]
 
 
-@functools.cache
 def _runtime() -> tuple[ctypes.CDLL | None, int, str]:
     """(libcudart, runtime version, why not usable or '')."""
-    if not torch.cuda.is_available() or not torch.version.cuda:
-        return None, 0, "needs a CUDA build of torch and a GPU"
-    major = torch.version.cuda.split(".")[0]
-    lib = None
-    for name in (f"libcudart.so.{major}", "libcudart.so"):
-        try:
-            lib = ctypes.CDLL(name)  # the runtime torch already loaded (same soname)
-            break
-        except OSError:
-            continue
+    lib, ver, why = runtime()
     if lib is None:
-        return None, 0, f"libcudart.so.{major} not found"
-    lib.cudaGetErrorString.restype = ctypes.c_char_p  # const char*, not the default int
-    ver = ctypes.c_int(0)
-    if lib.cudaRuntimeGetVersion(ctypes.byref(ver)) != 0:
-        return None, 0, "cudaRuntimeGetVersion failed"
-    if ver.value < 12080 or not hasattr(lib, "cudaMemcpyBatchAsync"):
-        return None, ver.value, f"cudaMemcpyBatchAsync needs CUDA runtime >= 12.8, have {ver.value}"
-    return lib, ver.value, ""
+        return None, ver, why
+    if ver < 12080 or not hasattr(lib, "cudaMemcpyBatchAsync"):
+        return None, ver, f"cudaMemcpyBatchAsync needs CUDA runtime >= 12.8, have {ver}"
+    return lib, ver, ""
 
 
 def available() -> bool:
