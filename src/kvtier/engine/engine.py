@@ -36,7 +36,9 @@ class TransferEngine:
     Args:
         path: "auto" (rule in `paths.py`), "staged", "kernel" or "batch"; per job `path=` wins.
         sanitize: raise LifecycleError on illegal moves (default: env KVTIER_SANITIZE).
-        staging_bytes: GPU staging per direction for the staged path (two buffers of half).
+        staging_bytes: GPU staging per direction for the staged path (two buffers of half). 512 MiB:
+            on the H200 the staged save ran 98.7% of pinned D2H with 256 MiB chunks against 96.3%
+            with 32-128 MiB ones, and CPU submit time grows with the number of chunks.
         uva_ctas: CTAs of the kernel path's persistent grid (default: a quarter of the SMs).
         compute_beside: the model computes while jobs run (steers "auto" to copy-engine paths).
     """
@@ -49,7 +51,7 @@ class TransferEngine:
         *,
         path: str = "auto",
         sanitize: bool | None = None,
-        staging_bytes: int = 128 << 20,
+        staging_bytes: int = 512 << 20,
         uva_ctas: int | None = None,
         compute_beside: bool = True,
     ):
