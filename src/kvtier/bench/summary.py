@@ -14,6 +14,7 @@ TARGETS: dict[str, tuple[str, float]] = {
     "save_d2h": ("P2", 0.97),
     "load_h2d": ("P3", 0.97),
 }
+ENGINE_SUITES = ("bidir", "save_beside_matmul", "submit_overhead")
 
 
 def _group(rows: list[dict]) -> dict[tuple[str, str, str], list[dict]]:
@@ -85,4 +86,32 @@ def markdown(doc: dict) -> str:
             f"| {s['suite']} | {s['path']}{ok} | {s['ceiling']} | {head} | {w['ratio']:.1%} ({w['case']}) "
             f"| {b['ratio']:.1%} ({b['case']}) | {tgt} |"
         )
-    return "\n".join(lines)
+    engine = engine_markdown(doc)
+    return "\n".join(lines) + ("\n\nEngine suites, every row:\n\n" + engine if engine else "")
+
+
+def _engine_figure(r: dict) -> str:
+    """The figure an engine row's target speaks of, from its params."""
+    p = r["params"]
+    if "slowdown_pct" in p:
+        return f"matmul time {p['slowdown_pct']:+.1f}% (alone spread {p.get('alone_spread_pct', 0):.1f}%)"
+    if "submit_us" in p:
+        return f"submit {p['submit_us']:,.0f} us for {p.get('blocks', '?')} blocks"
+    return "-"
+
+
+def engine_markdown(doc: dict) -> str:
+    """Every row of the engine suites (P4 bidir, P5 save beside matmul, P6 submit overhead)."""
+    lines = [
+        "| suite | case | GB/s | vs ceiling | target figure | meets target |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in doc["rows"]:
+        if r["suite"] not in ENGINE_SUITES:
+            continue
+        meets = r["params"].get("meets_target")
+        lines.append(
+            f"| {r['suite']} | {r['case']} | {r['gbps']:,.1f} | {r['ratio']:.1%} of {r['ceiling']} "
+            f"| {_engine_figure(r)} | {'-' if meets is None else ('yes' if meets else 'no')} |"
+        )
+    return "\n".join(lines) if len(lines) > 2 else ""
