@@ -26,8 +26,6 @@ from kvtier.engine import batch
 from kvtier.engine.paths import Path
 from kvtier.pool import Slot
 
-STAGED_SM_DIVISOR = 8
-
 if TYPE_CHECKING:
     from kvtier.engine.engine import TransferEngine
 
@@ -38,11 +36,6 @@ class CudaMover:
         if self.kv.device.type != "cuda":
             raise ValueError(f"kv: CudaDevice needs a CUDA cache, got {self.kv.device}")
         self.uva_ctas = engine.uva_ctas
-        # The staged path's gather/scatter runs at HBM speed, far ahead of the PCIe DMA; beside
-        # the model's compute it takes an eighth of the SMs (still ~10x the DMA's pace), so a
-        # burst of it does not hold every SM (matmul beside a full-grid staged save: +10%, H200).
-        sms = torch.cuda.get_device_properties(self.kv.device).multi_processor_count
-        self.staged_ctas = max(1, sms // STAGED_SM_DIVISOR) if engine.compute_beside else None
         # Two staging buffers per direction, each half of staging_bytes, whole blocks.
         self.chunk_blocks = max(1, engine.staging_bytes // 2 // self.kv.block_nbytes)
         self._save_staging = None  # made on first use: a pure-kernel user never pays for them
@@ -69,7 +62,6 @@ class CudaMover:
                 gather_stream=self.gather_stream,
                 copy_stream=raw,
                 num_tokens=num_tokens,
-                max_ctas=self.staged_ctas,
             )
         elif path is Path.KERNEL:
             with torch.cuda.stream(raw):
@@ -96,7 +88,6 @@ class CudaMover:
                 copy_stream=raw,
                 scatter_stream=self.scatter_stream,
                 num_tokens=num_tokens,
-                max_ctas=self.staged_ctas,
             )
             # The last scatter runs on the scatter stream: e_load (on `raw`) must follow it.
             raw.wait_event(last)
