@@ -46,6 +46,17 @@ class StoreMetrics:
         self.pinned = Gauge(
             "kvtier_tier_pinned_bytes", "Bytes pinned by running transfers", ["tier"], registry=r
         )
+        self.events = Counter(
+            "kvtier_store_events", "KVStore calls, chunks and tokens by event", ["event"], registry=r
+        )
+        self.pool_bytes = Gauge("kvtier_pool_bytes", "Pinned pool bytes by state", ["state"], registry=r)
+        self.calls = Histogram(
+            "kvtier_store_call_seconds",
+            "KVStore call time in the caller's thread (lower-tier reads included; GPU copies not)",
+            ["op"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self._names: set[str] = set()
         self._lock = threading.Lock()
 
