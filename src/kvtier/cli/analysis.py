@@ -35,6 +35,16 @@ def _ceilings(path: str | None):
     return Ceilings.load(path)
 
 
+def _finish(data: dict, as_json: bool, printer, plot: str | None, plotter: str) -> None:
+    """Draw the PNG if asked (matplotlib is imported only then), then print."""
+    if plot:
+        from kvtier.cli import plots
+
+        getattr(plots, plotter)(data, plot)
+        data["plot"] = plot
+    _emit(data, as_json, printer)
+
+
 def _emit(data: dict, as_json: bool, printer) -> None:
     if as_json:
         click.echo(json.dumps(data, indent=2))
@@ -121,12 +131,7 @@ def roofline(
         measured,
         amdahl_args,
     )
-    if plot:
-        from kvtier.cli.plots import plot_roofline
-
-        plot_roofline(data, plot)
-        data["plot"] = plot
-    _emit(data, as_json, print_roofline)
+    _finish(data, as_json, print_roofline, plot, "plot_roofline")
 
 
 def _parse_amdahl(text: str) -> tuple[float, float]:
@@ -197,12 +202,7 @@ def path(
         efficiency,
         measured,
     )
-    if plot:
-        from kvtier.cli.plots import plot_load_vs_recompute
-
-        plot_load_vs_recompute(data, plot)
-        data["plot"] = plot
-    _emit(data, as_json, print_path)
+    _finish(data, as_json, print_path, plot, "plot_load_vs_recompute")
 
 
 @cli.command()
