@@ -6,6 +6,8 @@ for the bytes themselves.
     SaveJob, LoadJob the handles a save / load returns                      (jobs.py)
     Path, choose     which copy path a job takes, and why (measured)        (paths.py)
     movers           SimMover (CPU, late copies) and CudaMover (staged / kernel / batch)
+    graphs           staged jobs replayed from CUDA graphs (LRU keyed by slot, n, last tokens)
+    ids              block-id checks without a per-block loop or a sort
 """
 
 from kvtier.engine.engine import TransferEngine

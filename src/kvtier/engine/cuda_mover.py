@@ -12,6 +12,10 @@ is made to wait for before the engine records the job's event:
 - batch: `batch.py` (cudaMemcpyBatchAsync), on the copy stream itself.
 
 Block ids reach the GPU as one tensor per job (ops.block_ids): no per-block Python loop.
+
+With `graphs` (engine option, default on), a staged job whose key (`graphs.py`: slot, block
+count, valid tokens of the last block) was seen before is a CUDA-graph replay on the copy stream
+itself: the helper streams are inside the graph, forked from and joined into that stream.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from kvtier import ops
 from kvtier.device.base import Event, Stream
 from kvtier.engine import batch
+from kvtier.engine.graphs import StagedGraphs, graph_key
 from kvtier.engine.paths import Path
 from kvtier.pool import Slot
 
@@ -43,6 +48,8 @@ class CudaMover:
         self.gather_stream = torch.cuda.Stream(device=self.kv.device)  # staged saves' short gathers
         self.scatter_stream = torch.cuda.Stream(device=self.kv.device)  # staged loads' scatters
         self.batch_available = batch.available()
+        self.graphs = StagedGraphs(self.kv, engine.max_graphs) if engine.graphs else None
+        self._staging_key: dict[str, tuple[int, ...]] = {}  # direction -> staging addresses (graph key)
 
     def check_path(self, path: Path) -> None:
         if path is Path.BATCH and not self.batch_available:
@@ -53,7 +60,11 @@ class CudaMover:
         if path is Path.STAGED:
             if self._save_staging is None:
                 self._save_staging = ops.make_staging(kv, self.chunk_blocks)
-            # Returns the event after the last DMA, which is on `raw`: e_save follows it.
+                self._staging_key["save"] = tuple(t.data_ptr() for t in self._save_staging)
+            key = self._key("save", ids, num_tokens, slot)
+            if key is not None and self.graphs.replay(key, ids, raw):
+                return
+            # Eager (also the warm-up of a capture). The last DMA is on `raw`: e_save follows it.
             ops.save_staged(
                 kv,
                 ids,
@@ -63,6 +74,8 @@ class CudaMover:
                 copy_stream=raw,
                 num_tokens=num_tokens,
             )
+            if key is not None:
+                self.graphs.capture(key, slot.tensor, self._save_staging, self.gather_stream, raw)
         elif path is Path.KERNEL:
             with torch.cuda.stream(raw):
                 ops.gather(kv, ids, slot.tensor, num_tokens=num_tokens, max_ctas=self.uva_ctas)
@@ -80,6 +93,10 @@ class CudaMover:
         if path is Path.STAGED:
             if self._load_staging is None:
                 self._load_staging = ops.make_staging(kv, self.chunk_blocks)
+                self._staging_key["load"] = tuple(t.data_ptr() for t in self._load_staging)
+            key = self._key("load", ids, num_tokens, slot)
+            if key is not None and self.graphs.replay(key, ids, raw):
+                return []  # the graph joined its scatters into `raw`: e_load follows them
             last = ops.load_staged(
                 kv,
                 ids,
@@ -91,6 +108,8 @@ class CudaMover:
             )
             # The last scatter runs on the scatter stream: e_load (on `raw`) must follow it.
             raw.wait_event(last)
+            if key is not None:
+                self.graphs.capture(key, slot.tensor, self._load_staging, self.scatter_stream, raw)
             return []
         with torch.cuda.stream(raw):
             bid = ops.block_ids(kv, ids, unique=True, num_tokens=num_tokens)  # one H2D of the ids
@@ -107,9 +126,22 @@ class CudaMover:
                     events.append(stream.record(f"{label}:layer{layer}"))  # layer `layer` has landed
             return events
 
+    def _key(self, direction: str, ids, num_tokens, slot: Slot):
+        """The graph key of a staged job, or None when graphs are off."""
+        if self.graphs is None or not self.graphs.enabled:
+            return None
+        n, bs = len(ids), self.kv.block_size
+        last_valid = bs if num_tokens is None else num_tokens - (n - 1) * bs  # engine checked num_tokens
+        return graph_key(
+            direction, slot.tensor.data_ptr(), slot.nbytes, n, last_valid, self._staging_key[direction]
+        )
+
     def synchronize(self) -> None:
         self.gather_stream.synchronize()  # helper streams: their work must land before close
         self.scatter_stream.synchronize()
 
     def close(self) -> None:
+        if self.graphs is not None:
+            self.graphs.clear()  # the engine synchronized the streams: no replay is queued
         self._save_staging = self._load_staging = None
+        self._staging_key.clear()

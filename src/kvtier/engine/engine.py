@@ -22,6 +22,7 @@ import time
 import torch
 
 from kvtier.device.base import Device, Event, Stream
+from kvtier.engine.ids import IdCheck
 from kvtier.engine.jobs import LoadJob, SaveJob, _Job
 from kvtier.engine.movers import make_mover
 from kvtier.engine.paths import Path, choose_path, parse_path
@@ -41,6 +42,9 @@ class TransferEngine:
             with 32-128 MiB ones, and CPU submit time grows with the number of chunks.
         uva_ctas: CTAs of the kernel path's persistent grid (default: a quarter of the SMs).
         compute_beside: the model computes while jobs run (steers "auto" to copy-engine paths).
+        graphs: on CUDA, replay staged jobs from CUDA graphs captured per slot / block count /
+            last-block tokens (`graphs.py`): CPU submit cost flat in the number of blocks and
+            chunks. Ignored on SimDevice. max_graphs: size of that LRU cache.
     """
 
     def __init__(
@@ -54,6 +58,8 @@ class TransferEngine:
         staging_bytes: int = 512 << 20,
         uva_ctas: int | None = None,
         compute_beside: bool = True,
+        graphs: bool = True,
+        max_graphs: int = 64,
     ):
         if not isinstance(kv, PagedKV):
             raise ValueError(f"kv: expected a PagedKV, got {type(kv).__name__}")
@@ -65,6 +71,11 @@ class TransferEngine:
             raise ValueError(f"uva_ctas: expected a positive int or None, got {uva_ctas!r}")
         if not isinstance(staging_bytes, int) or staging_bytes < 2 * kv.block_nbytes:
             raise ValueError(f"staging_bytes: need at least two blocks ({2 * kv.block_nbytes} B)")
+        if not isinstance(graphs, bool):
+            raise ValueError(f"graphs: expected a bool, got {graphs!r}")
+        if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
+            raise ValueError(f"max_graphs: expected a positive int, got {max_graphs!r}")
+        self.graphs, self.max_graphs = graphs, max_graphs
         self.device, self.kv, self.pool = device, kv, pool
         self.path = parse_path(path)
         self.sanitize = sanitize_enabled(sanitize)
@@ -79,6 +90,7 @@ class TransferEngine:
         self._stream_waits: dict[Stream, list[Event]] = {}  # events a stream was made to wait for
         self._seq = itertools.count(1)
         self._closed = False
+        self._check_ids = IdCheck(kv.num_blocks, kv.block_size)
 
     # ---- jobs -----------------------------------------------------------------------------
     def save(
@@ -107,7 +119,7 @@ class TransferEngine:
         try:
             with self._lock:
                 k = next(self._seq)
-                bset = frozenset(ids.tolist())  # made once: the tracker takes a frozenset as is
+                bset = frozenset(ids.numpy().tolist())  # made once: the tracker takes a frozenset as is
                 waits = self.blocks.waits_for(Access.SAVE, bset, stream=self.save_stream)
                 if after is not None:
                     # The copy must not read KV the compute has not finished writing (vLLM #31341).
@@ -153,7 +165,7 @@ class TransferEngine:
                 why = "the slot holds no complete data yet: wait for its save job first"
                 raise LifecycleError("load", slot.name, state.value, None, why)
             k = next(self._seq)
-            bset = frozenset(ids.tolist())  # made once: the tracker takes a frozenset as is
+            bset = frozenset(ids.numpy().tolist())  # made once: the tracker takes a frozenset as is
             waits = self.blocks.waits_for(Access.LOAD, bset, stream=self.load_stream)
             for e in waits:
                 # The load must not overwrite blocks still read, written or saved (vLLM #47282).
@@ -237,6 +249,12 @@ class TransferEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def graph_stats(self):
+        """Captures / replays / misses / evictions / failures of the staged CUDA graphs (None: off)."""
+        g = getattr(self.mover, "graphs", None)
+        return None if g is None else g.stats
+
     # ---- helpers ---------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
@@ -257,33 +275,8 @@ class TransferEngine:
         return p
 
     def _ids(self, block_ids, unique: bool, num_tokens: int | None = None) -> torch.Tensor:
-        """int64 [n] CPU block ids, checked (no Python loop per block)."""
-        if isinstance(block_ids, torch.Tensor):
-            if block_ids.dim() != 1 or block_ids.dtype not in (torch.int32, torch.int64):
-                raise ValueError(
-                    f"block_ids: expected 1-D int32/int64, got {block_ids.dtype} {tuple(block_ids.shape)}"
-                )
-            ids = block_ids.to("cpu", torch.int64)
-        else:
-            try:
-                ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
-            except (TypeError, ValueError, RuntimeError, OverflowError) as e:
-                raise ValueError(f"block_ids: expected a sequence of ints ({e})") from None
-        if ids.dim() != 1 or len(ids) == 0:
-            raise ValueError("block_ids: expected a non-empty flat sequence of ints")
-        if bool(((ids < 0) | (ids >= self.kv.num_blocks)).any()):
-            raise ValueError(f"block_ids: out of range; the cache has {self.kv.num_blocks} blocks")
-        if unique and len(torch.unique(ids)) != len(ids):
-            raise ValueError("block_ids: duplicate ids; a load cannot write one block twice")
-        if num_tokens is not None:
-            bs, n = self.kv.block_size, len(ids)
-            if (
-                isinstance(num_tokens, bool)
-                or not isinstance(num_tokens, int)
-                or not (n - 1) * bs < num_tokens <= n * bs
-            ):
-                raise ValueError(f"num_tokens: {num_tokens!r} does not fit {n} blocks of {bs} tokens")
-        return ids
+        """int64 [n] CPU block ids, checked (no Python loop per block): `ids.py`."""
+        return self._check_ids(block_ids, unique, num_tokens)
 
     def _note_wait(self, stream: Stream, event: Event) -> None:
         with self._lock:

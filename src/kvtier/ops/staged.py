@@ -16,6 +16,8 @@ Streams and events are torch objects; every call only submits. The returned even
 the lifecycle waits for: after it, the host chunk is complete (save) or the blocks hold the
 data (load), and the staging buffers, the blocks (save) and the host chunk (load) are free.
 Without CUDA (Triton interpreter) the same steps run in order and the result is None.
+`save_chunks` / `load_chunks` are the same GPU sequences without validation or outside waits,
+forked from and joined back into the copy stream: what `engine/graphs.py` captures.
 """
 
 from __future__ import annotations
@@ -80,24 +82,7 @@ def save_staged(
         if wait_event is not None:
             # The KV of these blocks must be written before we read it (else stale KV is saved).
             gather_stream.wait_event(wait_event)
-    dma_done: list[torch.cuda.Event | None] = [None, None]
-    for c, start in enumerate(range(0, n, per)):
-        m = min(per, n - start)
-        buf = bufs[c % 2][: kv.chunk_nbytes(m)]
-        with _on(gather_stream):
-            if dma_done[c % 2] is not None:
-                # Reuse a staging buffer only after its DMA has completed (else that DMA reads new data).
-                gather_stream.wait_event(dma_done[c % 2])
-            valid = last_valid if start + m == n else kv.block_size  # only the last block is partial
-            launch(kv, ids_dev[start : start + m], buf, valid, gather=True, max_ctas=max_ctas)
-            gathered = _record(gather_stream)  # marks: staging buffer filled
-        with _on(copy_stream):
-            if gathered is not None:
-                # The DMA must not read the staging buffer before the gather has filled it.
-                copy_stream.wait_event(gathered)
-            host[kv.chunk_nbytes(start) : kv.chunk_nbytes(start + m)].copy_(buf, non_blocking=True)
-            dma_done[c % 2] = _record(copy_stream)  # marks: buffer drained, host bytes written
-    return dma_done[(n - 1) // per % 2] if n else _record(copy_stream)
+    return _save_loop(kv, ids_dev, last_valid, host, bufs, per, gather_stream, copy_stream, max_ctas)
 
 
 def load_staged(
@@ -135,6 +120,68 @@ def load_staged(
         if wait_event is not None:
             # Pending readers of the destination blocks finish before we overwrite them.
             scatter_stream.wait_event(wait_event)
+    return _load_loop(kv, ids_dev, last_valid, host, bufs, per, copy_stream, scatter_stream, max_ctas)
+
+
+def save_chunks(kv: PagedKV, ids_dev, last_valid: int, dst, *, staging, gather_stream, copy_stream) -> None:
+    """The GPU sequence of `save_staged` alone, for CUDA-graph capture on `copy_stream`.
+
+    Nothing is validated or waited on from outside: `ids_dev` (int32 [n] on the cache's device,
+    checked by the caller) must hold the ids by the time `copy_stream` reaches this work, and
+    `dst` must be a pinned chunk of n blocks. The gather stream forks from `copy_stream` and is
+    joined back into it at the end, so every node follows the copy stream's earlier work and
+    the copy stream's next work follows every node (a capture on `copy_stream` ends joined).
+    """
+    bufs, per = _check_staging(kv, staging)
+    host = dst.view(-1).view(torch.uint8)
+    # Fork: the gathers follow everything before on the copy stream (engine waits, earlier DMAs
+    # out of these staging buffers). In a capture this makes the gather stream join it.
+    gather_stream.wait_stream(copy_stream)
+    _save_loop(kv, ids_dev, last_valid, host, bufs, per, gather_stream, copy_stream, None)
+    # Join: later work on the copy stream (e_save, the next job) follows every gather.
+    copy_stream.wait_stream(gather_stream)
+
+
+def load_chunks(kv: PagedKV, ids_dev, last_valid: int, src, *, staging, copy_stream, scatter_stream) -> None:
+    """The GPU sequence of `load_staged` alone, for CUDA-graph capture on `copy_stream` (the
+    contract of `save_chunks`; ids distinct, checked by the caller). The scatter stream forks
+    from `copy_stream` and joins back into it at the end."""
+    bufs, per = _check_staging(kv, staging)
+    host = src.view(-1).view(torch.uint8)
+    # Fork: the scatters follow everything before on the copy stream (engine waits for readers
+    # of the blocks). In a capture this makes the scatter stream join it.
+    scatter_stream.wait_stream(copy_stream)
+    _load_loop(kv, ids_dev, last_valid, host, bufs, per, copy_stream, scatter_stream, None)
+    # Join: later work on the copy stream (e_load, the next job's H2D into staging) follows every scatter.
+    copy_stream.wait_stream(scatter_stream)
+
+
+def _save_loop(kv, ids_dev, last_valid, host, bufs, per, gather_stream, copy_stream, max_ctas):
+    """Gathers on `gather_stream`, DMAs on `copy_stream`; returns the event after the last DMA."""
+    n = ids_dev.numel()
+    dma_done: list[torch.cuda.Event | None] = [None, None]
+    for c, start in enumerate(range(0, n, per)):
+        m = min(per, n - start)
+        buf = bufs[c % 2][: kv.chunk_nbytes(m)]
+        with _on(gather_stream):
+            if dma_done[c % 2] is not None:
+                # Reuse a staging buffer only after its DMA has completed (else that DMA reads new data).
+                gather_stream.wait_event(dma_done[c % 2])
+            valid = last_valid if start + m == n else kv.block_size  # only the last block is partial
+            launch(kv, ids_dev[start : start + m], buf, valid, gather=True, max_ctas=max_ctas)
+            gathered = _record(gather_stream)  # marks: staging buffer filled
+        with _on(copy_stream):
+            if gathered is not None:
+                # The DMA must not read the staging buffer before the gather has filled it.
+                copy_stream.wait_event(gathered)
+            host[kv.chunk_nbytes(start) : kv.chunk_nbytes(start + m)].copy_(buf, non_blocking=True)
+            dma_done[c % 2] = _record(copy_stream)  # marks: buffer drained, host bytes written
+    return dma_done[(n - 1) // per % 2] if n else _record(copy_stream)
+
+
+def _load_loop(kv, ids_dev, last_valid, host, bufs, per, copy_stream, scatter_stream, max_ctas):
+    """DMAs on `copy_stream`, scatters on `scatter_stream`; returns the event after the last scatter."""
+    n = ids_dev.numel()
     freed: list[torch.cuda.Event | None] = [None, None]
     for c, start in enumerate(range(0, n, per)):
         m = min(per, n - start)
