@@ -13,9 +13,10 @@ is made to wait for before the engine records the job's event:
 
 Block ids reach the GPU as one tensor per job (ops.block_ids): no per-block Python loop.
 
-With `graphs` (engine option, default on), a staged job whose key (`graphs.py`: slot, block
+With `graphs` (engine option, default on), a staged job whose key (`graphs.py`: slot size, block
 count, valid tokens of the last block) was seen before is a CUDA-graph replay on the copy stream
-itself: the helper streams are inside the graph, forked from and joined into that stream.
+itself: the helper streams are inside the graph, forked from and joined into that stream. The
+graph's DMA nodes are moved to the job's slot first when it is another one of the same size.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class CudaMover:
                 self._save_staging = ops.make_staging(kv, self.chunk_blocks)
                 self._staging_key["save"] = tuple(t.data_ptr() for t in self._save_staging)
             key = self._key("save", ids, num_tokens, slot)
-            if key is not None and self.graphs.replay(key, ids, raw):
+            if key is not None and self.graphs.replay(key, ids, raw, slot.tensor.data_ptr()):
                 return
             # Eager (also the warm-up of a capture). The last DMA is on `raw`: e_save follows it.
             ops.save_staged(
@@ -95,7 +96,7 @@ class CudaMover:
                 self._load_staging = ops.make_staging(kv, self.chunk_blocks)
                 self._staging_key["load"] = tuple(t.data_ptr() for t in self._load_staging)
             key = self._key("load", ids, num_tokens, slot)
-            if key is not None and self.graphs.replay(key, ids, raw):
+            if key is not None and self.graphs.replay(key, ids, raw, slot.tensor.data_ptr()):
                 return []  # the graph joined its scatters into `raw`: e_load follows them
             last = ops.load_staged(
                 kv,
@@ -132,9 +133,7 @@ class CudaMover:
             return None
         n, bs = len(ids), self.kv.block_size
         last_valid = bs if num_tokens is None else num_tokens - (n - 1) * bs  # engine checked num_tokens
-        return graph_key(
-            direction, slot.tensor.data_ptr(), slot.nbytes, n, last_valid, self._staging_key[direction]
-        )
+        return graph_key(direction, slot.nbytes, n, last_valid, self._staging_key[direction])
 
     def synchronize(self) -> None:
         self.gather_stream.synchronize()  # helper streams: their work must land before close

@@ -5,9 +5,14 @@ Submitting a staged job eagerly costs ~1-3 ms of CPU (a Triton launch, stream sw
 event pair per chunk); a replay is one small H2D copy of the block ids into the graph's own
 device buffer and one `cudaGraphLaunch`, both on the engine's copy stream.
 
-Key: everything the graph bakes in besides the ids -- direction, slot address and size, number
-of blocks, valid tokens of the last block, the staging buffers. The ids are data: each replay
-first copies them (pinned, non_blocking, on the copy stream) into the entry's device buffer.
+Key: everything the graph bakes in besides the ids and the slot address -- direction, slot size,
+number of blocks, valid tokens of the last block, the staging buffers. The ids are data: each
+replay first copies them (pinned, non_blocking, on the copy stream) into the entry's device
+buffer. The slot address is baked into the DMA (memcpy) nodes; after capture `graph_nodes.py`
+finds those nodes, and a replay for another slot of the same size first moves their host side
+(cudaGraphExecMemcpyNodeSetParams on the exec graph), so one graph serves every slot. Where the
+nodes are not as expected (or the update API fails), that graph is keyed by its slot address
+too (`pinned_key`), as before: a replay never writes bytes anywhere but the job's slot.
 The cache is an LRU of `max_graphs` entries; an evicted entry is kept alive until an event
 recorded on its stream at eviction has completed (a queued replay may still read it).
 A miss runs the job eagerly (which also warms up every Triton specialization and launch plan)
@@ -31,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.engine.graph_nodes import SlotNodes
 from kvtier.ops.staged import load_chunks, save_chunks
 
 
@@ -62,6 +68,9 @@ class LRU:
         self._d.clear()
         return values
 
+    def pop(self, key):
+        return self._d.pop(key, None)
+
     def keys(self) -> list:
         return list(self._d)  # oldest first
 
@@ -72,9 +81,14 @@ class LRU:
         return key in self._d
 
 
-def graph_key(direction: str, slot_ptr: int, slot_nbytes: int, n: int, last_valid: int, staging: tuple):
-    """What a staged graph bakes in besides the block ids (see the module docstring)."""
-    return (direction, slot_ptr, slot_nbytes, n, last_valid, staging)
+def graph_key(direction: str, slot_nbytes: int, n: int, last_valid: int, staging: tuple):
+    """What a staged graph bakes in besides the block ids and the slot address (module docstring)."""
+    return (direction, slot_nbytes, n, last_valid, staging)
+
+
+def pinned_key(key: tuple, slot_ptr: int) -> tuple:
+    """The key of a graph whose DMA nodes could not be retargeted: it serves one slot address only."""
+    return (*key, slot_ptr)
 
 
 @dataclass
@@ -84,6 +98,8 @@ class GraphStats:
     misses: int = 0
     evictions: int = 0
     failures: int = 0
+    retargets: int = 0  # replays that first moved the graph's DMA nodes to another slot
+    pinned: int = 0  # captures whose DMA nodes could not be retargeted (keyed by slot address)
 
 
 @dataclass(eq=False)
@@ -91,6 +107,7 @@ class _Entry:
     graph: object  # torch.cuda.CUDAGraph
     ids_dev: torch.Tensor  # int32 [n] on the cache's device: the graph reads the ids from here
     stream: torch.cuda.Stream  # the copy stream it was captured on and is replayed on
+    nodes: SlotNodes | None = None  # its DMA nodes, retargetable to another slot (None: pinned)
 
 
 def _launch(entry: _Entry, host: torch.Tensor) -> None:
@@ -109,13 +126,27 @@ class StagedGraphs:
         self.cache = LRU(max_graphs)
         self.stats = GraphStats()
         self.enabled = True
+        self.retarget = True  # capture retargetable graphs (off after a failed node update)
+        self._warned = False
         self._device = kv.device
         self._dead: list[tuple[torch.cuda.Event, _Entry]] = []  # evicted, maybe still queued
 
-    def replay(self, key, ids: torch.Tensor, stream: torch.cuda.Stream) -> bool:
-        """Replay the graph of `key` with block ids `ids` (int64 CPU, checked); False on a miss."""
-        entry = self.cache.get(key) if self.enabled else None
+    def replay(self, key, ids: torch.Tensor, stream: torch.cuda.Stream, slot_ptr: int) -> bool:
+        """Replay the graph of `key` for the slot at `slot_ptr` with block ids `ids` (int64 CPU,
+        checked); False on a miss."""
+        if not self.enabled:
+            self.stats.misses += 1
+            return False
+        entry = self.cache.get(key)
         if entry is None:
+            key = pinned_key(key, slot_ptr)
+            entry = self.cache.get(key)
+        if entry is None:
+            self.stats.misses += 1
+            return False
+        # The DMA nodes must point at this job's slot before the replay is enqueued (else the
+        # bytes go to / come from the last slot); skipped when they already do.
+        if entry.nodes is not None and entry.nodes.base != slot_ptr and not self._move(key, entry, slot_ptr):
             self.stats.misses += 1
             return False
         host = torch.empty(len(ids), dtype=torch.int32, pin_memory=True)  # torch's caching host allocator
@@ -133,13 +164,30 @@ class StagedGraphs:
         self.stats.replays += 1
         return True
 
+    def _move(self, key, entry: _Entry, slot_ptr: int) -> bool:
+        """Point the entry's DMA nodes at the slot at `slot_ptr`, before its replay is enqueued
+        (earlier launches keep their slot: graph_nodes.py). On failure drop the entry: it is
+        never launched half-updated; the job goes eager and later captures are pinned."""
+        try:
+            entry.nodes.retarget(slot_ptr)
+        except Exception as e:  # noqa: BLE001 - NodeError or anything else: never launch it again
+            self.cache.pop(key)
+            self._retire(entry)  # a replay of it may still be queued: keep it alive until it ran
+            self.retarget = False
+            self.stats.failures += 1
+            msg = f"kvtier: moving a staged graph to another slot failed, graphs keyed by slot: {e}"
+            warnings.warn(msg, stacklevel=4)
+            return False
+        self.stats.retargets += 1
+        return True
+
     def capture(self, key, slot_tensor, staging, side, stream) -> None:
         """Capture the sequence of `key` (after the same job ran eagerly: Triton compiled, plans
         cached). A failure disables graphs for this engine with a warning; the eager path stays."""
         if not self.enabled:
             return
         self._reap()
-        direction, _ptr, _nbytes, n, last_valid, _staging = key
+        direction, _nbytes, n, last_valid, _staging = key
         try:
             entry = self._capture(direction, n, last_valid, slot_tensor, staging, side, stream)
         except Exception as e:  # noqa: BLE001 - any capture failure: fall back to the eager path
@@ -150,13 +198,38 @@ class StagedGraphs:
             clear_last_error()  # the failed capture's error must not surface at an unrelated launch
             warnings.warn(f"kvtier: CUDA graph capture failed, staged jobs stay eager: {e}", stacklevel=3)
             return
+        base = slot_tensor.data_ptr()
+        if entry.nodes is None:
+            key = pinned_key(key, base)
         self.stats.captures += 1
         for old in self.cache.put(key, entry):
             self._retire(old)
 
+    def _find_nodes(self, g, direction, base, nbytes, n, staging) -> SlotNodes | None:
+        """The graph's DMA nodes, or None (with one warning per engine): the graph stays pinned."""
+        per = staging[0].numel() // self.kv.block_nbytes  # blocks per chunk, as ops.staged plans them
+        spans = [(t.data_ptr(), t.numel()) for t in staging]
+        host_side = "dst" if direction == "save" else "src"
+        try:
+            return SlotNodes.find(g, host_side, base, nbytes, spans, -(-n // per))
+        except Exception as e:  # noqa: BLE001 - anything unexpected: address-keyed, as before
+            from kvtier.device.cudart import clear_last_error
+
+            clear_last_error()  # a failed query's error must not surface at an unrelated launch
+            self.stats.pinned += 1
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"kvtier: staged graphs keyed by slot address: {e}", stacklevel=4)
+            return None
+
     def _capture(self, direction, n, last_valid, slot_tensor, staging, side, stream) -> _Entry:
         kv = self.kv
-        g = torch.cuda.CUDAGraph()
+        keep = self.retarget
+        try:
+            # keep_graph: the cudaGraph_t stays alive, its node handles address the exec's nodes.
+            g = torch.cuda.CUDAGraph(keep_graph=True) if keep else torch.cuda.CUDAGraph()
+        except TypeError:  # a torch without keep_graph
+            g, keep, self.retarget = torch.cuda.CUDAGraph(), False, False
         with torch.cuda.device(self._device), torch.cuda.stream(stream):
             # Allocated on the copy stream: freed later, its memory is reused only by work ordered
             # after this stream's replays.
@@ -181,7 +254,12 @@ class StagedGraphs:
                     g.capture_end()  # leave capture mode; the capture is lost anyway
                 raise
             g.capture_end()
-        return _Entry(g, ids_dev, stream)
+            nodes = None
+            if keep:
+                g.instantiate()  # keep_graph defers it; the exec must exist before its nodes are read
+                base, nbytes = slot_tensor.data_ptr(), slot_tensor.numel() * slot_tensor.element_size()
+                nodes = self._find_nodes(g, direction, base, nbytes, n, staging)
+        return _Entry(g, ids_dev, stream, nodes)
 
     def _retire(self, entry: _Entry) -> None:
         self.stats.evictions += 1

@@ -221,7 +221,9 @@ def _submit_rows(ctx, dev, kv, src, dst, nbytes, reps, params) -> list:
                 paths.add(job.path)
                 return [job]
 
+            g0 = _graph_counts(eng)
             t = _time_jobs(dev, submit, lambda js: _settle(eng, js), reps)
+            g1 = _graph_counts(eng)
             us, job_us = us[2:], job_us[2:]  # drop the warm-up runs
             med = statistics.median(us)
             p = params | dict(
@@ -229,6 +231,8 @@ def _submit_rows(ctx, dev, kv, src, dst, nbytes, reps, params) -> list:
                 job_submit_us=statistics.median(job_us), engine_path=",".join(sorted(paths)),
                 target="P6 <= 100 us, flat in block count", meets_target=med <= P6_US,
             )  # fmt: skip
+            if g0 is not None:  # staged CUDA graphs during this row's jobs (warm-up included)
+                p |= {f"graph_{k}": g1[k] - g0[k] for k in g0}
             bs = params["block_size"]
             size = f"{nbytes / GiB:g}GiB" if nbytes >= GiB else f"{nbytes / MiB:.3g}MiB"
             rows.append(ctx.row(f"{direction} bs{bs} {size}", nbytes, t, ceiling, **p))
@@ -237,6 +241,14 @@ def _submit_rows(ctx, dev, kv, src, dst, nbytes, reps, params) -> list:
         eng.close()
         pool.close()
     return rows
+
+
+def _graph_counts(eng) -> dict | None:
+    """The engine's staged-graph counters now (None without graphs): did the jobs replay?"""
+    st = eng.graph_stats
+    if st is None:
+        return None
+    return {k: getattr(st, k) for k in ("captures", "replays", "misses", "retargets", "pinned", "failures")}
 
 
 def _sim_cache(bs: int, tokens: int = 256):
