@@ -42,9 +42,10 @@ class TransferEngine:
             with 32-128 MiB ones, and CPU submit time grows with the number of chunks.
         uva_ctas: CTAs of the kernel path's persistent grid (default: a quarter of the SMs).
         compute_beside: the model computes while jobs run (steers "auto" to copy-engine paths).
-        graphs: on CUDA, replay staged jobs from CUDA graphs captured per slot / block count /
-            last-block tokens (`graphs.py`): CPU submit cost flat in the number of blocks and
-            chunks. Ignored on SimDevice. max_graphs: size of that LRU cache.
+        graphs: on CUDA, replay staged jobs from CUDA graphs captured once per direction / slot
+            size / block count / last-block tokens and pointed at each job's slot before replay
+            (`graphs.py`): fewer Python calls per job (H200: 0.5-0.6 ms per 1 GiB job against
+            1.1-3 ms eager). Ignored on SimDevice. max_graphs: size of that LRU cache.
     """
 
     def __init__(
