@@ -19,7 +19,11 @@ Format (JSON, version 1)::
         "bf16_tflops": 700.0,            # dense matmul rate
         "launch_eager_us": 6.2,
         "launch_graph_us": 1.15,
-        "host_memcpy_gbps": 10.0
+        "host_memcpy_gbps": 10.0,
+        "disk_write_gbps": 2.0,          # local disk: sequential write + fsync
+        "disk_read_gbps": 2.0,           # local disk: sequential read, page cache bypassed
+        "redis_loopback_set_gbps": 3.0,  # payload SET / GET through redis-py, server on loopback
+        "redis_loopback_get_gbps": 0.6
       }
     }
 
@@ -48,6 +52,8 @@ FIGURES: dict[str, str] = {
     "host_memcpy_gbps": "GB/s, host memcpy (bytes copied)",
     "disk_read_gbps": "GB/s, local disk sequential read",
     "disk_write_gbps": "GB/s, local disk sequential write",
+    "redis_loopback_set_gbps": "GB/s, payload SET to one Redis server on loopback (redis-py, in parts)",
+    "redis_loopback_get_gbps": "GB/s, payload GET from one Redis server on loopback (redis-py, in parts)",
 }
 
 

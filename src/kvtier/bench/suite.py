@@ -128,20 +128,34 @@ class Context:
         timer = self.host_timer if host else self.timer
         return timer.time(fn, flush_l2=flush_l2, graph=graph, setup=setup, name=label)
 
-    def ceiling(self, name: str) -> float:
-        """GB/s of ceiling `name`, measured once in this run and cached."""
+    def ceiling(self, name: str, *, nbytes: int | None = None, **where: Any) -> float:
+        """GB/s of ceiling `name`, measured once in this run and cached.
+
+        nbytes: the probe's size (default: this run's size for its kind). where: what the probe
+        needs (`CeilingDef.needs`, e.g. the directory of a disk probe), given on the call that
+        measures it; later calls (and `row`) read the cached figure."""
         from kvtier.bench.probes import CEILINGS
 
         if name not in CEILINGS:
             raise ValueError(f"ceiling: unknown {name!r}; known: {', '.join(CEILINGS)}")
         if name not in self.ceilings:
             d = CEILINGS[name]
+            missing, extra = [k for k in d.needs if k not in where], sorted(set(where) - set(d.needs))
+            if missing or extra:
+                raise ValueError(
+                    f"ceiling: {name!r} is measured with {', '.join(d.needs) or 'no arguments'}; "
+                    f"missing {missing}, unexpected {extra} (measure it with ctx.ceiling(name, ...) first)"
+                )
+            if nbytes is not None and (
+                isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0
+            ):
+                raise ValueError(f"nbytes: expected an int > 0 or None, got {nbytes!r}")
             if self.on_progress:
                 self.on_progress(f"ceiling {name}")
             if d.needs_gpu and not self.on_gpu:
                 raise ValueError(f"ceiling: {name!r} needs a CUDA device; this run is on {self.device}")
-            key = "d2d" if name == "d2d_copy" else "host" if name == "host_memcpy" else "host_device"
-            self.ceilings[name] = d.fn(self._ceiling_timer, self.ceiling_bytes[key])
+            key = "d2d" if name == "d2d_copy" else "host" if not d.needs_gpu else "host_device"
+            self.ceilings[name] = d.fn(self._ceiling_timer, nbytes or self.ceiling_bytes[key], **where)
             if self.on_gpu:
                 import torch
 

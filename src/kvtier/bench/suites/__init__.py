@@ -2,6 +2,8 @@
 
 baseline: the ways peers move KV today (torch gather, gather + one copy, vLLM's per-block memcpy).
 kv:       kvtier's own kernels and paths, beside the same ceilings.
+engine:   the transfer engine (both directions at once, beside a matmul, submit overhead).
+store:    KVStore lookup cost and save/load throughput per tier (runs on the CPU too).
 """
 
 import importlib
@@ -9,7 +11,7 @@ import importlib
 # module -> why it could not be imported; the runner reports these instead of crashing
 IMPORT_ERRORS: dict[str, str] = {}
 
-for _module in ("baseline", "kv", "engine", "interference"):
+for _module in ("baseline", "kv", "engine", "interference", "store"):
     try:
         importlib.import_module(f"{__name__}.{_module}")
     except Exception as e:  # one broken suite module must not take the others down

@@ -1,0 +1,226 @@
+"""The `store` suite: what `KVStore` costs — lookups, and save / load throughput per tier.
+
+Every row is timed on the host clock: each timed call blocks until its work is done (engine
+events completed; write-through pushes stored: `wait_durable`).
+
+  lookup 32K host hit   `KVStore.lookup` of a 32K-token prompt (128 chunks of 256 tokens, token ids a
+                        Python list) whose every chunk is in the host tier
+  chunk_keys 32K list / tensor    the key computation alone (`keys.chunk_keys`, sha256; the
+                        tensor row not in quick mode)
+  lookup <tier> hit     lookup of the save/load request below with its chunks only in that tier
+                        (host cold): the keys plus one `contains` per chunk (Redis: a round trip);
+                        not in quick mode
+      The figures are params us_per_prompt and us_per_chunk (microseconds, median). A row's bytes
+      are the token ids hashed (4 B a token), so its gbps is hashed token bytes per second and its
+      ratio is that over host_memcpy: how far keying a prompt is from merely copying its token ids
+      — a scale, not a target. The 32K prompt's store holds one layer of one KV head (a lookup
+      never touches KV bytes, only keys and the tiers' indexes).
+  save <tier> / load <tier>   `KVStore.save` (+ `wait_durable` for lower tiers, write-through) and
+                        `KVStore.load` of one request: Llama-3-8B KV per layer (8 KV heads x 128,
+                        bf16, 16-token blocks, random block ids), 32 layers x 4K tokens (512 MiB) on a
+                        GPU, 2 layers x 16K tokens (128 MiB) on the CPU, 2 x 2K in quick mode. Tiers:
+                        host (the pool alone); disk (a temp dir under $KVTIER_BENCH_DIR or the
+                        system temp dir, O_DIRECT where the filesystem allows, loads after evicting
+                        the host so every byte comes from the disk); redis (a redis-server started
+                        here on a loopback port; skipped without redis-server on PATH or redis-py).
+      GB/s of payload vs the ceiling of the slowest hop measured in this run: pinned D2H / H2D on a
+      GPU, host_memcpy on the CPU (SimDevice, copy delay 0: the "GPU" is host memory and its copies
+      are memcpys), disk_write / disk_read, redis_loopback_set / _get. Params `path_hops` is the
+      `kvtier.path` model of the transfer with this run's figures in place of the hops it measured,
+      `path_predicted_gbps` its prediction (bytes / bottleneck + hop latencies), `vs_path` the
+      measured GB/s over it. Every loaded byte is checked once against the source blocks, on poisoned
+      destination blocks; that check is `correct` for the tier's save and load rows.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections import Counter
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+from kvtier.bench.probes import disk_io_mode
+from kvtier.bench.suite import Context, Row, SkipSuite, register
+from kvtier.bench.suites.store_rig import PROMPT_TOKENS, TIER_CEILINGS, Rig, path_model, redis_server
+
+
+def _request(ctx: Context) -> tuple[int, int]:
+    """(layers, tokens) of the save/load request."""
+    if ctx.quick:
+        return 2, 2048
+    return (32, 4096) if ctx.on_gpu else (2, 16384)
+
+
+def _key_rows(ctx: Context, stack: ExitStack):
+    """Lookup of a 32K-token prompt held by the host, and the key computation alone."""
+    from kvtier.store.keys import chunk_keys
+
+    rig = Rig(ctx, stack, layers=1, tokens=PROMPT_TOKENS, heads=1, head_dim=128, seed=1)
+    st = stack.enter_context(rig.store([]))
+    h = st.save(rig.tokens, rig.src)
+    if not h.wait(60) or h.saved != rig.chunks:
+        raise RuntimeError(f"lookup prompt: saved {h.saved} of {rig.chunks} chunks")
+    got = st.lookup(rig.tokens)
+    t = ctx.time(lambda: st.lookup(rig.tokens), host=True, name="lookup/host_hit")
+    ok = got.tokens == PROMPT_TOKENS and got.tiers == ("host",) * rig.chunks
+    yield _lookup_row(ctx, "lookup 32K host hit", rig, t, ok, "lookup (host hit)")
+    args = dict(chunk_tokens=rig.chunk_tokens, block_size=rig.kv.block_size, extra=st.extra)
+    keys = chunk_keys(rig.tokens, **args)
+    ids = torch.tensor(rig.tokens, dtype=torch.int64)
+    ok = len(set(keys)) == rig.chunks and chunk_keys(ids, **args) == keys  # list and tensor agree
+    t = ctx.time(lambda: chunk_keys(rig.tokens, **args), host=True, name="chunk_keys/list")
+    yield _lookup_row(ctx, "chunk_keys 32K list", rig, t, ok, "chunk_keys", input="list[int]")
+    if not ctx.quick:
+        t = ctx.time(lambda: chunk_keys(ids, **args), host=True, name="chunk_keys/tensor")
+        yield _lookup_row(ctx, "chunk_keys 32K tensor", rig, t, ok, "chunk_keys", input="int64 tensor")
+
+
+def _lookup_row(ctx: Context, case: str, rig: Rig, t, ok: bool, path: str, **params) -> Row:
+    us = t.median_ms * 1e3
+    p = dict(path=path, prompt_tokens=len(rig.tokens), chunks=rig.chunks, chunk_tokens=rig.chunk_tokens)
+    p |= dict(us_per_prompt=us, us_per_chunk=us / rig.chunks, hash="sha256", counts="token ids hashed (4 B)")
+    return ctx.row(case, 4 * len(rig.tokens), t, "host_memcpy", correct=ok, **(p | params))
+
+
+def _tier_rows(ctx: Context, rig: Rig, tier: str, tiers: list, workdir: Path, extra: dict):
+    """Save, load (and, for a lower tier, lookup) rows of one tier; `tiers`: the store's lower tiers."""
+    tokens, lower = rig.tokens, bool(tiers)
+    cur = [rig.store(tiers)]
+
+    def renew() -> None:
+        # A store of its own for each run that reads the tier: the host starts cold, and close()
+        # waits for the read-ahead the last load left queued (run after an evict, it would bring
+        # chunks back into the host behind the next run's back).
+        cur[0].close()
+        cur[0] = rig.store(tiers)
+        _drop_cache(workdir, extra)
+
+    saved: list[int] = []  # chunks each timed save stored (-1: not durable in time)
+    timed = [False]  # the warm-up runs get no setup: only runs after one are counted
+
+    def save() -> None:
+        h = cur[0].save(tokens, rig.src)
+        done = h.wait_durable(120) if lower else h.wait(120)  # durable: every push stored, not queued
+        if timed[0]:
+            saved.append(h.saved if done else -1)
+
+    def fresh() -> None:  # each run saves every chunk anew
+        timed[0] = True
+        cur[0].evict(tokens, lower=lower and tier != "redis")
+        if tier == "redis":
+            extra["client"].flushdb()  # our own server: cheaper than a GET + DEL per chunk
+
+    sources: Counter[str] = Counter()  # where the chunks of the timed loads came from
+
+    def load() -> None:
+        lh = cur[0].load(tokens, rig.dst)
+        lh.wait(120)
+        if timed[0]:
+            sources.update(lh.tiers)
+            sources["missed"] += rig.chunks - len(lh.tiers)
+
+    def cold() -> None:  # every chunk must come from the tier
+        timed[0] = True
+        if lower:
+            renew()
+
+    try:
+        t_save = ctx.time(save, setup=fresh, host=True, name=f"save/{tier}")
+        if lower:
+            renew()  # the check below must read every byte from the tier
+        ok, how = rig.check_load(cur[0], tier)
+        if set(saved) != {rig.chunks}:  # every timed save must have stored every chunk
+            ok, how = False, f"timed saves stored {sorted(set(saved))} of {rig.chunks} chunks; {how}"
+        timed[0] = False
+        t_load = ctx.time(load, setup=cold, host=True, name=f"load/{tier}")
+        public = {k: v for k, v in extra.items() if k != "client"}
+        for direction, t in (("save", t_save), ("load", t_load)):
+            ceiling, model = path_model(ctx, tier, direction, rig.nbytes)
+            p = rig.params() | public | model | dict(path=f"{tier} tier {direction}", tier=tier)
+            p["direction"] = direction
+            if direction == "load":
+                p["chunks_by_source"] = ", ".join(f"{k} {v}" for k, v in sorted(sources.items()) if v)
+            p["check"] = how
+            p["vs_path"] = t.gbps(rig.nbytes) / p["path_predicted_gbps"]
+            yield ctx.row(f"{direction} {tier}", rig.nbytes, t, ceiling, correct=ok, **p)
+        if lower and not ctx.quick:
+            renew()  # nothing in the host: the lookup asks the tier for every chunk
+            got = cur[0].lookup(tokens)
+            t = ctx.time(lambda: cur[0].lookup(tokens), host=True, name=f"lookup/{tier}_hit")
+            hit = got.tokens == len(tokens) and got.tiers == (tier,) * rig.chunks
+            yield _lookup_row(ctx, f"lookup {tier} hit", rig, t, hit, f"lookup ({tier} hit)")
+    finally:
+        cur[0].close()
+
+
+def _drop_cache(workdir: Path, extra: dict) -> None:
+    """Buffered disk tier: drop its files from the page cache, so reads come from the disk."""
+    if extra.get("disk_io", "O_DIRECT") == "O_DIRECT":
+        return
+    for f in (workdir / "disk").rglob("*.kvc"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # fsynced pages are clean: dropped
+        finally:
+            os.close(fd)
+
+
+def _fs_type(path: Path) -> str:
+    """The filesystem type of `path` (from /proc/mounts; "unknown" elsewhere)."""
+    best, kind, where = "", "unknown", str(path.resolve())
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            _, mount, fs = line.split()[:3]
+            inside = where == mount or where.startswith(mount.rstrip("/") + "/")
+            if inside and len(mount) > len(best):
+                best, kind = mount, fs
+    except OSError:
+        pass
+    return kind
+
+
+@register("store", needs_gpu=False, description="KVStore: lookup cost; save/load GB/s per tier")
+def store(ctx: Context):
+    try:
+        from kvtier.store.disk import DiskTier
+        from kvtier.store.kvstore import KVStore  # noqa: F401 - its imports are the store's dependencies
+        from kvtier.store.redis_tier import RedisTier
+    except ImportError as e:
+        raise SkipSuite(f"the store cannot be imported here: {e}") from None
+
+    with ExitStack() as stack:
+        root = Path(os.environ.get("KVTIER_BENCH_DIR") or tempfile.gettempdir())
+        workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-store-", dir=root))
+        stack.callback(shutil.rmtree, workdir, ignore_errors=True)
+        with ExitStack() as keys_stack:  # the lookup rig's memory goes before the request's is made
+            yield from _key_rows(ctx, keys_stack)
+        layers, tokens = _request(ctx)
+        rig = Rig(ctx, stack, layers=layers, tokens=tokens, heads=8, head_dim=128, seed=0)
+        yield from _tier_rows(ctx, rig, "host", [], workdir, {})
+
+        io = disk_io_mode(workdir)
+        disk = dict(disk_io=io, disk_fs=_fs_type(workdir), disk_dir=str(root))
+        for name in TIER_CEILINGS["disk"]:
+            ctx.ceiling(name, nbytes=rig.nbytes, root=workdir)
+        tier = DiskTier(workdir / "disk", 2 * rig.nbytes + (64 << 20), o_direct=io == "O_DIRECT")
+        yield from _tier_rows(ctx, rig, "disk", [tier], workdir, disk)
+        tier.close()
+
+        url, why = redis_server(stack, workdir / "redis")
+        if url is None:
+            for case in ("save redis", "load redis") + (() if ctx.quick else ("lookup redis hit",)):
+                ctx.skip(case, why)
+            return
+        tier = RedisTier(url=url, timeout_s=10.0)
+        stack.callback(tier.close)
+        part = min(tier.part_bytes, rig.span)
+        for name in TIER_CEILINGS["redis"]:
+            ctx.ceiling(name, nbytes=rig.nbytes, url=url, part_bytes=part)
+        info = tier.client.info("server")
+        redis = dict(client=tier.client, redis_version=info.get("redis_version"), redis_part_bytes=part)
+        redis |= dict(redis_timeout_s=10.0)
+        yield from _tier_rows(ctx, rig, "redis", [tier], workdir, redis)
