@@ -14,7 +14,7 @@ TARGETS: dict[str, tuple[str, float]] = {
     "save_d2h": ("P2", 0.97),
     "load_h2d": ("P3", 0.97),
 }
-ENGINE_SUITES = ("bidir", "save_beside_matmul", "submit_overhead")
+ENGINE_SUITES = ("bidir", "save_beside_matmul", "submit_overhead", "store")
 
 
 def _group(rows: list[dict]) -> dict[tuple[str, str, str], list[dict]]:
@@ -87,7 +87,7 @@ def markdown(doc: dict) -> str:
             f"| {b['ratio']:.1%} ({b['case']}) | {tgt} |"
         )
     engine = engine_markdown(doc)
-    return "\n".join(lines) + ("\n\nEngine suites, every row:\n\n" + engine if engine else "")
+    return "\n".join(lines) + ("\n\nEngine and store suites, every row:\n\n" + engine if engine else "")
 
 
 def _engine_figure(r: dict) -> str:
@@ -97,11 +97,16 @@ def _engine_figure(r: dict) -> str:
         return f"matmul time {p['slowdown_pct']:+.1f}% (alone spread {p.get('alone_spread_pct', 0):.1f}%)"
     if "submit_us" in p:
         return f"submit {p['submit_us']:,.0f} us for {p.get('blocks', '?')} blocks"
+    if "us_per_chunk" in p:
+        return f"{p['us_per_chunk']:.2f} us per chunk, {p['us_per_prompt']:,.0f} us per prompt"
+    if "vs_path" in p:
+        return f"{p['vs_path']:.0%} of the path model's bottleneck"
     return "-"
 
 
 def engine_markdown(doc: dict) -> str:
-    """Every row of the engine suites (P4 bidir, P5 save beside matmul, P6 submit overhead)."""
+    """Every row of the engine and store suites (P4 bidir, P5 save beside matmul, P6 submit
+    overhead; store lookup cost and per-tier throughput)."""
     lines = [
         "| suite | case | GB/s | vs ceiling | target figure | meets target |",
         "| --- | --- | --- | --- | --- | --- |",
