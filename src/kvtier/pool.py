@@ -27,16 +27,15 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import os
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from kvtier.device.base import Device, check_nbytes
+from kvtier.numa import allocate_near
 
 
 class PoolExhausted(RuntimeError):
@@ -80,20 +79,6 @@ class PoolStats:
     def __post_init__(self) -> None:
         if self.used + self.free != self.capacity or min(self.used, self.free, self.in_flight) < 0:
             raise ValueError(f"inconsistent pool accounting: {self}")
-
-
-def _numa_cpus(node: int) -> set[int] | None:
-    """CPUs of NUMA `node` from sysfs, or None where that is unavailable."""
-    try:
-        with open(f"/sys/devices/system/node/node{node}/cpulist") as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    cpus: set[int] = set()
-    for part in filter(None, text.split(",")):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus or None
 
 
 class PinnedPool:
@@ -152,28 +137,8 @@ class PinnedPool:
 
     def _allocate_slab(self) -> list[torch.Tensor]:
         sizes = [min(self.chunk_bytes, self.capacity - o) for o in range(0, self.capacity, self.chunk_bytes)]
-        cpus = _numa_cpus(self.numa_node) if self.numa_node is not None else None
-        if self.numa_node is not None and (cpus is None or not hasattr(os, "sched_setaffinity")):
-            warnings.warn(f"NUMA node {self.numa_node} unknown here; slab not placed", stacklevel=3)
-            cpus = None
-        old = os.sched_getaffinity(0) if cpus else None
-        old_threads = torch.get_num_threads()
-        try:
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-                # One thread: torch's worker threads have their own affinity and would
-                # first-touch pages on their nodes.
-                torch.set_num_threads(1)
-                self.numa_bound = True
-            chunks = [self.device.alloc_pinned(n) for n in sizes]
-            if cpus:
-                for c in chunks:
-                    c.zero_()  # first touch decides the page's node
-            return chunks
-        finally:
-            if old is not None:
-                os.sched_setaffinity(0, old)
-                torch.set_num_threads(old_threads)
+        chunks, self.numa_bound = allocate_near(self.device.alloc_pinned, sizes, self.numa_node)
+        return chunks
 
     # -- free list -------------------------------------------------------------------------
     def _add_free(self, start: int, size: int) -> None:

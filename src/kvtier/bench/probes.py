@@ -16,6 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.bench.probes_io import (
+    _pageable,
+    disk_read,
+    disk_write,
+    redis_loopback_get,
+    redis_loopback_set,
+)
 from kvtier.bench.timing import Timer
 
 
@@ -47,12 +54,6 @@ def h2d_pinned(timer: Timer, nbytes: int) -> float:
 def d2h_pinned(timer: Timer, nbytes: int) -> float:
     g, h = _dev_bytes(nbytes, timer.device), _pinned(nbytes)
     return nbytes / timer.time(lambda: h.copy_(g, non_blocking=True), name="probe/d2h_pinned").median_s / 1e9
-
-
-def _pageable(n: int) -> torch.Tensor:
-    t = torch.empty(n, dtype=torch.uint8)
-    t.fill_(7)  # touch every page now, so no page fault lands in a timed run
-    return t
 
 
 def h2d_pageable(timer: Timer, nbytes: int) -> float:
@@ -142,166 +143,6 @@ def host_memcpy(timer: Timer, nbytes: int) -> float:
 
 
 # -- lower tiers of the store: local disk, Redis on loopback ---------------------------------------
-
-_IO_PIECE = 8 << 20  # bytes per write / read call: large sequential IO
-
-
-def _host_timer(timer: Timer) -> Timer:
-    """A host-clock timer like `timer` (disk and socket IO are timed on the host clock)."""
-    return timer if not timer.on_cuda else Timer("cpu", min_reps=timer.min_reps, budget_s=timer.budget_s)
-
-
-def disk_io_mode(root) -> str:
-    """How the disk probes (and a `DiskTier(o_direct=True)`) move bytes on ``root``'s filesystem."""
-    from pathlib import Path
-
-    from kvtier.store.chunkfile import o_direct_supported
-
-    if o_direct_supported(Path(root)):
-        return "O_DIRECT"
-    return "buffered; file dropped from the page cache (posix_fadvise DONTNEED) before each read"
-
-
-def _disk_file(root, nbytes: int):
-    """(path, page-aligned buffer of random bytes (nbytes rounded up to a page), open flags) for a
-    disk probe: a fresh temp file in `root`, opened with O_DIRECT where the filesystem allows."""
-    import os
-    import tempfile
-
-    from kvtier.store.payload import PAGE, aligned_buffer, round_up
-
-    buf = aligned_buffer(round_up(nbytes, PAGE))  # O_DIRECT moves whole pages from aligned memory
-    torch.frombuffer(buf, dtype=torch.uint8).random_()  # never write zeros: a disk may compress them
-    fd, path = tempfile.mkstemp(prefix=".kvtier-probe-", dir=root)
-    os.close(fd)
-    return path, buf, os.O_DIRECT if disk_io_mode(root) == "O_DIRECT" else 0
-
-
-def _write_file(path: str, view: memoryview, flags: int) -> None:
-    import os
-
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o644)
-    try:
-        done = 0
-        while done < view.nbytes:
-            done += os.write(fd, view[done : done + _IO_PIECE])  # os.write may write less than asked
-        os.fsync(fd)  # durable, as a tier put is: the bytes must reach the device
-    finally:
-        os.close(fd)
-
-
-def _disk_probe(root, nbytes: int, timer: Timer, name: str, write: bool) -> float:
-    import os
-
-    path, buf, flags = _disk_file(root, nbytes)
-    view = memoryview(buf)
-
-    def drop() -> None:
-        if not flags:  # buffered: else every read would come from the page cache, not the disk
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # fsynced pages are clean: dropped
-            finally:
-                os.close(fd)
-
-    def read() -> None:
-        fd = os.open(path, os.O_RDONLY | flags)
-        try:
-            done = 0
-            while done < view.nbytes:
-                n = os.preadv(fd, [view[done : done + _IO_PIECE]], done)
-                if n == 0:
-                    raise RuntimeError(f"disk probe: {path} is shorter than the {view.nbytes} bytes written")
-                done += n
-        finally:
-            os.close(fd)
-
-    try:
-        if write:
-            fn, setup = (lambda: _write_file(path, view, flags)), (lambda: os.truncate(path, 0))
-        else:
-            _write_file(path, view, flags)
-            fn, setup = read, drop
-        t = _host_timer(timer).time(fn, setup=setup, name=f"probe/{name}")
-        return view.nbytes / t.median_s / 1e9
-    finally:
-        view.release()
-        buf.close()
-        os.unlink(path)
-
-
-def disk_write(timer: Timer, nbytes: int, *, root) -> float:
-    """Sequential write + fsync of a file of `nbytes` in `root` (8 MiB writes, O_DIRECT where the
-    filesystem accepts it, as `DiskTier(o_direct=True)` writes); bytes written."""
-    return _disk_probe(root, nbytes, timer, "disk_write", write=True)
-
-
-def disk_read(timer: Timer, nbytes: int, *, root) -> float:
-    """Sequential read (8 MiB preads) of a file of `nbytes` in `root`, written and fsynced before:
-    O_DIRECT where the filesystem accepts it, else buffered after dropping the file from the page
-    cache (`disk_io_mode` says which); bytes read."""
-    return _disk_probe(root, nbytes, timer, "disk_read", write=False)
-
-
-def _redis_parts(url: str, nbytes: int, part_bytes: int):
-    """(client, part keys, bytes to store) for a Redis probe: random bytes in parts of part_bytes."""
-    import uuid
-
-    from kvtier.store.redis_client import make_client
-
-    client = make_client(url, timeout_s=30.0)
-    data = _pageable(nbytes)
-    data.random_()
-    base = f"kvtier-probe:{uuid.uuid4().hex}:"
-    keys = [base + str(i) for i in range(-(-nbytes // part_bytes))]
-    return client, keys, memoryview(data.numpy())
-
-
-def _redis_set_all(client, keys: list[str], view: memoryview, part_bytes: int, batch: int) -> None:
-    for b in range(0, len(keys), batch):
-        pipe = client.pipeline(transaction=False)
-        for i in range(b, min(b + batch, len(keys))):
-            pipe.set(keys[i], view[i * part_bytes : (i + 1) * part_bytes])
-        pipe.execute()
-
-
-def redis_loopback_set(timer: Timer, nbytes: int, *, url: str, part_bytes: int, batch: int = 16) -> float:
-    """SET of `nbytes` in parts of `part_bytes` through redis-py, `batch` parts per pipeline (as the
-    Redis tier writes a chunk of several parts), to the server at `url`; payload bytes stored."""
-    client, keys, view = _redis_parts(url, nbytes, part_bytes)
-    try:
-        t = _host_timer(timer).time(
-            lambda: _redis_set_all(client, keys, view, part_bytes, batch), name="probe/redis_set"
-        )
-    finally:
-        client.delete(*keys)
-        client.close()
-    return nbytes / t.median_s / 1e9
-
-
-def redis_loopback_get(timer: Timer, nbytes: int, *, url: str, part_bytes: int, batch: int = 16) -> float:
-    """GET of the same parts back, `batch` per pipeline, each copied into one buffer (as the Redis
-    tier reads into a pool slot); payload bytes read. Checks the bytes once."""
-    client, keys, view = _redis_parts(url, nbytes, part_bytes)
-    out = bytearray(nbytes)
-
-    def get_all() -> None:
-        for b in range(0, len(keys), batch):
-            pipe = client.pipeline(transaction=False)
-            for k in keys[b : b + batch]:
-                pipe.get(k)
-            for i, part in enumerate(pipe.execute(), start=b):
-                out[i * part_bytes : i * part_bytes + len(part)] = part
-
-    try:
-        _redis_set_all(client, keys, view, part_bytes, batch)
-        t = _host_timer(timer).time(get_all, name="probe/redis_get")
-        if out != view:  # a probe that did not read the bytes back would flatter the ceiling
-            raise RuntimeError("redis probe: the bytes read back differ from those written")
-    finally:
-        client.delete(*keys)
-        client.close()
-    return nbytes / t.median_s / 1e9
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from kvtier.bench.probes import disk_io_mode
+from kvtier.bench.probes_io import disk_io_mode
 from kvtier.bench.suite import Context, Row, SkipSuite, register
 from kvtier.bench.suites.store_rig import PROMPT_TOKENS, TIER_CEILINGS, Rig, path_model, redis_server
 
