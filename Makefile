@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	# torch first: on a machine without a GPU this takes the CPU build; triton runs kernels
 	# on the CPU through its interpreter (TRITON_INTERPRET=1).
 	$(BIN)/pip install -q "$(TORCH)" "$(TRITON)"
-	$(BIN)/pip install -q -e ".[gpu,dev]"
+	$(BIN)/pip install -q -e ".[gpu,dev,hf]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,4 +1,4 @@
-"""Subcommands that need no GPU: `specs`, `roofline`, `path` (and `demo`, until the real one lands)."""
+"""Subcommands that need no GPU: `specs`, `roofline`, `path`."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import json
 import click
 
 from kvtier.cli import cli
-from kvtier.cli.report import analysis_json, path_json, roofline_json, specs_json
-from kvtier.cli.tables import GIB, print_path, print_roofline, print_specs
+from kvtier.cli.report import path_json, roofline_json, specs_json
+from kvtier.cli.tables import print_path, print_roofline, print_specs
 
 POSITIVE = click.IntRange(min=1)
 
@@ -203,39 +203,3 @@ def path(
         measured,
     )
     _finish(data, as_json, print_path, plot, "plot_load_vs_recompute")
-
-
-@cli.command()
-@common_model
-@click.option("--gpu", "-g", default=None, help="GPU key; default: the GPU present, else h100-sxm.")
-@common_json
-@usage_errors
-def demo(model: str, gpu: str | None, as_json: bool) -> None:
-    """The main job. For now: the analysis report (roofline + data path) for one model and GPU."""
-    gpu = gpu or _present_gpu_key()
-    data = analysis_json(model, gpu)
-    if as_json:
-        click.echo(json.dumps(data, indent=2))
-        return
-    click.echo(
-        "kvtier demo: the KV-moving demo (a real model through kvtier's store) arrives in a later release;\n"
-        "until then this is the analysis report, which needs no GPU.\n"
-    )
-    print_roofline(data["roofline"])
-    print_path(data["path"])
-    click.echo(f"1 GiB = {GIB} bytes; GB/s = 1e9 bytes per second.")
-
-
-def _present_gpu_key() -> str:
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            from kvtier.specs import gpu_from_device_name
-
-            found = gpu_from_device_name(torch.cuda.get_device_name(0))
-            if found:
-                return found.key
-    except ImportError:
-        pass
-    return "h100-sxm"

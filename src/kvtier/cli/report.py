@@ -200,7 +200,3 @@ def _link_path(g: GPU, key: str, host_link, direction: str, gpudirect: bool, sha
     return kpath.build_path(
         g, "disk", host_link, direction, disk=key, gpudirect=gpudirect, shared_by=shared_by
     )
-
-
-def analysis_json(model: str, gpu: str) -> dict:
-    return {"roofline": roofline_json(model, gpu, 32, 8192, 8192), "path": path_json(model, 8192, gpu=gpu)}

@@ -1,0 +1,290 @@
+"""`kvtier demo`: a random-weight Llama generating through kvtier's store (`integrations.hf`).
+
+Several requests share a long prefix. The first runs cold and saves its KV (host, then pushed
+to disk and Redis); the next ones load the prefix from the host; one more loads it from disk
+after the host was emptied; with ``--redis URL`` a second kvtier instance, sharing only Redis,
+loads it from there. Each request also runs without kvtier (transformers' DynamicCache, the
+whole prompt recomputed): its time to first token is the baseline and its tokens must match.
+
+    kvtier demo                          # CPU: SimDevice, a small model, 1024-token prefix
+    kvtier demo --redis redis://localhost:6379 --plot ttft.png
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+
+import click
+
+from kvtier.cli import cli
+
+# Random-weight Llama configs per device: small enough for 2 CPU cores, larger on a GPU.
+MODELS = {
+    "cpu": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                num_key_value_heads=4, vocab_size=4096),
+    "cuda": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
+                 num_key_value_heads=8, vocab_size=32000),
+}  # fmt: skip
+PREFIX = {"cpu": 1024, "cuda": 8192}
+TAIL, CHUNK, BLOCK = 48, 256, 16
+PLOT_PREFIXES = {"cpu": (256, 512, 1024, 2048), "cuda": (1024, 2048, 4096, 8192, 16384)}
+
+
+def build_model(kind: str):
+    """A Llama with random weights (seeded) in fp32: greedy ties are not decided by rounding."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(max_position_embeddings=32768, **MODELS[kind])
+    return LlamaForCausalLM(cfg).to("cuda" if kind == "cuda" else "cpu").eval()
+
+
+class _FirstToken:
+    """A generate() streamer noting when the first new token comes out (the prompt comes first)."""
+
+    def __init__(self) -> None:
+        self.calls, self.t_first = 0, None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            if getattr(value, "is_cuda", False):
+                import torch
+
+                torch.cuda.synchronize()  # the token exists once the GPU has made it, not when queued
+            self.t_first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def generate(model, ids, new_tokens: int, cache=None):
+    """(tokens, seconds to the first new token) of a greedy run; ``cache`` None: DynamicCache."""
+    import torch
+
+    from kvtier.integrations.hf import cache_kwarg
+
+    extra = {} if cache is None else {cache_kwarg(model): cache}
+    clock = _FirstToken()
+    t0 = time.perf_counter() if cache is None else cache.t_start  # kvtier's lookup counts too
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, streamer=clock, **extra)
+    return out, clock.t_first - t0
+
+
+def request(kvt, model, ids, new_tokens: int, label: str) -> dict:
+    """One request with kvtier and the same without; the KV is saved (and pushed down) after.
+    The recompute baseline is the faster of two runs (the CPU may be shared)."""
+    import torch
+
+    (ref, a), (_, b) = generate(model, ids, new_tokens), generate(model, ids, new_tokens)
+    cache = kvt.cache(ids)
+    out, ttft = generate(model, ids, new_tokens, cache)
+    load_s = cache.load_seconds()
+    t = time.perf_counter()
+    h = cache.finish(out)
+    save_s = time.perf_counter() - t  # into host pool slots (the copies have landed)
+    durable = h is None or h.wait_durable(60)  # write-through: on disk / in Redis before the next one
+    saved = 0 if h is None else h.saved * kvt.store.fmt.span
+    return dict(
+        request=label, prompt_tokens=ids.shape[1], hit_tokens=cache.hit_tokens,
+        tier="+".join(sorted(set(cache.hit_tiers))) or "-",
+        ttft_recompute_ms=min(a, b) * 1e3, ttft_ms=ttft * 1e3,
+        loaded_bytes=cache.hit_bytes, load_gbps=cache.hit_bytes / load_s / 1e9 if load_s else None,
+        saved_bytes=saved, save_gbps=saved / save_s / 1e9 if saved else None, durable=durable,
+        identical=bool(torch.equal(out, ref)),
+    )  # fmt: skip
+
+
+def run(kind: str, prefix: int, requests: int, new_tokens: int, redis_url: str | None) -> dict:
+    import torch
+
+    from kvtier.integrations.hf import KVTier
+    from kvtier.store.disk import DiskTier
+
+    model = build_model(kind)
+    g = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    shared = torch.randint(1, vocab, (1, prefix), generator=g)
+    prompts = [
+        torch.cat([shared, torch.randint(1, vocab, (1, TAIL + 8 * i), generator=g)], 1)
+        for i in range(requests)
+    ]
+    prompts = [p.to(model.device) for p in prompts]
+    generate(model, prompts[0][:, :64], 2)  # warm-up: first-call costs are not the prefill's
+    blocks = 2 * (prefix + TAIL + 8 * requests + new_tokens) // BLOCK + 8
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
+        tiers = [DiskTier(tmp, 8 << 30)] + _redis(redis_url)
+        salt = os.urandom(8)  # this run's keys: chunks an earlier run left in Redis do not hit
+        opts = dict(num_blocks=blocks, chunk_tokens=CHUNK, salt=salt)
+        with KVTier.for_model(model, tiers=tiers, **opts) as kvt:
+            device = kvt.device.name
+            for i, ids in enumerate(prompts[:-1]):
+                rows.append(request(kvt, model, ids, new_tokens, "cold" if i == 0 else f"warm {i}"))
+            kvt.store.evict()  # empty the host: the next hit must come from disk
+            rows.append(request(kvt, model, prompts[-1], new_tokens, "host emptied"))
+        if redis_url:  # another instance: no disk, no host copy, only the Redis both share
+            with KVTier.for_model(model, tiers=_redis(redis_url), **opts) as b:
+                rows.append(request(b, model, prompts[1], new_tokens, "2nd instance"))
+    cfg = model.config
+    return dict(
+        device=device, torch_device=str(model.device), chunk_tokens=CHUNK, block_size=BLOCK,
+        model=dict(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
+                   kv_heads=cfg.num_key_value_heads, dtype=str(model.dtype).removeprefix("torch."),
+                   params=sum(p.numel() for p in model.parameters())),
+        prefix_tokens=prefix, new_tokens=new_tokens, requests=rows,
+        identical=all(r["identical"] for r in rows),
+    )  # fmt: skip
+
+
+def _redis(url: str | None) -> list:
+    """A Redis tier with its own client, as each serving instance would have."""
+    if not url:
+        return []
+    from kvtier.store.redis_tier import RedisTier
+
+    return [RedisTier(url=url, prefix="kvtier-demo:", ttl_s=3600, timeout_s=5.0)]
+
+
+def sweep(kind: str, prefixes, new_tokens: int) -> list[dict]:
+    """TTFT of recompute (DynamicCache) vs load (kvtier, host hit) over prefix lengths."""
+    import torch
+
+    from kvtier.integrations.hf import KVTier
+
+    model = build_model(kind)
+    g = torch.Generator().manual_seed(2)
+    out = []
+    blocks = 2 * (max(prefixes) + 2 * TAIL + new_tokens) // BLOCK + 8
+    with KVTier.for_model(model, num_blocks=blocks, chunk_tokens=CHUNK) as kvt:
+        generate(model, torch.randint(1, 99, (1, 64)).to(model.device), 2)  # warm-up
+        for n in prefixes:
+            ids = torch.randint(1, model.config.vocab_size, (1, n + TAIL), generator=g).to(model.device)
+            request(kvt, model, ids, 1, "cold")  # saves the prefix
+            row = request(kvt, model, ids, 1, f"prefix {n}")
+            out.append(
+                dict(prefix=row["hit_tokens"], recompute_ms=row["ttft_recompute_ms"], load_ms=row["ttft_ms"])
+            )
+    return out
+
+
+def plot_ttft(points: list[dict], title: str, out: str) -> None:
+    from kvtier.cli.plots import _pyplot
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    n = [p["prefix"] for p in points]
+    ax.plot(n, [p["recompute_ms"] for p in points], "-o", label="recompute (DynamicCache)")
+    ax.plot(n, [p["load_ms"] for p in points], "-s", label="load from kvtier (host hit)")
+    ax.set_xlabel("cached prefix (tokens)")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def print_report(d: dict) -> None:
+    m = d["model"]
+    click.echo(
+        f"kvtier demo: random-weight Llama ({m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads / "
+        f"{m['kv_heads']} KV heads, {m['params'] / 1e6:.1f}M params, {m['dtype']}) on {d['torch_device']}, "
+        f"kvtier device {d['device']}"
+    )
+    click.echo(
+        f"{len(d['requests'])} requests sharing a {d['prefix_tokens']}-token prefix; chunks of "
+        f"{d['chunk_tokens']} tokens, blocks of {d['block_size']}; {d['new_tokens']} tokens generated each\n"
+    )
+    head = ("request", "prompt", "hit", "from", "TTFT recompute", "TTFT kvtier", "speedup", "loaded",
+            "load GB/s", "saved", "save GB/s", "same tokens")  # fmt: skip
+    rows = [head]
+    for r in d["requests"]:
+        rows.append((
+            r["request"], str(r["prompt_tokens"]), str(r["hit_tokens"]), r["tier"],
+            f"{r['ttft_recompute_ms']:.1f} ms", f"{r['ttft_ms']:.1f} ms",
+            f"{r['ttft_recompute_ms'] / r['ttft_ms']:.2f}x" if r["hit_tokens"] else "-",
+            _mb(r["loaded_bytes"]), _rate(r["load_gbps"]), _mb(r["saved_bytes"]), _rate(r["save_gbps"]),
+            "yes" if r["identical"] else "NO",
+        ))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    for row in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+    cold = d["requests"][0]["ttft_ms"]
+    warm = [r for r in d["requests"] if r["hit_tokens"]]
+    if warm:
+        best = min(warm, key=lambda r: r["ttft_ms"])
+        click.echo(f"\ncold TTFT {cold:.1f} ms; warm TTFT {best['ttft_ms']:.1f} ms ({best['tier']} hit, "
+                   f"{cold / best['ttft_ms']:.1f}x faster); hits by tier: "
+                   + ", ".join(f"{r['request']}: {r['tier']}" for r in warm))  # fmt: skip
+    click.echo(f"tokens identical to a run without kvtier: {'yes' if d['identical'] else 'NO'}")
+    click.echo(
+        "TTFT kvtier includes the lookup and the load. load GB/s: bytes / (lookup -> last byte landed, "
+        "lower-tier reads included);\nsave GB/s: bytes / (request end -> copies landed in host pool slots), "
+        "then pushed to the lower tiers. GB/s = 1e9 B/s."
+    )
+    if d["device"] == "sim":
+        click.echo(
+            "No GPU: SimDevice stands in for it (CPU threads as copy streams), so GB/s are host copies."
+        )
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n else "-"
+
+
+def _rate(x: float | None) -> str:
+    return f"{x:.2f}" if x else "-"
+
+
+@cli.command()
+@click.option("--device", "device_kind", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
+              show_default=True, help="Where the model runs; auto: CUDA when present.")  # fmt: skip
+@click.option(
+    "--prefix", type=click.IntRange(CHUNK, 1 << 17), default=None, help="Shared prefix [cpu 1024, cuda 8192]."
+)
+@click.option("--requests", type=click.IntRange(3, 32), default=4, show_default=True)
+@click.option("--new-tokens", type=click.IntRange(1, 1024), default=16, show_default=True)
+@click.option(
+    "--redis", "redis_url", default=None, help="Also push to this Redis and hit it from a 2nd instance."
+)
+@click.option(
+    "--plot", type=click.Path(dir_okay=False), default=None, help="PNG: TTFT vs prefix, recompute vs load."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def demo(
+    device_kind: str, prefix: int | None, requests: int, new_tokens: int, redis_url, plot, as_json
+) -> None:
+    """A random-weight Llama generating through kvtier: cold vs warm TTFT, tiers, GB/s, exactness."""
+    try:
+        import torch
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise click.ClickException(
+            f"kvtier demo needs torch and transformers ({e}): pip install 'kvtier[hf]'"
+        ) from None
+    kind = ("cuda" if torch.cuda.is_available() else "cpu") if device_kind == "auto" else device_kind
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise click.UsageError("--device cuda: torch finds no CUDA GPU")
+    data = run(kind, prefix or PREFIX[kind], requests, new_tokens, redis_url)
+    if plot:
+        data["sweep"] = sweep(kind, PLOT_PREFIXES[kind], new_tokens)
+        m = data["model"]
+        title = (
+            f"TTFT, random-weight Llama {m['layers']}L/{m['hidden']} {m['dtype']} on {data['torch_device']}"
+        )
+        plot_ttft(data["sweep"], title, plot)
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+    else:
+        print_report(data)
+        if plot:
+            click.echo(f"plot: {plot}")
+    if not data["identical"]:
+        raise SystemExit(1)

@@ -1,0 +1,273 @@
+"""HF transformers through kvtier: a `Cache` whose shared prefix comes from the store.
+
+    kvt = KVTier.for_model(model, tiers=[DiskTier("/tmp/kv", 1 << 30)], chunk_tokens=64)
+    cache = kvt.cache(input_ids)                 # lookup + load of the cached prefix (async)
+    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=32, do_sample=False)
+    cache.finish(out)                            # the request's KV into paged blocks + KVStore.save
+
+`KVTier` owns the paged KV cache on the device (vLLM flash layout, per layer
+``(2, num_blocks, block_size, num_kv_heads, head_dim)``), a `TransferEngine` and a `KVStore`.
+`KVTierCache` (one request, batch 1) keeps per layer contiguous K/V ``(1, num_kv_heads, seq,
+head_dim)`` for attention, like `DynamicCache`. On a prefix hit it reports the hit's length
+from the start, so ``generate`` prefills only the rest of the prompt, and fills layer i from
+the loaded blocks at layer i's first ``update`` — right before attention of layer i — after
+``load.wait_layer(i, compute)``: layer i is read only once its bytes have landed, while later
+layers are still in flight. Full-attention decoder layers only (Llama, Qwen2, Mistral without
+a sliding window, ...).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from kvtier import layout
+from kvtier.device.base import Device
+from kvtier.engine import TransferEngine
+from kvtier.pool import PinnedPool
+from kvtier.store import KVStore
+
+
+class KVTier:
+    """The paged KV cache of a model on ``device`` and the store underneath.
+
+    kv_caches: per layer ``(2, num_blocks, block_size, num_kv_heads, head_dim)``, the model's
+    dtype, on the device's memory (CPU for `SimDevice`). Build it with `for_model`.
+    """
+
+    def __init__(
+        self,
+        device: Device,
+        kv_caches: list[torch.Tensor],
+        pool_bytes: int,
+        model: str,
+        *,
+        tiers=(),
+        engine_options: dict | None = None,
+        **store_options,
+    ) -> None:
+        self.device, self.compute = device, device.current_stream()
+        self.kv = layout.vllm_flash(kv_caches)
+        self.pool = PinnedPool(device, pool_bytes)
+        # compute_beside=False: loads take the per-layer path, an event per layer to wait on.
+        # Staging no larger than the whole cache (the engine's default is 512 MiB per direction).
+        staging = min(512 << 20, max(2 * self.kv.block_nbytes, self.kv.chunk_nbytes(self.kv.num_blocks)))
+        opts = dict(compute_beside=False, staging_bytes=staging)
+        self.engine = TransferEngine(device, self.kv, self.pool, **(opts | (engine_options or {})))
+        self.store = KVStore(self.engine, model, tiers=list(tiers), **store_options)
+        self.chunk_tokens = self.store.fmt.tokens
+        self._free = list(range(self.kv.num_blocks))[::-1]  # plain-Python block allocator
+        self.owns_device = False  # for_model made it: close() closes it too
+
+    @classmethod
+    def for_model(
+        cls,
+        model,
+        *,
+        device: Device | None = None,
+        num_blocks: int = 256,
+        block_size: int = 16,
+        pool_bytes: int | None = None,
+        tiers=(),
+        model_id: str | None = None,
+        **options,
+    ) -> KVTier:
+        """Shape the paged cache from ``model.config`` (layers, KV heads, head_dim, dtype) on the
+        model's device: `CudaDevice` on CUDA, `SimDevice` on the CPU. pool_bytes: pinned host pool
+        (default: room for every block twice). model_id: the identity of the weights, part of every
+        key (default: the config's name_or_path, else the class name: give one for weights made
+        locally). options: `StoreConfig` fields (chunk_tokens, salt, ...) and engine_options."""
+        cfg = (
+            model.config.get_text_config(decoder=True)
+            if hasattr(model.config, "get_text_config")
+            else model.config
+        )
+        types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+        if (
+            types != {"full_attention"}
+            or getattr(cfg, "sliding_window", None)
+            and not getattr(cfg, "layer_types", None)
+        ):
+            raise ValueError(f"model: only full-attention layers are supported, got {sorted(types)}")
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        dev_t = next(model.parameters()).device
+        shape = (2, num_blocks, block_size, kv_heads, head_dim)
+        caches = [torch.zeros(shape, dtype=model.dtype, device=dev_t) for _ in range(cfg.num_hidden_layers)]
+        kv = layout.vllm_flash(caches)
+        pool_bytes = pool_bytes or 2 * kv.chunk_nbytes(num_blocks)
+        name = model_id or getattr(cfg, "_name_or_path", "") or type(model).__name__
+        made = device is None
+        if made:
+            from kvtier.device import CudaDevice, SimDevice
+
+            device = CudaDevice(dev_t.index or 0) if dev_t.type == "cuda" else SimDevice()
+        kvt = cls(device, caches, pool_bytes, name, tiers=tiers, **options)
+        kvt.owns_device = made
+        return kvt
+
+    # -- one request -------------------------------------------------------------------------
+
+    def cache(self, input_ids: torch.Tensor) -> KVTierCache:
+        """A cache for ``input_ids`` ([1, n] or [n]): the longest stored chunk prefix of its first
+        n - 1 tokens is loaded (asynchronously; at least one token is left for the model to run)."""
+        tokens = _tokens(input_ids)
+        t0 = time.perf_counter()
+        start = self.engine.load_stream.record("hf-load-start")  # times lookup + reads + copies
+        want = self.store.lookup(tokens[:-1]).tokens
+        blocks = self._alloc(want // self.kv.block_size)
+        load = self.store.load(tokens[:-1], blocks) if want else None
+        if load is not None and load.tokens < want:  # a chunk vanished since the lookup: fewer blocks
+            keep = load.tokens // self.kv.block_size
+            self._release(blocks[keep:])
+            blocks = blocks[:keep]
+        return KVTierCache(self, blocks, load, t0, start)
+
+    def _alloc(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise ValueError(
+                f"need {n} KV blocks, {len(self._free)} free of {self.kv.num_blocks}: raise num_blocks"
+            )
+        return [self._free.pop() for _ in range(n)]
+
+    def _release(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+    def close(self) -> None:
+        """Finish every transfer and push, then close the store and the engine (not the tiers)."""
+        self.store.close()
+        self.engine.close()
+        if self.owns_device:
+            self.device.close()
+
+    def __enter__(self) -> KVTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Layer(DynamicLayer):
+    """A DynamicLayer whose first `hit` positions arrive from kvtier at the first update."""
+
+    def __init__(self, owner: KVTierCache, index: int) -> None:
+        super().__init__()
+        self._owner, self._index = owner, index
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        if not self.is_initialized:
+            return self._owner.hit_tokens  # the loaded prefix counts before it is read
+        return super().get_seq_length(*args, **kwargs)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized and self._owner.hit_tokens:
+            self.keys, self.values = self._owner._arrive(self._index, key_states)
+            self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+class KVTierCache(Cache):
+    """The cache of one request (batch 1). hit_tokens: the prefix loaded from the store (whole
+    chunks); hit_tiers: per loaded chunk, the tier it came from; t_start: perf_counter() when
+    the request asked kvtier (before the lookup)."""
+
+    def __init__(self, owner: KVTier, blocks: list[int], load, t_start: float, start_event) -> None:
+        self.owner, self.blocks, self.load, self.t_start = owner, blocks, load, t_start
+        self._start = start_event
+        self.hit_tokens = load.tokens if load is not None else 0
+        self.hit_tiers: tuple[str, ...] = load.tiers if load is not None else ()
+        self.arrived: list[int] = []  # layers in the order they were read (tests check the order)
+        self.finished = False
+        super().__init__(layers=[_Layer(self, i) for i in range(owner.kv.num_layers)])
+
+    @property
+    def hit_bytes(self) -> int:
+        return self.hit_tokens // self.owner.kv.block_size * self.owner.kv.block_nbytes
+
+    def load_seconds(self) -> float | None:
+        """Seconds from before the lookup to the last loaded byte landing (lower-tier reads
+        included), from events on the engine's load stream; blocks until the load is done."""
+        if self.load is None or not self.load.jobs:
+            return None
+        self.load.wait()  # an event's time is known only once it has completed
+        return self._start.elapsed_ms(self.load.jobs[-1].event) / 1e3  # one stream: the last job ends last
+
+    def _arrive(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V of the hit prefix, each ``(1, kv_heads, hit, head_dim)``."""
+        o, n = self.owner, self.hit_tokens
+        if like.shape[0] != 1:
+            raise ValueError(
+                f"key_states: KVTierCache holds one request (batch 1), got batch {like.shape[0]}"
+            )
+        ids = torch.tensor(self.blocks, device=o.kv.device)
+        out = torch.empty((2, 1, o.kv.num_heads, n, o.kv.head_dim), dtype=like.dtype, device=like.device)
+        pages = o.kv.layers[layer]  # (2, num_blocks, block_size, heads, dim)
+
+        def gather() -> None:  # (2, nb, bs, H, D) -> (2, 1, H, nb * bs, D)
+            out.copy_(pages.index_select(1, ids).flatten(1, 2).transpose(1, 2).unsqueeze(1))
+
+        # Attention of layer `layer` must not read its blocks before their bytes have landed:
+        # the compute stream waits for that layer's event (later layers may still be in flight).
+        self.load.wait_layer(layer, o.compute)
+        o.device.launch(gather, o.compute)
+        ev = o.compute.record(f"hf-read-layer{layer}")
+        self.arrived.append(layer)
+        if like.device.type == "cpu":
+            ev.synchronize()  # the host runs attention: submitted is not done, block until read
+        if len(self.arrived) == o.kv.num_layers:  # the stream has waited every layer, e_load included
+            o.engine.compute_read(self.blocks, ev)  # a later load into these blocks waits for the reads
+        return out[0], out[1]
+
+    def finish(self, sequences: torch.Tensor | None = None):
+        """End the request: the KV of ``sequences`` (the prompt + generated ids; only the first
+        ``get_seq_length()`` have KV) goes into paged blocks and `KVStore.save`, whole chunks
+        only; blocks return to the free list once the save has read them. Returns the
+        `SaveHandle` (``wait_durable()``: pushed to the lower tiers), or None: nothing new."""
+        if self.finished:
+            raise RuntimeError("finish() was called already")
+        self.finished = True
+        o, bs = self.owner, self.owner.kv.block_size
+        if self.load is not None:
+            self.load.wait()  # the loads must land before anything reuses these blocks
+        n = self.get_seq_length() if sequences is not None and self.layers[0].is_initialized else 0
+        n_full, h0 = n // o.chunk_tokens * o.chunk_tokens, self.hit_tokens
+        if n_full <= h0:
+            o._release(self.blocks)
+            return None
+        new = o._alloc((n_full - h0) // bs)
+        ids = torch.tensor(new, device=o.kv.device)
+        states = [(lay.keys, lay.values) for lay in self.layers]
+
+        def scatter() -> None:  # (1, H, n, D)[h0:n_full] -> blocks `new` as (len, bs, H, D), K and V
+            for pages, kv in zip(o.kv.layers, states, strict=True):
+                for i, x in enumerate(kv):
+                    part = x[0, :, h0:n_full].transpose(0, 1).reshape(len(new), bs, *x.shape[1:2], x.shape[3])
+                    pages[i].index_copy_(0, ids, part.to(pages.dtype))
+
+        o.device.launch(scatter, o.compute)
+        after = o.compute.record("hf-write")  # the save reads the blocks only after this write
+        blocks = self.blocks + new
+        handle = o.store.save(_tokens(sequences)[:n_full], blocks, after=after)
+        handle.wait()  # submitted is not done: the blocks are free only once every save read them
+        o._release(blocks)
+        return handle
+
+
+def _tokens(ids) -> list[int]:
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() == 2:
+            if ids.shape[0] != 1:
+                raise ValueError(f"input_ids: one request (batch 1) expected, got shape {tuple(ids.shape)}")
+            ids = ids[0]
+        return ids.tolist()
+    return list(ids)
+
+
+def cache_kwarg(model) -> str:
+    """The name ``generate``/``forward`` take the cache under: ``cache`` (transformers >= 5.2x)
+    or ``past_key_values`` (earlier; still accepted, with a deprecation warning, later)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
