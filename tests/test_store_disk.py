@@ -323,14 +323,14 @@ def test_o_direct_write_refused_midway_falls_back(tmp_path, monkeypatch):
     tier = DiskTier(tmp_path, MIB, o_direct=True)
     if not tier.stats()["o_direct"]:
         pytest.skip("this filesystem refuses O_DIRECT")
-    real_write = chunkfile.write_chunk_file
+    real_write = chunkfile.write_temp
 
-    def picky(path, head, view, o_direct, fsync):
+    def picky(path, head, view, o_direct, fsync, align=PAGE):
         if o_direct:  # e.g. a filesystem that opens O_DIRECT files but refuses the writes
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real_write(path, head, view, o_direct=o_direct, fsync=fsync)
+        return real_write(path, head, view, o_direct, fsync, align)
 
-    monkeypatch.setattr("kvtier.store.disk.write_chunk_file", picky)
+    monkeypatch.setattr("kvtier.store.disk_write.write_temp", picky)
     key, header, payload = chunk(2)
     assert tier.put(key, header, payload)
     assert tier.stats()["o_direct"] == 0 and tier.stats()["put_failures"] == 0

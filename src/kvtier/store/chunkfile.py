@@ -7,8 +7,12 @@ padded to a page multiple; buffered ones are not. Readers accept both.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
 import os
+import struct
+import threading
 import uuid
 from pathlib import Path
 
@@ -29,29 +33,64 @@ def file_size(payload_len: int, padded: bool) -> int:
 
 def o_direct_supported(directory: Path) -> bool:
     """Whether the filesystem of ``directory`` accepts O_DIRECT (tmpfs, for one, refuses it)."""
+    return o_direct_alignment(directory) > 0
+
+
+def o_direct_alignment(directory: Path) -> int:
+    """The memory alignment O_DIRECT needs on ``directory``'s filesystem — statx's
+    ``dio_mem_align`` of a probe file (Linux >= 6.1), else a page — or 0 where it is refused."""
     if not hasattr(os, "O_DIRECT"):
-        return False
+        return 0
     probe = directory / f".odirect.{uuid.uuid4().hex}.tmp"
     try:
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644))
-        return True
+        return _dio_align(probe) or PAGE
     except OSError:
-        return False
+        return 0
     finally:
         probe.unlink(missing_ok=True)
 
 
-def write_chunk_file(path: Path, head: bytes, view: memoryview, o_direct: bool, fsync: bool) -> None:
+_STATX_DIOALIGN = 0x2000
+
+
+def _dio_align(path: Path) -> int:
+    """max(stx_dio_mem_align, stx_dio_offset_align) of a regular file; 0 where unknown."""
+    try:
+        buf = ctypes.create_string_buffer(256)  # struct statx
+        if ctypes.CDLL(None).statx(-100, os.fsencode(path), 0, _STATX_DIOALIGN, buf) != 0:  # AT_FDCWD
+            return 0
+    except (OSError, AttributeError):  # no libc statx (old glibc, not Linux)
+        return 0
+    mask, mem, off = struct.unpack_from("<I", buf, 0)[0], *struct.unpack_from("<II", buf, 152)
+    return max(mem, off) if mask & _STATX_DIOALIGN and mem and off <= PAGE else 0
+
+
+def write_chunk_file(
+    path: Path, head: bytes, view: memoryview, o_direct: bool, fsync: bool, align: int = PAGE
+) -> None:
     """Write atomically: temp file, fsync, rename over ``path``, fsync the directory.
 
     A crash leaves the old state or the new one, never a half file under the chunk's name.
     Raises OSError (ENOSPC, EIO, EINVAL from O_DIRECT …); the temp file is removed first.
     """
+    publish(write_temp(path, head, view, o_direct, fsync, align), path)
+    if fsync:  # the rename itself is durable only once the directory is synced
+        sync_dir(path.parent)
+
+
+def write_temp(
+    path: Path, head: bytes, view: memoryview, o_direct: bool, fsync: bool, align: int = PAGE
+) -> Path:
+    """The first half of an atomic write: the chunk in a temp file beside ``path``, fsynced
+    when ``fsync``; its name is returned for ``publish``. ``align``: O_DIRECT's memory
+    alignment (a payload at such an address is written in place, else through a copy).
+    Raises OSError; the temp file is removed first."""
     path.parent.mkdir(exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         if o_direct:
-            _write_direct(tmp, head, view, fsync)
+            _write_direct(tmp, head, view, fsync, align)
         else:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
@@ -61,33 +100,89 @@ def write_chunk_file(path: Path, head: bytes, view: memoryview, o_direct: bool, 
                     os.fsync(fd)
             finally:
                 os.close(fd)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def publish(tmp: Path, path: Path) -> None:
+    """Rename a ``write_temp`` file to its chunk's name (the temp file is removed on failure).
+    Durable only once ``sync_dir(path.parent)`` returned."""
+    try:
         os.rename(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    if fsync:  # the rename itself is durable only once the directory is synced
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
 
 
-def _write_direct(tmp: Path, head: bytes, view: memoryview, fsync: bool) -> None:
-    buf = aligned_buffer(PAGE + view.nbytes)  # O_DIRECT needs page-aligned memory and length
+def sync_dir(directory: Path) -> None:
+    """fsync a directory: the renames into it survive a crash only from here on."""
+    dfd = os.open(directory, os.O_RDONLY)
     try:
+        os.fsync(dfd)  # the journal commit that makes every rename into it durable
+    finally:
+        os.close(dfd)
+
+
+class Staging:
+    """Page-aligned buffers for O_DIRECT IO of payloads that are not aligned (a SimDevice slot),
+    kept for reuse: a fresh map per chunk costs its page faults, several times the copy."""
+
+    def __init__(self, keep: int = 2) -> None:
+        self._keep, self._free, self._lock = keep, [], threading.Lock()
+
+    @contextlib.contextmanager
+    def buffer(self, nbytes: int):
+        size = round_up(max(nbytes, PAGE), PAGE)
+        with self._lock:  # one buffer per caller: concurrent puts and gets never share one
+            buf = next((b for b in self._free if len(b) == size), None)
+            if buf is not None:
+                self._free.remove(buf)
+        buf = buf if buf is not None else aligned_buffer(size)
+        try:
+            yield buf
+        finally:
+            with self._lock:
+                keep = len(self._free) < self._keep
+                if keep:
+                    self._free.append(buf)
+            if not keep:  # unmapped now: a chunk-sized map per put left to the GC bloats RSS
+                with contextlib.suppress(BufferError):  # a traceback still holds a view: the GC unmaps it
+                    buf.close()
+
+
+_STAGING = Staging()
+
+
+def _write_direct(tmp: Path, head: bytes, view: memoryview, fsync: bool, align: int) -> None:
+    n = view.nbytes
+    in_place = n % PAGE == 0 and _address(view) % align == 0
+    # O_DIRECT needs aligned memory and lengths: an aligned payload (a pool slot on a GPU host)
+    # goes in place after a page of header; any other through a page-aligned copy.
+    with _STAGING.buffer(PAGE if in_place else PAGE + n) as buf:
         buf[: len(head)] = head
-        buf[PAGE : PAGE + view.nbytes] = view
+        buf[len(head) : PAGE] = bytes(PAGE - len(head))  # a reused buffer: no stale bytes in padding
+        if not in_place:
+            buf[PAGE : PAGE + n] = view
+            buf[PAGE + n :] = bytes(len(buf) - PAGE - n)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
         try:
-            with memoryview(buf) as mv:  # released before buf.close(), which refuses live exports
+            with memoryview(buf) as mv:  # released before the buffer is closed or reused
                 _write_all(fd, mv)
+            if in_place:
+                _write_all(fd, view)
             if fsync:  # O_DIRECT skips the page cache, not the drive's volatile write cache
                 os.fsync(fd)
         finally:
             os.close(fd)
-    finally:
-        buf.close()  # unmapped now: leaving a chunk-sized staging map per put to the GC bloats RSS
+
+
+def _address(view: memoryview) -> int:
+    """The address of a writable view's first byte; -1 (never aligned) for a read-only one."""
+    if view.readonly or view.nbytes == 0:
+        return -1
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))  # the temporary export ends here
 
 
 def read_header(key: bytes, head, size: int) -> ChunkHeader:
@@ -115,17 +210,15 @@ def read_chunk_file(
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if o_direct else 0))
     try:
         size = os.fstat(fd).st_size
-        if o_direct:
-            buf = memoryview(aligned_buffer(round_up(max(size, PAGE), PAGE)))
-            got = _pread_into(fd, buf, 0)
-            header = read_header(key, buf[: min(got, PAGE)], size)
-            payload = buf[PAGE : PAGE + header.payload_len]
-            if got < PAGE + header.payload_len:
-                raise CorruptChunk("file shorter than its header says")
-            if dest is not None:  # the bounce copy: dest (a pool slot) need not be page-aligned
+        if o_direct and dest is not None:  # the bounce copy: dest (a pool slot) need not be aligned
+            with _STAGING.buffer(size) as staged, memoryview(staged) as buf:
+                header, payload = _read_direct(fd, buf, key, size)
                 _check_dest(dest, header)
                 dest[: header.payload_len] = payload
-                payload = dest[: header.payload_len]
+                payload.release()  # before the buffer is reused
+            payload = dest[: header.payload_len]
+        elif o_direct:
+            header, payload = _read_direct(fd, memoryview(aligned_buffer(size)), key, size)
         else:
             header = read_header(key, os.pread(fd, PAGE, 0), size)
             if dest is not None:
@@ -140,6 +233,14 @@ def read_chunk_file(
     if not header.verify(payload):
         raise CorruptChunk("payload checksum mismatch")
     return header, payload
+
+
+def _read_direct(fd: int, buf: memoryview, key: bytes, size: int) -> tuple[ChunkHeader, memoryview]:
+    got = _pread_into(fd, buf, 0)
+    header = read_header(key, buf[: min(got, PAGE)], size)
+    if got < PAGE + header.payload_len:
+        raise CorruptChunk("file shorter than its header says")
+    return header, buf[PAGE : PAGE + header.payload_len]
 
 
 def scan_chunk_files(root: Path) -> tuple[list[tuple[int, bytes, int]], list[tuple[Path, str]]]:

@@ -1,6 +1,7 @@
 """DiskTier: one file per chunk on a local filesystem, written atomically, verified on read.
 
-The file format and its IO are in ``chunkfile``; this module is the bookkeeping: the index
+The file format and its IO are in ``chunkfile``, the batched write protocol (``put_many``:
+one directory fsync per batch) in ``disk_write``; this module is the bookkeeping: the index
 (an eviction policy), pins that keep a file alive while it is read or written, capacity,
 failure counting. The index is rebuilt on start by scanning headers (payload checksums are
 verified on each read, not at scan time). One DiskTier per directory: the index lives in
@@ -9,8 +10,6 @@ this process.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
 import os
 import threading
@@ -21,24 +20,23 @@ from .chunkfile import (
     SUFFIX,
     CorruptChunk,
     file_size,
-    is_einval,
+    o_direct_alignment,
     o_direct_supported,
     read_chunk_file,
     scan_chunk_files,
-    write_chunk_file,
 )
+from .disk_write import DiskWrites
 from .header import ChunkHeader
 from .health import CircuitBreaker
 from .keys import check_key
 from .metrics import StoreMetrics
 from .policy import EvictionPolicy, make_policy
-from .tier import DestTooSmall, TierReads, check_put_args
+from .tier import DestTooSmall, TierReads
 
 log = logging.getLogger(__name__)
-_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-class DiskTier(TierReads):
+class DiskTier(DiskWrites, TierReads):
     """root: directory (created). capacity_bytes: on-disk bytes (headers and padding included).
     policy: "lru", "arc" or an EvictionPolicy. o_direct: bypass the page cache (falls back to
     buffered IO, logged once, where the filesystem refuses it). fsync: make each put durable
@@ -63,6 +61,7 @@ class DiskTier(TierReads):
         self.name = name
         self._policy = make_policy(policy, capacity_bytes)
         self._o_direct = bool(o_direct) and o_direct_supported(self.root)
+        self._align = o_direct_alignment(self.root) if self._o_direct else 0  # in-place O_DIRECT writes
         if o_direct and not self._o_direct:
             log.warning("disk tier %s: %s refuses O_DIRECT; using buffered IO", name, self.root)
         self._fsync = fsync
@@ -78,57 +77,6 @@ class DiskTier(TierReads):
         self.scan_removed = self._scan()
 
     # -- public API ---------------------------------------------------------------------
-
-    def put(self, key: bytes, header: ChunkHeader, payload) -> bool:
-        view = check_put_args(key, header, payload)
-        size = self._file_size(header.payload_len)
-        t0 = time.perf_counter()
-        with self._lock:
-            if key in self._policy and self._doomed.get(key, "deleted") == "deleted":
-                # Same key, same KV: a chunk deleted while a reader holds it is simply kept.
-                self._doomed.pop(key, None)
-                self._m.present()
-                return True
-            if key in self._policy:  # corrupt or a failed write, dropped once its readers are done
-                self._m.put_failed("corrupt" if self._doomed[key] == "corrupt" else "error")
-                return False
-            if not self._write_health.allow():
-                self._m.put_failed("skipped")
-                return False
-            victims = self._policy.admit(key, size)
-            if victims is None:  # bigger than the tier, or the rest is pinned by transfers
-                self._write_health.record_success()
-                self._m.put_failed("full")
-                return False
-            # Pinned while written: a concurrent put's eviction must not pick a file not yet there.
-            self._policy.pin(key)
-            self._pending.add(key)
-            # Unlinked under the lock so a re-put of a victim key cannot race this unlink.
-            for victim in victims:
-                self._unlink(victim)
-            self._m.evicted(len(victims))
-        kind = None
-        try:
-            self._write(self._path(key), header.pack(), view)
-        except Exception as exc:  # never into the serving loop (a background writer included)
-            kind = "full" if getattr(exc, "errno", None) in _FULL_ERRNOS else "error"
-            log.warning(
-                "disk tier %s: put %s: %s", self.name, key.hex(), exc, exc_info=not isinstance(exc, OSError)
-            )
-        with self._lock:
-            self._pending.discard(key)
-            if kind is not None:
-                self._doomed[key] = "failed"  # dropped from the index by the unpin below
-            self._release(key)  # only now: until the rename, an eviction could pick a file not there
-            self._publish()
-        if kind is None:
-            self._stamp(key)
-            self._write_health.record_success()
-            self._m.stored(header.payload_len, time.perf_counter() - t0)
-            return True
-        self._write_health.record_failure()
-        self._m.put_failed(kind)
-        return False
 
     def contains(self, key: bytes) -> bool:
         check_key(key)
@@ -227,27 +175,6 @@ class DiskTier(TierReads):
         self._stamp(key)
         self._m.hit(header.payload_len, time.perf_counter() - t0)
         return header, payload
-
-    def _write(self, path: Path, head: bytes, view: memoryview) -> None:
-        if self._o_direct:
-            try:
-                return write_chunk_file(path, head, view, o_direct=True, fsync=self._fsync)
-            except OSError as exc:
-                if not is_einval(exc):
-                    raise
-                log.warning("disk tier %s: O_DIRECT write refused (%s); using buffered IO", self.name, exc)
-                self._o_direct = False
-        write_chunk_file(path, head, view, o_direct=False, fsync=self._fsync)
-
-    def _stamp(self, key: bytes) -> None:
-        """Set the file's mtime to a strictly increasing clock: the scan at the next start
-        orders the index by it, so recency survives a restart (file systems with coarse
-        timestamps would otherwise tie many files)."""
-        with self._lock:
-            self._last_stamp = max(self._last_stamp + 1, time.time_ns())
-            stamp = self._last_stamp
-        with contextlib.suppress(OSError):  # evicted or deleted meanwhile: its order no longer matters
-            os.utime(self._path(key), ns=(stamp, stamp))
 
     def _release(self, key: bytes) -> None:
         """Unpin (lock held); a key deleted or found corrupt while pinned goes at the last unpin."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from kvtier.pool import PoolExhausted
 
 from .host import HostEntry
-from .tier import DestTooSmall
+from .tier import DestTooSmall, contains_many
 from .writer import Push
 
 if TYPE_CHECKING:
@@ -38,17 +38,24 @@ class Fetcher:
     def __init__(self, store: KVStore) -> None:
         self.s = store
 
-    def where(self, key: bytes) -> str | None:
-        """The first tier that holds ``key`` ("host" included), or None. A hint only."""
-        if self.s.host.contains(key):
-            return "host"
+    def where(self, keys: list[bytes]) -> list[str]:
+        """Where each chunk of the longest prefix of ``keys`` that some tier holds lives: the
+        first tier holding it ("host" included). One ``contains_many`` per lower tier (Redis: one
+        round trip for the prompt, not one per chunk), for the keys the tiers above lack. A hint."""
+        found: list[str | None] = ["host" if self.s.host.contains(key) else None for key in keys]
         for tier in self.s.tiers:
+            missing = [i for i, name in enumerate(found) if name is None]
+            if not missing:
+                break
             try:
-                if tier.contains(key):
-                    return tier.name
+                held = contains_many(tier, [keys[i] for i in missing])
             except Exception as exc:  # a tier failure is a miss, never raised
                 log.warning("kvstore: contains on %s failed: %s", tier.name, exc)
-        return None
+                continue
+            for i, yes in zip(missing, held, strict=True):
+                found[i] = tier.name if yes else None
+        n = found.index(None) if None in found else len(found)
+        return found[:n]  # a chunk after a gap is useless: its KV needs the missing one's
 
     def delete_lower(self, keys: list[bytes]) -> None:
         """Delete ``keys`` from every lower tier (failures logged, never raised)."""

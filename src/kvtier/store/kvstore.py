@@ -98,12 +98,7 @@ class KVStore:
     def lookup(self, tokens) -> Lookup:
         """The longest chunk prefix of ``tokens`` that some tier holds, and where each chunk is."""
         t0 = self._check_open()
-        where: list[str] = []
-        for key in self._keys(tokens):
-            tier = self._fetch.where(key)
-            if tier is None:
-                break  # a chunk after a gap is useless: its KV needs the missing one's
-            where.append(tier)
+        where = self._fetch.where(self._keys(tokens))  # stops at the first chunk no tier holds
         self._count(lookups=1, lookup_tokens=len(where) * self.fmt.tokens, _call=("lookup", t0))
         return Lookup(len(where) * self.fmt.tokens, tuple(where))
 

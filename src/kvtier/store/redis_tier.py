@@ -17,8 +17,6 @@ bookkeeping could see what the others store — and the server evicts orphans of
 from __future__ import annotations
 
 import logging
-import os
-import struct
 import time
 
 from .header import ChunkHeader, HeaderError
@@ -26,10 +24,10 @@ from .health import CircuitBreaker
 from .keys import check_key
 from .metrics import StoreMetrics
 from .redis_client import classify, make_client
+from .redis_write import MANIFEST, PRESENT, STORED, put_chunks
 from .tier import DestTooSmall, TierReads, check_put_args
 
 log = logging.getLogger(__name__)
-_MANIFEST = struct.Struct("<8sIQ")
 
 
 class _Corrupt(Exception):
@@ -93,52 +91,34 @@ class RedisTier(TierReads):
     # -- public API ---------------------------------------------------------------------
 
     def put(self, key: bytes, header: ChunkHeader, payload) -> bool:
-        view = check_put_args(key, header, payload)
+        return self.put_many([(key, header, payload)])[0]
+
+    def put_many(self, items) -> list[bool]:
+        """``put`` of each ``(key, header, payload)`` in a few pipelined round trips for the
+        whole batch (``redis_write``); each chunk is stored whole or not at all."""
+        checked = [(key, header, check_put_args(key, header, payload)) for key, header, payload in items]
+        if not checked:
+            return []
         t0 = time.perf_counter()
         if not self._write_health.allow():
-            self._m.put_failed("skipped")
-            return False
-        parts: list[str] = []
-        try:
-            head = header.pack()
-            if 1 + len(head) + view.nbytes <= self.part_bytes:
-                stored = bool(
-                    self.client.set(self._key(key), b"".join((b"S", head, view)), nx=True, ex=self.ttl_s)
-                )
-            elif self.client.exists(self._key(key)):  # skip the upload of a chunk already shared
-                stored = False
+            for _ in checked:
+                self._m.put_failed("skipped")
+            return [False] * len(checked)
+        kinds = put_chunks(self, checked)
+        dt = (time.perf_counter() - t0) / len(checked)
+        for (_, _, view), kind in zip(checked, kinds, strict=True):
+            if kind == STORED:
+                self._m.stored(view.nbytes, dt)
+            elif kind == PRESENT:
+                self._m.present()
             else:
-                nonce = os.urandom(8)
-                parts = self._part_keys(key, nonce, -(-view.nbytes // self.part_bytes))
-                for batch in range(0, len(parts), self.parts_per_batch):
-                    pipe = self.client.pipeline(transaction=False)
-                    for i in range(batch, min(batch + self.parts_per_batch, len(parts))):
-                        pipe.set(
-                            parts[i], view[i * self.part_bytes : (i + 1) * self.part_bytes], ex=self.ttl_s
-                        )
-                    pipe.execute()
-                manifest = b"M" + _MANIFEST.pack(nonce, len(parts), self.part_bytes) + head
-                # Published last, and only if no other writer got there first: readers see
-                # either no manifest or one whose parts are all written.
-                stored = bool(self.client.set(self._key(key), manifest, nx=True, ex=self.ttl_s))
-                if not stored:
-                    self._delete_quietly(parts)
-        except Exception as exc:
-            kind = classify(exc)
-            log.warning("redis tier %s: put %s failed (%s): %s", self.name, key.hex(), kind, exc)
-            if kind == "full":  # the server is up, just out of memory: remove what this put wrote
-                self._delete_quietly(parts)
-                self._write_health.record_success()
-            else:  # unreachable or slow: cleanup would cost another timeout; the server evicts orphans
-                self._write_health.record_failure()
-            self._m.put_failed(kind)
-            return False
-        self._write_health.record_success()
-        if stored:
-            self._m.stored(view.nbytes, time.perf_counter() - t0)
+                self._m.put_failed(kind)
+        # Full is the server answering; unreachable or slow ones trip the breaker, once a batch.
+        if any(kind not in (STORED, PRESENT, "full") for kind in kinds):
+            self._write_health.record_failure()
         else:
-            self._m.present()
-        return True
+            self._write_health.record_success()
+        return [kind in (STORED, PRESENT) for kind in kinds]
 
     def contains(self, key: bytes) -> bool:
         check_key(key)
@@ -152,6 +132,24 @@ class RedisTier(TierReads):
             return False
         self._read_health.record_success()
         return found
+
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        """``contains`` of each key in one pipelined round trip (on a cluster, one per node)."""
+        for key in keys:
+            check_key(key)
+        if not keys or not self._read_health.allow():
+            return [False] * len(keys)
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(self._key(key))
+            replies = pipe.execute(raise_on_error=False)
+        except Exception as exc:
+            log.warning("redis tier %s: contains of %d keys failed: %s", self.name, len(keys), exc)
+            self._read_health.record_failure()
+            return [False] * len(keys)
+        self._read_health.record_success()
+        return [not isinstance(r, Exception) and bool(r) for r in replies]
 
     def delete(self, key: bytes) -> bool:
         check_key(key)
@@ -222,9 +220,9 @@ class RedisTier(TierReads):
         try:
             if kind == b"S":
                 header, hlen = ChunkHeader.unpack(rec[1:])
-            elif kind == b"M" and rec.nbytes > 1 + _MANIFEST.size:
-                nonce, nparts, part_bytes = _MANIFEST.unpack_from(rec, 1)
-                header, _ = ChunkHeader.unpack(rec[1 + _MANIFEST.size :])
+            elif kind == b"M" and rec.nbytes > 1 + MANIFEST.size:
+                nonce, nparts, part_bytes = MANIFEST.unpack_from(rec, 1)
+                header, _ = ChunkHeader.unpack(rec[1 + MANIFEST.size :])
             else:
                 raise _Corrupt(f"unknown record kind {kind!r}")
         except HeaderError as exc:
@@ -264,11 +262,11 @@ class RedisTier(TierReads):
     def _drop(self, key: bytes, rec: bytes) -> bool:
         """Delete the value ``rec`` read under ``key`` and, for a manifest, its parts."""
         name = self._key(key)
-        if rec[:1] != b"M" or len(rec) < 1 + _MANIFEST.size:
+        if rec[:1] != b"M" or len(rec) < 1 + MANIFEST.size:
             return bool(self.client.delete(name))  # no parts: nothing can be orphaned
         if not self.client.eval(_DEL_IF_SAME, 1, name, rec):
             return False  # already gone or replaced: its parts are someone else's to delete
-        nonce, nparts, _ = _MANIFEST.unpack_from(rec, 1)
+        nonce, nparts, _ = MANIFEST.unpack_from(rec, 1)
         self._delete_quietly(self._part_keys(key, nonce, min(nparts, 1 << 20)), raise_errors=True)
         return True
 

@@ -8,11 +8,14 @@ that does not match its payload) raise, as ValueError naming the argument.
 
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple, Protocol, runtime_checkable
 
 from .header import ChunkHeader
 from .keys import check_key
 from .payload import as_view, as_writable_view
+
+log = logging.getLogger(__name__)
 
 
 class DestTooSmall(ValueError):
@@ -50,6 +53,11 @@ class Tier(Protocol):
         """A cheap hint (no payload read); ``get`` may still miss."""
         ...
 
+    # Optional (not part of the isinstance check, so tiers written before them still qualify);
+    # callers go through ``put_many(tier, items)`` / ``contains_many(tier, keys)`` below:
+    #   put_many(items: list of (key, header, payload)) -> list[bool]   one result per item
+    #   contains_many(keys: list[bytes]) -> list[bool]                 one round trip, not one per key
+
     def delete(self, key: bytes) -> bool: ...
 
     def stats(self) -> dict[str, int | float]: ...
@@ -59,7 +67,14 @@ class Tier(Protocol):
 
 class TierReads:
     """`get` and `get_into` of a tier that implements one private read,
-    `_get(key, dest_view_or_None) -> (header, payload) | None`."""
+    `_get(key, dest_view_or_None) -> (header, payload) | None`; `put_many` and `contains_many`
+    as loops over `put` and `contains`, for a tier that has nothing better."""
+
+    def put_many(self, items) -> list[bool]:
+        return [self.put(key, header, payload) for key, header, payload in items]
+
+    def contains_many(self, keys: list[bytes]) -> list[bool]:
+        return [self.contains(key) for key in keys]
 
     def _get(self, key: bytes, dest: memoryview | None) -> tuple[ChunkHeader, memoryview] | None:
         raise NotImplementedError
@@ -84,3 +99,30 @@ def check_put_args(key: bytes, header: ChunkHeader, payload) -> memoryview:
     if view.nbytes != header.payload_len:
         raise ValueError(f"payload is {view.nbytes} bytes but header.payload_len is {header.payload_len}")
     return view
+
+
+def put_many(tier, items: list) -> list[bool]:
+    """``tier.put_many(items)`` (``items``: ``(key, header, payload)`` tuples), or one ``put``
+    each for a tier without it; never raises: a tier that raises stored nothing (False)."""
+    if hasattr(tier, "put_many"):
+        try:
+            return list(tier.put_many(items))
+        except Exception:
+            log.exception("tier %s raised on put_many", getattr(tier, "name", tier))
+            return [False] * len(items)
+    out = []
+    for key, header, payload in items:
+        try:
+            out.append(bool(tier.put(key, header, payload)))
+        except Exception:
+            log.exception("tier %s raised on put", getattr(tier, "name", tier))
+            out.append(False)
+    return out
+
+
+def contains_many(tier, keys: list[bytes]) -> list[bool]:
+    """``tier.contains_many(keys)``, or one ``contains`` each for a tier without it. Raises
+    what the tier raises (the caller counts it a miss)."""
+    if hasattr(tier, "contains_many"):
+        return list(tier.contains_many(keys))
+    return [bool(tier.contains(key)) for key in keys]

@@ -7,6 +7,10 @@ never wait for them):
 - promotion: a chunk found in a lower tier, copied to the tiers above it;
 - write-back spill: a dirty chunk evicted from the host, whose slot is released after.
 
+Pushes queued together go down as one batch (up to ``batch_max``): each tier stores its share
+through one ``put_many`` (one directory fsync, a few pipelined round trips), and a push is
+done — ``wait_durable`` returns — only once its whole batch was stored.
+
 The submitter pins the entry (or, for a spill, owns its slot) for the push's duration, so the
 slot's bytes cannot be released and reused while a tier is reading them — that would store
 another chunk's KV under this key with a valid checksum: wrong KV, undetectable later.
@@ -22,7 +26,7 @@ from dataclasses import dataclass, field
 
 from .header import ChunkHeader
 from .host import HostEntry, HostTier
-from .tier import Tier
+from .tier import Tier, put_many
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +58,10 @@ class Writer:
         count: Callable[..., None],
         *,
         wait_slice_s: float = 0.05,
+        batch_max: int = 16,
     ) -> None:
         self._header, self._host, self._release, self._count = header, host, release, count
-        self._wait_slice_s = wait_slice_s
+        self._wait_slice_s, self._batch_max = wait_slice_s, batch_max
         self._q: queue.SimpleQueue[Push | None] = queue.SimpleQueue()
         self._abort = threading.Event()  # set by close() on timeout: stop waiting for saves
         self._idle = threading.Condition()
@@ -95,41 +100,67 @@ class Writer:
             return self._pending
 
     def _run(self) -> None:
-        while (push := self._q.get()) is not None:
+        stop = False
+        while not stop:
+            batch = [self._q.get()]
+            # Whatever else is queued rides along (up to batch_max): the tiers store it with
+            # one directory fsync / one pipeline for all, instead of one each.
+            while batch[-1] is not None and len(batch) < self._batch_max:
+                try:
+                    batch.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+            if batch[-1] is None:
+                stop = True
+                batch.pop()
             try:
-                self._push(push)
+                self._push(batch)
             except Exception:  # never kill the thread: a failed push is a chunk not pushed
-                log.exception("store writer: push of %s failed", push.entry.key.hex())
-                push.ok = False
-            try:
-                self._finish(push)
-            except Exception:  # e.g. the sanitizer refusing a release: counted, and tests check it
-                log.exception("store writer: finishing the push of %s failed", push.entry.key.hex())
-                self._count(background_errors=1)
-            push.done.set()
-            with self._idle:
-                self._pending -= 1
-                self._idle.notify_all()
+                log.exception("store writer: a batch of %d pushes failed", len(batch))
+                for push in batch:
+                    push.ok = False
+            for push in batch:
+                try:
+                    self._finish(push)
+                except Exception:  # e.g. the sanitizer refusing a release: counted, and tests check it
+                    log.exception("store writer: finishing the push of %s failed", push.entry.key.hex())
+                    self._count(background_errors=1)
+                # Set only now: the batch's put_many returned, so the chunk is as durable as its batch.
+                push.done.set()
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
 
-    def _push(self, push: Push) -> None:
-        if push.after is not None:
-            # The slot is read only after its save event: before it, the copy may not have
-            # landed and the tier would store (and checksum) half-copied KV.
-            while not push.after.event.synchronize(self._wait_slice_s):
-                if self._abort.is_set():  # shutting down: the chunk is not pushed, nothing is read
-                    return
-        payload = push.entry.slot.tensor
-        header = self._header(push.entry.key, payload)
-        ok = True
-        for tier in push.tiers:
+    def _push(self, batch: list[Push]) -> None:
+        """Put each push's chunk into its tiers, a tier's share of the batch in one put_many."""
+        items = {}
+        for push in batch:
+            push.ok = False
+            if not self._landed(push):
+                continue
             try:
-                # A tier that holds the key already answers True without rewriting it.
-                stored = tier.put(push.entry.key, header, payload)
-            except Exception:
-                log.exception("store writer: tier %s raised on put", getattr(tier, "name", tier))
-                stored = False
-            ok = ok and stored
-        push.ok = ok
+                payload = push.entry.slot.tensor
+                items[push] = (push.entry.key, self._header(push.entry.key, payload), payload)
+                push.ok = True
+            except Exception:  # this chunk is not pushed; the rest of the batch is
+                log.exception("store writer: header of %s failed", push.entry.key.hex())
+        tiers = {id(t): t for push in items for t in push.tiers}
+        for tier in tiers.values():
+            mine = [push for push in items if any(t is tier for t in push.tiers)]
+            # A tier that holds a key already answers True without rewriting it.
+            for push, stored in zip(mine, put_many(tier, [items[p] for p in mine]), strict=True):
+                push.ok = push.ok and stored
+
+    def _landed(self, push: Push) -> bool:
+        """Whether the slot holds the chunk's bytes (False: the writer is aborting)."""
+        if push.after is None:
+            return True
+        # The slot is read only after its save event: before it, the copy may not have landed
+        # and the tier would store (and checksum) half-copied KV.
+        while not push.after.event.synchronize(self._wait_slice_s):
+            if self._abort.is_set():  # shutting down: the chunk is not pushed, nothing is read
+                return False
+        return True
 
     def _finish(self, push: Push) -> None:
         """The tiers have read the slot's bytes (or failed to)."""
