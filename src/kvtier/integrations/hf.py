@@ -13,7 +13,7 @@ from the start, so ``generate`` prefills only the rest of the prompt, and fills 
 the loaded blocks at layer i's first ``update`` — right before attention of layer i — after
 ``load.wait_layer(i, compute)``: layer i is read only once its bytes have landed, while later
 layers are still in flight. Full-attention decoder layers only (Llama, Qwen2, Mistral without
-a sliding window, ...).
+a sliding window, ...). A split hit — recompute [0, s) while [s, n) loads — is `hf_split.py`.
 """
 
 from __future__ import annotations
@@ -175,6 +175,9 @@ class KVTierCache(Cache):
     chunks); hit_tiers: per loaded chunk, the tier it came from; t_start: perf_counter() when
     the request asked kvtier (before the lookup)."""
 
+    layer_class: type[DynamicLayer] = _Layer
+    front = 0  # tokens before the loaded ones, recomputed by the model (a split: hf_split.py)
+
     def __init__(self, owner: KVTier, blocks: list[int], load, t_start: float, start_event) -> None:
         self.owner, self.blocks, self.load, self.t_start = owner, blocks, load, t_start
         self._start = start_event
@@ -182,7 +185,7 @@ class KVTierCache(Cache):
         self.hit_tiers: tuple[str, ...] = load.tiers if load is not None else ()
         self.arrived: list[int] = []  # layers in the order they were read (tests check the order)
         self.finished = False
-        super().__init__(layers=[_Layer(self, i) for i in range(owner.kv.num_layers)])
+        super().__init__(layers=[self.layer_class(self, i) for i in range(owner.kv.num_layers)])
 
     @property
     def hit_bytes(self) -> int:
@@ -234,23 +237,26 @@ class KVTierCache(Cache):
         if self.load is not None:
             self.load.wait()  # the loads must land before anything reuses these blocks
         n = self.get_seq_length() if sequences is not None and self.layers[0].is_initialized else 0
-        n_full, h0 = n // o.chunk_tokens * o.chunk_tokens, self.hit_tokens
+        n_full, h0 = n // o.chunk_tokens * o.chunk_tokens, self.front + self.hit_tokens
         if n_full <= h0:
             o._release(self.blocks)
             return None
-        new = o._alloc((n_full - h0) // bs)
-        ids = torch.tensor(new, device=o.kv.device)
+        # Blocks for the recomputed front too: a chunk evicted since the lookup is saved from them.
+        head, new = o._alloc(self.front // bs), o._alloc((n_full - h0) // bs)
+        runs = [(head, 0, self.front), (new, h0, n_full)]
         states = [(lay.keys, lay.values) for lay in self.layers]
 
-        def scatter() -> None:  # (1, H, n, D)[h0:n_full] -> blocks `new` as (len, bs, H, D), K and V
-            for pages, kv in zip(o.kv.layers, states, strict=True):
-                for i, x in enumerate(kv):
-                    part = x[0, :, h0:n_full].transpose(0, 1).reshape(len(new), bs, *x.shape[1:2], x.shape[3])
-                    pages[i].index_copy_(0, ids, part.to(pages.dtype))
+        def scatter() -> None:  # (1, H, n, D)[a:b] -> blocks `got` as (len, bs, H, D), K and V
+            for got, a, b in (r for r in runs if r[0]):
+                ids = torch.tensor(got, device=o.kv.device)
+                for pages, kv in zip(o.kv.layers, states, strict=True):
+                    for i, x in enumerate(kv):
+                        part = x[0, :, a:b].transpose(0, 1).reshape(len(got), bs, *x.shape[1:2], x.shape[3])
+                        pages[i].index_copy_(0, ids, part.to(pages.dtype))
 
         o.device.launch(scatter, o.compute)
         after = o.compute.record("hf-write")  # the save reads the blocks only after this write
-        blocks = self.blocks + new
+        blocks = head + self.blocks + new
         handle = o.store.save(_tokens(sequences)[:n_full], blocks, after=after)
         handle.wait()  # submitted is not done: the blocks are free only once every save read them
         o._release(blocks)

@@ -1,0 +1,135 @@
+"""`kvtier plan`: for a prefix hit in a tier, load it, recompute it, or both at once (split)?"""
+
+from __future__ import annotations
+
+import click
+
+from kvtier.cli import cli
+from kvtier.cli.analysis import (
+    _ceilings,
+    _emit,
+    _gpu_key,
+    common_ceilings,
+    common_gpu,
+    common_json,
+    common_kv_dtype,
+    common_model,
+    usage_errors,
+)
+
+
+@cli.command("plan")
+@common_model
+@common_gpu
+@click.option(
+    "--tier",
+    type=click.Choice(["host", "disk", "remote", "redis"]),
+    default="host",
+    show_default=True,
+    help="Where the matched prefix lives (redis = remote).",
+)
+@click.option(
+    "--matched",
+    type=click.IntRange(min=0),
+    required=True,
+    help="Tokens of the stored prefix hit (whole chunks).",
+)
+@click.option(
+    "--new", "new", type=click.IntRange(min=1), required=True, help="Prompt tokens after the prefix."
+)
+@click.option(
+    "--chunk-tokens",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="The store's chunk size.",
+)
+@click.option(
+    "--link", "-l", default=None, help="GPU <-> host link (pcie3..pcie6); default: the GPU's PCIe gen."
+)
+@click.option("--nic", default="nic200", show_default=True, help="NIC for the remote tier (nic100/200/400).")
+@click.option(
+    "--efficiency",
+    type=click.FloatRange(min=0, min_open=True, max=1),
+    default=1.0,
+    show_default=True,
+    help="Fraction of peak FLOPs a prefill reaches.",
+)
+@common_kv_dtype
+@common_ceilings
+@common_json
+@usage_errors
+def plan_cmd(
+    model, gpu, tier, matched, new, chunk_tokens, link, nic, efficiency, kv_dtype, ceilings, as_json
+):
+    """Predict time to first token when the prefix is recomputed, loaded, or split between the two."""
+    from kvtier.hfconfig import resolve_model
+    from kvtier.planner import plan
+    from kvtier.specs import get_gpu
+
+    measured = _ceilings(ceilings)
+    m, g = resolve_model(model), get_gpu(_gpu_key(gpu, measured), measured)
+    p = plan(
+        m,
+        g,
+        tier,
+        matched,
+        new,
+        measured,
+        efficiency,
+        link,
+        chunk_tokens=chunk_tokens,
+        kv_dtype=kv_dtype,
+        nic=nic,
+    )
+    data = {"model": m.key, "gpu": g.key, "tier": tier, "efficiency": efficiency, "kv_dtype": kv_dtype}
+    data |= {"ceilings": ceilings, "gpu_measured": list(g.measured)} | p.to_json()
+    _emit(data, as_json, _print)
+
+
+def _print(d: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    title = (
+        f"Plan: {d['model']} on {d['gpu']}, {d['matched_tokens']} tokens matched in {d['tier']}, "
+        f"{d['new_tokens']} new (chunks of {d['chunk_tokens']})"
+    )
+    t = Table(title=title, title_justify="left", header_style="bold")
+    for c in ("option", "recompute tok", "load tok", "recompute ms", "load ms", "new tok ms", "TTFT ms"):
+        t.add_column(c)
+    for name, o in d["options"].items():
+        mark = " <- chosen" if name == d["choice"] else ""
+        t.add_row(
+            name + mark,
+            str(o["recompute_tokens"]),
+            str(o["load_tokens"]),
+            f"{o['recompute_ms']:.3f}",
+            f"{o['load_ms']:.3f}",
+            f"{o['new_ms']:.3f}",
+            f"{o['ms']:.3f}",
+        )
+    con.print(t)
+    p = d["path"]
+    if d["load_bytes"]:
+        h = Table(
+            title=f"Load path of {d['load_bytes'] / 1e6:.1f} MB ({d['tier']} -> GPU)",
+            title_justify="left",
+            header_style="bold",
+        )
+        for c in ("hop (data-flow order)", "GB/s", "time ms alone"):
+            h.add_column(c, overflow="fold")
+        for hop in p["hops"]:
+            mark = "  <- bottleneck" if hop["name"] == p["bottleneck"] else ""
+            h.add_row(hop["name"] + mark, f"{hop['gbps']:.1f}", f"{hop['time_ms']:.3f}")
+        con.print(h)
+    con.print("(sources of every figure: --json or `kvtier specs`)")
+    for r in d["reasons"]:
+        con.print(f"- {r}")
+    s = d["split_tokens"]
+    con.print(
+        f"choice: {d['choice']} (recompute [0, {s}), load [{s}, {d['matched_tokens']})), "
+        f"predicted TTFT {d['predicted_ms'][d['choice']]:.3f} ms"
+        + (f"; GPU figures measured: {', '.join(d['gpu_measured'])}" if d["gpu_measured"] else "")
+    )

@@ -1,0 +1,160 @@
+"""A prefix hit of n tokens, split: the model recomputes [0, s) while chunks [s, n) load.
+
+    kvt = KVTier.for_model(model, tiers=[DiskTier("/nvme/kv", 200 << 30)], chunk_tokens=256)
+    p = planner.plan("llama-3-8b", "h200", "disk", kvt.store.lookup(ids[0, :-1].tolist()).tokens, ...)
+    cache = split_cache(kvt, model, ids, p.split_tokens)   # load [s, n) starts, then forward [0, s)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=64, do_sample=False)
+    cache.finish(out)
+
+Order of work. The load of chunks [s, n) is submitted first, on the engine's copy stream (layer
+by layer, an event per layer). Then the model runs one forward over tokens [0, s) on the compute
+stream, filling every layer's K/V for those positions: this is exact, because attention of a
+token < s reads only keys < s — it never needs the loaded [s, n). ``generate`` then sees
+``get_seq_length() == s + loaded`` and prefills only the rest of the prompt; at each layer's
+first update, that layer waits for its load event, its loaded K/V is appended after [0, s), and
+then the new tokens' K/V. The cache holds exactly what one forward over the prompt would.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections import Counter
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from kvtier.integrations.hf import KVTier, KVTierCache, _Layer, _tokens, cache_kwarg
+from kvtier.store.handles import LoadHandle
+
+
+class _SplitLayer(_Layer):
+    """Tokens [0, s) come from the model's own forward; the loaded [s, s + loaded) are appended
+    at the first update after it (the rest of the prompt's prefill)."""
+
+    def __init__(self, owner: SplitCache, index: int) -> None:
+        super().__init__(owner, index)
+        self._placed = False
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        o = self._owner
+        pending = 0 if self._placed or o.recomputing else o.hit_tokens  # counts before it is read
+        return DynamicLayer.get_seq_length(self) + pending
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        o = self._owner
+        if not (o.recomputing or self._placed) and o.hit_tokens:
+            k, v = o._arrive(self._index, key_states)  # waits for this layer's load event
+            if self.is_initialized:  # after [0, s): positions s .. s + loaded
+                self.keys = torch.cat([self.keys, k], dim=-2)
+                self.values = torch.cat([self.values, v], dim=-2)
+            else:
+                self.keys, self.values = k, v
+                self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
+            self._placed = True
+        return DynamicLayer.update(self, key_states, value_states, *args, **kwargs)
+
+
+class SplitCache(KVTierCache):
+    """`KVTierCache` of a split hit. front: s, the tokens recomputed; hit_tokens: the tokens
+    loaded after them ([s, s + hit_tokens)); hit_tiers: per loaded chunk, its tier."""
+
+    layer_class = _SplitLayer
+
+    def __init__(self, owner: KVTier, blocks, load, t_start: float, start_event, front: int) -> None:
+        self.front, self.recomputing = front, False
+        super().__init__(owner, blocks, load, t_start, start_event)
+
+
+def load_range(store, tokens, block_ids, first_chunk: int, *, per_layer: bool = True) -> LoadHandle:
+    """`KVStore.load` from chunk ``first_chunk`` of ``tokens`` on: chunk ``first_chunk + i`` into
+    ``block_ids[i*bpc:(i+1)*bpc]``, stopping at the first chunk no tier delivers. handle.tokens:
+    the tokens that will arrive after ``first_chunk * chunk_tokens``. (The store's own walk, from
+    a chunk other than 0; keys are chained, so chunk i's key already names its whole prefix.)"""
+    t0 = store._check_open()
+    keys = store._keys(tokens)
+    if not 0 <= first_chunk <= len(keys):
+        raise ValueError(f"first_chunk: must be within [0, {len(keys)}], got {first_chunk}")
+    ids = store._ids(block_ids, need=0, unique=True)
+    store._reap()
+    handle = LoadHandle(num_layers=store.kv.num_layers, _on_done=store._reap)
+    tiers: list[str] = []
+    want = keys[first_chunk : first_chunk + len(ids) // store.fmt.blocks]
+    for i, got in enumerate(store._fetch.walk(want)):
+        try:
+            job = store.engine.load(got.entry.slot, store._chunk(ids, i), per_layer=per_layer)
+        except BaseException:
+            store._completed(None, got.entry, got.kind)  # nothing was submitted from the slot
+            raise
+        store._track(job, got.entry, got.kind)  # the pin drops only once e_load completed
+        handle.jobs.append(job)
+        tiers.append(got.tier)
+    handle.tokens, handle.tiers = len(handle.jobs) * store.fmt.tokens, tuple(tiers)
+    chunks = Counter(f"load_chunks_{t}" for t in tiers)
+    store._count(loads=1, load_tokens=handle.tokens, _call=("load", t0), **chunks)
+    return handle
+
+
+def split_cache(kvt: KVTier, model, input_ids: torch.Tensor, split_tokens: int) -> SplitCache:
+    """Look up ``input_ids`` ([1, n] or [n]), start loading the hit's chunks from ``split_tokens``
+    on, and run ``model`` over tokens [0, split_tokens) meanwhile; returns the cache to pass to
+    ``generate``. split_tokens: a multiple of the store's chunk (a chunk boundary), capped at the
+    hit (0: load all of it, like ``kvt.cache``; >= the hit: recompute all of it)."""
+    ct, bs = kvt.chunk_tokens, kvt.kv.block_size
+    if (
+        isinstance(split_tokens, bool)
+        or not isinstance(split_tokens, int)
+        or split_tokens < 0
+        or split_tokens % ct
+    ):
+        raise ValueError(f"split_tokens: must be a multiple of chunk_tokens={ct} >= 0, got {split_tokens!r}")
+    tokens = _tokens(input_ids)
+    ids = torch.as_tensor(tokens, device=next(model.parameters()).device).unsqueeze(0)
+    t0 = time.perf_counter()
+    start = kvt.engine.load_stream.record("hf-load-start")
+    n = kvt.store.lookup(tokens[:-1]).tokens  # the last prompt token always runs: it gives the logits
+    s = min(split_tokens, n)
+    blocks = kvt._alloc((n - s) // bs)
+    load = load_range(kvt.store, tokens[:-1], blocks, s // ct) if n > s else None
+    if load is not None and load.tokens < n - s:  # a chunk vanished since the lookup: fewer blocks
+        keep = load.tokens // bs
+        kvt._release(blocks[keep:])
+        blocks = blocks[:keep]
+    cache = SplitCache(kvt, blocks, load, t0, start, front=s)
+    if s:
+        # The load is in flight on the copy stream while the compute stream runs this forward;
+        # nothing here reads the loaded blocks (tokens < s never attend to positions >= s).
+        extra = (
+            {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+        )
+        cache.recomputing = True
+        try:
+            with torch.no_grad():
+                model(ids[:, :s], **{cache_kwarg(model): cache}, use_cache=True, **extra)
+        finally:
+            cache.recomputing = False
+    return cache
+
+
+def plan_request(kvt: KVTier, model, input_ids: torch.Tensor, gpu, ceilings=None, **options):
+    """`planner.plan` for this request: the model's shape from ``model.config``, the hit's length
+    from a lookup, its tier the slowest one holding part of it (the store lists tiers fastest
+    first). gpu: a key or `specs.GPU`; options: `plan`'s (efficiency, link, kv_dtype, ...)."""
+    import tempfile
+
+    from kvtier.hfconfig import from_hf_config
+    from kvtier.planner import plan
+
+    hit = kvt.store.lookup(_tokens(input_ids)[:-1])
+    order = ["host", *(t.name for t in kvt.store.tiers)]
+    tier = max(hit.tiers, key=order.index) if hit.tiers else "host"
+    cfg = (
+        model.config.get_text_config(decoder=True)
+        if hasattr(model.config, "get_text_config")
+        else model.config
+    )
+    with tempfile.TemporaryDirectory() as d:  # the config as transformers writes it: one parser
+        cfg.to_json_file(f"{d}/config.json")
+        spec = from_hf_config(d)
+    n_new = len(_tokens(input_ids)) - hit.tokens
+    return plan(spec, gpu, tier, hit.tokens, n_new, ceilings, chunk_tokens=kvt.chunk_tokens, **options)

@@ -1,0 +1,229 @@
+"""Load, recompute or both: the time to first token of a request whose first `matched_tokens`
+tokens have KV in tier T, for each way of getting that KV, and the fastest. Pure Python.
+
+n = matched tokens (whole store chunks), m = new tokens (the rest of the prompt; at least one:
+the first output token needs a forward), L = layers. All times are roofline lower bounds
+(`roofline.prefill`: max(bytes / HBM bandwidth, FLOPs / peak x efficiency)) and pipelined
+transfer times (`path`: bytes / slowest hop + hop latencies), with probed ceilings when given.
+
+- recompute: one prefill of n + m tokens.
+- load: the KV of [0, n) moves through the tier's path while the m new tokens are prefilled;
+  layer i of that prefill waits for layer i of the load (per-layer events), so the two overlap
+  as a two-stage pipeline: ``overlap(X, C) = max(X + C / L, X / L + C)``.
+- split at s (a chunk boundary, 0 < s < n): the compute stream prefills [0, s) while the copy
+  stream loads [s, n); then the m new tokens run, layer i after layer i of the load:
+  ``max(R_s + C, overlap(X_s, C))``. This is exact, not an approximation: attention of a token
+  < s reads only keys < s, so computing [0, s) never needs the loaded KV of [s, n), and the KV
+  computed for [0, s) is the KV a full recompute would produce.
+
+The load is assumed not to slow the compute running beside it (copy-engine path; PERF.md P5
+measured a 10% cost for the staged path's short gathers): calibrate before trusting a close call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from kvtier.ceilings import Ceilings
+from kvtier.models import ModelSpec
+from kvtier.path import Hop, Path, build_path, load_ms
+from kvtier.roofline import prefill
+from kvtier.specs import GPU, Link, get_gpu, get_link, measured_host_link
+
+CHOICES = ("load", "recompute", "split")  # in order of preference when two predict the same time
+TIER_ALIASES = {"host": "host", "disk": "disk", "remote": "remote", "redis": "remote"}
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One way to get the prefix's KV, then prefill the new tokens (all times in ms)."""
+
+    name: str
+    recompute_tokens: int  # [0, s) prefilled from the front
+    load_tokens: int  # [s, n) loaded
+    recompute_ms: float  # prefill of [0, s) (recompute: of the whole prompt)
+    load_ms: float  # transfer of [s, n)
+    new_ms: float  # prefill of the new tokens after the prefix (0 for recompute: included above)
+    ms: float  # predicted time to first token
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """choice: "load" | "recompute" | "split"; split_tokens: s, tokens [0, s) recomputed and
+    [s, n) loaded (load: 0, recompute: n). predicted_ms: per option, None where it does not
+    apply (no hit: nothing to load; a hit of one chunk: no boundary inside it)."""
+
+    choice: str
+    split_tokens: int
+    matched_tokens: int
+    new_tokens: int
+    chunk_tokens: int
+    predicted_ms: dict[str, float | None]
+    options: dict[str, Option]
+    path: Path
+    kv_bytes_per_token: float
+    reasons: tuple[str, ...]
+
+    @property
+    def ms(self) -> float:
+        return self.options[self.choice].ms
+
+    def to_json(self) -> dict:
+        load_bytes = (self.matched_tokens - self.split_tokens) * self.kv_bytes_per_token
+        return {
+            "choice": self.choice,
+            "split_tokens": self.split_tokens,
+            "matched_tokens": self.matched_tokens,
+            "new_tokens": self.new_tokens,
+            "chunk_tokens": self.chunk_tokens,
+            "predicted_ms": dict(self.predicted_ms),
+            "options": {k: o.to_json() for k, o in self.options.items()},
+            "load_bytes": load_bytes,
+            "path": self.path.to_json(load_bytes),
+            "bottleneck": self.path.bottleneck.name,
+            "bottleneck_gbps": self.path.bottleneck.gbps,
+            "reasons": list(self.reasons),
+        }
+
+
+def overlap(load: float, compute: float, layers: int) -> float:
+    """Two stages, layer by layer: layer i of `compute` starts once layer i of `load` landed."""
+    if load <= 0:
+        return compute
+    return max(load + compute / layers, load / layers + compute)
+
+
+def tier_path(
+    gpu: GPU,
+    tier: str,
+    ceilings: Ceilings | None = None,
+    link: str | None = None,
+    nic: str = "nic200",
+    gpudirect: bool = False,
+    shared_by: int = 1,
+) -> Path:
+    """The load path from `tier` ("host", "disk", "remote" or its alias "redis") to `gpu`, its
+    hops replaced by measured figures where `ceilings` has them: pinned H2D for the PCIe hop
+    (unless `link` names one), the disk's read rate, Redis' GET rate (an extra hop)."""
+    t = TIER_ALIASES.get(tier)
+    if t is None:
+        raise ValueError(f"tier: unknown tier {tier!r}; known: {', '.join(TIER_ALIASES)}")
+    host_link: Link = get_link(link or f"pcie{gpu.pcie_gen}")
+    if link is None:
+        host_link = measured_host_link(host_link, ceilings, "h2d")
+    p = build_path(gpu, t, host_link, "load", nic, "nvme", gpudirect, shared_by)
+    if ceilings is None:
+        return p
+    where = f"measured by kvtier probe on {ceilings.gpu or 'this machine'}"
+    hops = list(p.hops)
+    nvme = get_link("nvme")
+    if t == "disk" and (rate := ceilings.get("disk_read_gbps")) is not None:
+        hops = [
+            Hop(h.name, rate / shared_by, h.latency_us, where) if h.name.startswith(nvme.name) else h
+            for h in hops
+        ]
+    if t == "remote" and (rate := ceilings.get("redis_loopback_get_gbps")) is not None:
+        hops.insert(0, Hop("Redis GET (loopback, redis-py)", rate, 0.0, where))
+    return dataclasses.replace(p, hops=tuple(hops))
+
+
+def plan(
+    model: ModelSpec | str,
+    gpu: GPU | str,
+    tier: str,
+    matched_tokens: int,
+    new_tokens: int,
+    ceilings: Ceilings | None = None,
+    efficiency: float = 1.0,
+    link: str | None = None,
+    *,
+    chunk_tokens: int = 256,
+    dtype: str = "bf16",
+    kv_dtype: str = "bf16",
+    nic: str = "nic200",
+    gpudirect: bool = False,
+    shared_by: int = 1,
+) -> Plan:
+    """Predict recompute, load and the best chunk-aligned split for one request; choose the fastest.
+
+    matched_tokens: the prefix tier `tier` holds (a multiple of `chunk_tokens`, the store's chunk;
+    0: no hit). new_tokens: prompt tokens after it (>= 1). efficiency: fraction of the (measured,
+    with `ceilings`) bf16 peak a prefill reaches. link: the GPU <-> host link key (default: the
+    GPU's PCIe generation, or the probed pinned H2D rate when `ceilings` has one). A `GPU`
+    object is used as given (`specs.get_gpu(key, ceilings)` applies the measured figures).
+    """
+    if isinstance(model, str):
+        from kvtier.hfconfig import resolve_model
+
+        model = resolve_model(model)
+    g = get_gpu(gpu, ceilings) if isinstance(gpu, str) else gpu
+    for name, v in (("chunk_tokens", chunk_tokens), ("new_tokens", new_tokens)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
+    n = matched_tokens
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n % chunk_tokens:
+        raise ValueError(f"matched_tokens: must be a multiple of chunk_tokens={chunk_tokens} >= 0, got {n!r}")
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency: must be within (0, 1], got {efficiency!r}")
+    p = tier_path(g, tier, ceilings, link, nic, gpudirect, shared_by)
+    layers, m = model.layers, new_tokens
+
+    def pre(tokens: int, prefix: int = 0) -> float:
+        return prefill(model, g, tokens, prefix, dtype, kv_dtype, efficiency).ms if tokens else 0.0
+
+    new_ms = pre(m, n)
+
+    def split_at(s: int, name: str) -> Option:
+        r, x = pre(s), load_ms(model, p, n - s, kv_dtype) if s < n else 0.0
+        return Option(name, s, n - s, r, x, new_ms, max(r + new_ms, overlap(x, new_ms, layers)))
+
+    options = {"recompute": Option("recompute", n, 0, pre(n + m), 0.0, 0.0, pre(n + m))}
+    if n:
+        options["load"] = split_at(0, "load")
+    inner = [split_at(s, "split") for s in range(chunk_tokens, n, chunk_tokens)]
+    if inner:
+        options["split"] = min(inner, key=lambda o: (o.ms, o.recompute_tokens))
+    choice = min((c for c in CHOICES if c in options), key=lambda c: options[c].ms)  # ties: CHOICES order
+    best = options[choice]
+    reasons = _reasons(options, choice, p, model.kv_bytes_per_token(kv_dtype), n, m, chunk_tokens)
+    return Plan(
+        choice=choice,
+        split_tokens=best.recompute_tokens if choice != "recompute" else n,
+        matched_tokens=n,
+        new_tokens=m,
+        chunk_tokens=chunk_tokens,
+        predicted_ms={c: options[c].ms if c in options else None for c in CHOICES},
+        options=options,
+        path=p,
+        kv_bytes_per_token=model.kv_bytes_per_token(kv_dtype),
+        reasons=tuple(reasons),
+    )
+
+
+def _reasons(options: dict[str, Option], choice: str, p: Path, per_token: float, n: int, m: int, chunk: int):
+    b = p.bottleneck
+    out = [f"recompute: prefill of {n + m} tokens = {options['recompute'].ms:.3f} ms"]
+    if n == 0:
+        out.append("no prefix hit: nothing to load")
+    else:
+        o = options["load"]
+        out.append(
+            f"load: {n * per_token / 1e6:.1f} MB through {b.name} at {b.gbps:.1f} GB/s = {o.load_ms:.3f} ms, "
+            f"layer by layer under the prefill of {m} new tokens ({o.new_ms:.3f} ms) = {o.ms:.3f} ms"
+        )
+    if "split" in options:
+        o = options["split"]
+        out.append(
+            f"split: recompute [0, {o.recompute_tokens}) ({o.recompute_ms:.3f} ms) while loading "
+            f"[{o.recompute_tokens}, {n}) ({o.load_ms:.3f} ms), then {m} new tokens = {o.ms:.3f} ms"
+        )
+    elif n:
+        out.append(f"split: none, a hit of {n // chunk} chunk has no chunk boundary inside it")
+    others = [options[c].ms for c in options if c != choice]
+    if others:
+        out.append(f"chosen: {choice}, {min(others) / options[choice].ms:.2f}x faster than the next best")
+    return out

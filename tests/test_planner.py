@@ -1,0 +1,153 @@
+"""The load / recompute / split planner: hand-computed cases, edge cases, the CLI."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from kvtier.ceilings import Ceilings
+from kvtier.cli import cli
+from kvtier.cli import plan as _  # noqa: F401  (registers the command)
+from kvtier.models import get_model
+from kvtier.planner import overlap, plan, tier_path
+from kvtier.roofline import prefill
+from kvtier.specs import get_gpu
+
+M, G = get_model("llama-3-8b"), get_gpu("h200")
+KV = 131072  # Llama-3-8B bf16 KV bytes per token, all layers
+
+
+def pre(tokens, prefix=0):
+    return prefill(M, G, tokens, prefix).ms
+
+
+def test_overlap_is_a_two_stage_layer_pipeline():
+    assert overlap(0.0, 5.0, 4) == 5.0  # nothing to load
+    assert overlap(8.0, 4.0, 4) == 8.0 + 1.0  # load-bound: the last layer's compute after the load
+    assert overlap(4.0, 8.0, 4) == 1.0 + 8.0  # compute-bound: waits only for the first layer
+
+
+def test_host_load_by_hand():
+    """8192 tokens from the host of an H200: 1 GiB over PCIe Gen5 at 50 GB/s + 10.1 us of latency."""
+    p = plan("llama-3-8b", "h200", "host", 8192, 64)
+    x = 8192 * KV / 50e9 * 1e3 + (0 + 10 + 0.1) / 1e3
+    c = pre(64, 8192)
+    assert p.options["load"].load_ms == pytest.approx(x)
+    assert p.predicted_ms["load"] == pytest.approx(max(x + c / 32, x / 32 + c))
+    assert p.predicted_ms["recompute"] == pytest.approx(pre(8256))
+    assert p.path.bottleneck.name.startswith("PCIe Gen5")
+    assert p.predicted_ms["load"] < p.predicted_ms["recompute"] / 5  # P8's regime: loading wins by far
+
+
+def test_split_is_the_best_chunk_boundary_and_its_formula():
+    p = plan("llama-3-8b", "h200", "disk", 8192, 64)
+    assert p.choice == "split" and p.split_tokens % 256 == 0 and 0 < p.split_tokens < 8192
+    c, path = pre(64, 8192), tier_path(G, "disk")
+
+    def at(s):
+        x = path.transfer_ms((8192 - s) * KV)
+        return max(pre(s) + c, overlap(x, c, 32))
+
+    assert p.predicted_ms["split"] == pytest.approx(at(p.split_tokens))
+    assert all(at(s) >= p.predicted_ms["split"] - 1e-9 for s in range(256, 8192, 256))
+    assert p.ms == min(v for v in p.predicted_ms.values() if v is not None)
+    # both sides are busy: neither a chunk more nor a chunk less of recompute helps
+    assert at(p.split_tokens - 256) > p.ms and at(p.split_tokens + 256) > p.ms
+
+
+def test_no_hit_means_recompute_with_nothing_to_load():
+    p = plan("llama-3-8b", "h200", "host", 0, 100)
+    assert p.choice == "recompute" and p.split_tokens == 0
+    assert p.predicted_ms == {"load": None, "recompute": pytest.approx(pre(100)), "split": None}
+    assert "no prefix hit" in " ".join(p.reasons)
+
+
+def test_a_hit_of_one_chunk_has_no_split():
+    p = plan("llama-3-8b", "h200", "host", 256, 16)
+    assert p.predicted_ms["split"] is None and "split" not in p.options
+    assert p.choice in ("load", "recompute")
+
+
+def test_a_very_slow_tier_means_recompute():
+    slow = Ceilings(figures={"h2d_pinned_gbps": 0.01}, gpu_key="h200")
+    p = plan("llama-3-8b", "h200", "host", 4096, 64, slow)
+    assert p.choice == "recompute" and p.split_tokens == 4096
+    assert "0.0 GB/s" in " ".join(p.reasons) or p.path.bottleneck.gbps == 0.01
+
+
+def test_a_fast_tier_means_load():
+    fast = Ceilings(figures={"h2d_pinned_gbps": 2000.0}, gpu_key="h200")
+    p = plan("llama-3-8b", "h200", "host", 2048, 64, fast)  # the load hides under the prefill
+    assert p.choice == "load" and p.split_tokens == 0
+    assert p.predicted_ms["load"] < p.predicted_ms["split"] < p.predicted_ms["recompute"]
+
+
+def test_measured_ceilings_replace_the_hops_they_measured():
+    c = Ceilings(
+        figures={
+            "h2d_pinned_gbps": 40.0,
+            "disk_read_gbps": 1.5,
+            "redis_loopback_get_gbps": 0.6,
+            "bf16_tflops": 700.0,
+        },
+        gpu="NVIDIA H200",
+        gpu_key="h200",
+    )
+    disk = tier_path(get_gpu("h200", c), "disk", c)
+    assert disk.bottleneck.gbps == 1.5 and "measured" in disk.bottleneck.source
+    assert any(h.gbps == 40.0 for h in disk.hops)
+    redis = tier_path(get_gpu("h200", c), "redis", c)
+    assert redis.bottleneck.name.startswith("Redis GET") and redis.bottleneck.gbps == 0.6
+    slower = plan("llama-3-8b", "h200", "host", 8192, 64, c)
+    assert (
+        slower.predicted_ms["recompute"]
+        > plan("llama-3-8b", "h200", "host", 8192, 64).predicted_ms["recompute"]
+    )
+    assert plan("llama-3-8b", "h200", "host", 8192, 64, c, link="pcie5").path.bottleneck.gbps == 50.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(matched_tokens=100), "matched_tokens"),
+        (dict(matched_tokens=-256), "matched_tokens"),
+        (dict(new_tokens=0), "new_tokens"),
+        (dict(tier="tape"), "tier"),
+        (dict(efficiency=0.0), "efficiency"),
+        (dict(gpu="h999"), "gpu"),
+    ],
+)
+def test_bad_input_raises_naming_the_argument(kwargs, match):
+    args = dict(model="llama-3-8b", gpu="h200", tier="host", matched_tokens=512, new_tokens=8) | kwargs
+    with pytest.raises(ValueError, match=match):
+        plan(**args)
+
+
+def test_cli_prints_units_and_json_and_exits_2_on_bad_input(tmp_path):
+    r = CliRunner().invoke(
+        cli, ["plan", "--gpu", "h200", "--tier", "disk", "--matched", "8192", "--new", "64"]
+    )
+    assert r.exit_code == 0, r.output
+    assert "TTFT ms" in r.output and "GB/s" in r.output and "choice: split" in r.output
+    r = CliRunner().invoke(cli, ["plan", "--gpu", "h200", "--matched", "8192", "--new", "64", "--json"])
+    d = json.loads(r.output)
+    assert d["choice"] in ("load", "split") and d["predicted_ms"]["recompute"] > d["predicted_ms"]["load"]
+    assert d["path"]["hops"][0]["name"].startswith("host DRAM")
+    ceil = tmp_path / "c.json"
+    Ceilings(figures={"h2d_pinned_gbps": 0.01}, gpu_key="h200").save(ceil)
+    r = CliRunner().invoke(
+        cli, ["plan", "--matched", "4096", "--new", "8", "--ceilings", str(ceil), "--json"]
+    )
+    assert (
+        r.exit_code == 0
+        and json.loads(r.output)["choice"] == "recompute"
+        and json.loads(r.output)["gpu"] == "h200"
+    )
+    for bad in (
+        ["--matched", "100", "--new", "1"],
+        ["--matched", "256", "--new", "0"],
+        ["--matched", "256", "--new", "1", "--model", "nope"],
+        ["--matched", "256", "--new", "1", "--ceilings", str(tmp_path / "missing.json")],
+    ):
+        r = CliRunner().invoke(cli, ["plan", *bad])
+        assert r.exit_code == 2, (bad, r.output)
