@@ -68,7 +68,12 @@ def _console():
     "--size", type=ByteSize(), default=None, help="Bytes per transfer [GPU: 1GiB host<->device, 4GiB d2d]."
 )
 @click.option("--quick", is_flag=True, help="Small sizes, few repeats: a smoke test, not figures.")
-def probe(as_json: bool, save: str | None, size: int | None, quick: bool) -> None:
+@click.option(
+    "--all-gpus",
+    is_flag=True,
+    help="Also every GPU alone vs all at once (host<->device), GPU<->GPU pairs, NVML topology, NUMA.",
+)
+def probe(as_json: bool, save: str | None, size: int | None, quick: bool, all_gpus: bool = False) -> None:
     """Measure this machine's ceilings (copies, PCIe, launch, matmul) next to the datasheet."""
     if save is not None and not Path(save).resolve().parent.is_dir():
         raise click.UsageError(f"--save: folder {str(Path(save).parent)!r} does not exist")
@@ -84,8 +89,20 @@ def probe(as_json: bool, save: str | None, size: int | None, quick: bool) -> Non
         with err.status("probing") as status:
             report = run_probe(size=size, quick=quick, on_step=lambda s: status.update(f"measuring {s}"))
     doc = report.to_json()
+    ceilings, multi = report.ceilings(), None
+    if all_gpus:
+        from kvtier.bench.probe_multi import run_multi
+
+        if as_json:
+            multi = run_multi(size=size, quick=quick)
+        else:
+            with _err_console().status("probing all GPUs") as status:
+                multi = run_multi(size=size, quick=quick, on_step=lambda s: status.update(f"measuring {s}"))
+        ceilings = multi.ceilings(ceilings)
+        doc["multi_gpu"] = multi.to_json()
+        doc["ceilings"] = ceilings.to_json()
     if save is not None:
-        report.ceilings().save(save)
+        ceilings.save(save)
     if as_json:
         click.echo(json.dumps(doc, indent=1))
         return
@@ -94,6 +111,11 @@ def probe(as_json: bool, save: str | None, size: int | None, quick: bool) -> Non
     for line in probe_header(doc):
         console.print(line)
     console.print(probe_table(doc))
+    if multi is not None:
+        from kvtier.bench.probe_multi import summary_lines
+
+        for line in summary_lines(doc["multi_gpu"]):
+            console.print(line)
     if save is not None:
         console.print(f"ceilings written to {save} (use with roofline/path --ceilings {save})")
 

@@ -3,6 +3,8 @@ number carries its unit in its name. `tables.py` prints them."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvtier import path as kpath
 from kvtier import roofline as rl
 from kvtier.ceilings import Ceilings
@@ -141,6 +143,7 @@ def path_json(
     host_link = get_link(link or f"pcie{g.pcie_gen}")
     if ceilings is not None and link is None:
         host_link = measured_host_link(host_link, ceilings, "h2d" if direction == "load" else "d2h")
+        host_link = _measured_sharing(host_link, ceilings, "h2d" if direction == "load" else "d2h", shared_by)
     p = kpath.build_path(g, tier, host_link, direction, nic, "nvme", gpudirect, shared_by)
     nbytes = tokens * m.kv_bytes_per_token(kv_dtype)
     load = kpath.load_ms(m, p, tokens, kv_dtype)
@@ -200,3 +203,15 @@ def _link_path(g: GPU, key: str, host_link, direction: str, gpudirect: bool, sha
     return kpath.build_path(
         g, "disk", host_link, direction, disk=key, gpudirect=gpudirect, shared_by=shared_by
     )
+
+
+def _measured_sharing(link, ceilings, direction: str, shared_by: int):
+    """With `probe --all-gpus` figures, the host link of `shared_by` GPUs at once is what they
+    measured together, not the datasheet divided: `build_path` divides the link by `shared_by`,
+    so the link carries the measured capacity they share (per GPU: `Ceilings.shared_gbps`)."""
+    share = ceilings.shared_gbps(direction, shared_by) if shared_by > 1 else None
+    if share is None:
+        return link
+    n = ceilings.gpus_measured
+    src = f"measured by kvtier probe --all-gpus ({n} GPUs at once): {share:.1f} GB/s per GPU for {shared_by}"
+    return dataclasses.replace(link, typical_gbps=share * shared_by, source=src)

@@ -7,11 +7,13 @@ for the bytes themselves.
     Path, choose     which copy path a job takes, and why (measured)        (paths.py)
     movers           SimMover (CPU, late copies) and CudaMover (staged / kernel / batch)
     graphs           staged jobs replayed from CUDA graphs (LRU keyed by slot, n, last tokens)
+    handoff          GPU-to-GPU: blocks of device a's cache into device b's (peer copy)
     ids              block-id checks without a per-block loop or a sort
 """
 
 from kvtier.engine.engine import TransferEngine
+from kvtier.engine.handoff import Handoff, HandoffJob, handoff
 from kvtier.engine.jobs import LoadJob, SaveJob
 from kvtier.engine.paths import Path, choose_path
 
-__all__ = ["LoadJob", "Path", "SaveJob", "TransferEngine", "choose_path"]
+__all__ = ["Handoff", "HandoffJob", "LoadJob", "Path", "SaveJob", "TransferEngine", "choose_path", "handoff"]
