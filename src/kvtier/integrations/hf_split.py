@@ -19,13 +19,11 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections import Counter
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
 from kvtier.integrations.hf import KVTier, KVTierCache, _Layer, _tokens, cache_kwarg
-from kvtier.store.handles import LoadHandle
 
 
 class _SplitLayer(_Layer):
@@ -66,35 +64,6 @@ class SplitCache(KVTierCache):
         super().__init__(owner, blocks, load, t_start, start_event)
 
 
-def load_range(store, tokens, block_ids, first_chunk: int, *, per_layer: bool = True) -> LoadHandle:
-    """`KVStore.load` from chunk ``first_chunk`` of ``tokens`` on: chunk ``first_chunk + i`` into
-    ``block_ids[i*bpc:(i+1)*bpc]``, stopping at the first chunk no tier delivers. handle.tokens:
-    the tokens that will arrive after ``first_chunk * chunk_tokens``. (The store's own walk, from
-    a chunk other than 0; keys are chained, so chunk i's key already names its whole prefix.)"""
-    t0 = store._check_open()
-    keys = store._keys(tokens)
-    if not 0 <= first_chunk <= len(keys):
-        raise ValueError(f"first_chunk: must be within [0, {len(keys)}], got {first_chunk}")
-    ids = store._ids(block_ids, need=0, unique=True)
-    store._reap()
-    handle = LoadHandle(num_layers=store.kv.num_layers, _on_done=store._reap)
-    tiers: list[str] = []
-    want = keys[first_chunk : first_chunk + len(ids) // store.fmt.blocks]
-    for i, got in enumerate(store._fetch.walk(want)):
-        try:
-            job = store.engine.load(got.entry.slot, store._chunk(ids, i), per_layer=per_layer)
-        except BaseException:
-            store._completed(None, got.entry, got.kind)  # nothing was submitted from the slot
-            raise
-        store._track(job, got.entry, got.kind)  # the pin drops only once e_load completed
-        handle.jobs.append(job)
-        tiers.append(got.tier)
-    handle.tokens, handle.tiers = len(handle.jobs) * store.fmt.tokens, tuple(tiers)
-    chunks = Counter(f"load_chunks_{t}" for t in tiers)
-    store._count(loads=1, load_tokens=handle.tokens, _call=("load", t0), **chunks)
-    return handle
-
-
 def split_cache(kvt: KVTier, model, input_ids: torch.Tensor, split_tokens: int) -> SplitCache:
     """Look up ``input_ids`` ([1, n] or [n]), start loading the hit's chunks from ``split_tokens``
     on, and run ``model`` over tokens [0, split_tokens) meanwhile; returns the cache to pass to
@@ -115,7 +84,7 @@ def split_cache(kvt: KVTier, model, input_ids: torch.Tensor, split_tokens: int) 
     n = kvt.store.lookup(tokens[:-1]).tokens  # the last prompt token always runs: it gives the logits
     s = min(split_tokens, n)
     blocks = kvt._alloc((n - s) // bs)
-    load = load_range(kvt.store, tokens[:-1], blocks, s // ct) if n > s else None
+    load = kvt.store.load(tokens[:-1], blocks, first_chunk=s // ct) if n > s else None
     if load is not None and load.tokens < n - s:  # a chunk vanished since the lookup: fewer blocks
         keep = load.tokens // bs
         kvt._release(blocks[keep:])

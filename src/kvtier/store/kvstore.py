@@ -145,13 +145,19 @@ class KVStore:
         self._count(save_chunks_failed=h.failed)
         return handle
 
-    def load(self, tokens, block_ids, *, per_layer: bool = True) -> LoadHandle:
+    def load(self, tokens, block_ids, *, per_layer: bool = True, first_chunk: int = 0) -> LoadHandle:
         """Load the longest available chunk prefix of ``tokens`` into ``block_ids`` (distinct
         GPU blocks of the request, in order; chunks beyond ``len(block_ids) // bpc`` are not
         loaded). Lower-tier reads happen here; the GPU copies are asynchronous: use
-        ``handle.wait_layer(layer, stream)`` before attention reads a layer."""
+        ``handle.wait_layer(layer, stream)`` before attention reads a layer.
+
+        first_chunk: start there (the caller recomputes the chunks before); chunk first_chunk + i
+        goes into ``block_ids[i*bpc:(i+1)*bpc]`` and ``handle.tokens`` counts from there."""
         t0 = self._check_open()
         keys = self._keys(tokens)
+        if type(first_chunk) is not int or not 0 <= first_chunk <= len(keys):  # a bool is no index
+            raise ValueError(f"first_chunk: must be an int within [0, {len(keys)}], got {first_chunk!r}")
+        keys = keys[first_chunk:]
         ids = self._ids(block_ids, need=0, unique=True)
         self._reap()
         handle = LoadHandle(num_layers=self.kv.num_layers, _on_done=self._reap)
