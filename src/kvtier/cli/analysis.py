@@ -73,6 +73,19 @@ common_ceilings = click.option(
 common_kv_dtype = click.option(
     "--kv-dtype", default="bf16", show_default=True, help="KV cache dtype (fp8 halves it)."
 )
+
+
+def efficiency_option(help_text: str):
+    """--efficiency: the fraction of peak FLOPs assumed reachable (0, 1]."""
+    return click.option(
+        "--efficiency",
+        type=click.FloatRange(min=0, min_open=True, max=1),
+        default=1.0,
+        show_default=True,
+        help=help_text,
+    )
+
+
 common_json = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 
 
@@ -97,13 +110,7 @@ def specs(ceilings: str | None, as_json: bool) -> None:
 )
 @click.option("--dtype", default="bf16", show_default=True, help="Weight and compute dtype.")
 @common_kv_dtype
-@click.option(
-    "--efficiency",
-    type=click.FloatRange(min=0, min_open=True, max=1),
-    default=1.0,
-    show_default=True,
-    help="Fraction of peak FLOPs assumed reachable.",
-)
+@efficiency_option("Fraction of peak FLOPs assumed reachable.")
 @click.option(
     "--amdahl", metavar="FRACTION:SPEEDUP", help="End-to-end gain of speeding a part up, e.g. 0.1:1.2."
 )
@@ -157,13 +164,7 @@ def _parse_amdahl(text: str) -> tuple[float, float]:
     "--shared-by", type=POSITIVE, default=1, show_default=True, help="GPUs sharing the link at once."
 )
 @common_kv_dtype
-@click.option(
-    "--efficiency",
-    type=click.FloatRange(min=0, min_open=True, max=1),
-    default=1.0,
-    show_default=True,
-    help="Fraction of peak FLOPs reachable when recomputing.",
-)
+@efficiency_option("Fraction of peak FLOPs reachable when recomputing.")
 @common_ceilings
 @common_json
 @click.option(

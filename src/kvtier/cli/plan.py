@@ -14,6 +14,7 @@ from kvtier.cli.analysis import (
     common_json,
     common_kv_dtype,
     common_model,
+    efficiency_option,
     usage_errors,
 )
 
@@ -48,13 +49,7 @@ from kvtier.cli.analysis import (
     "--link", "-l", default=None, help="GPU <-> host link (pcie3..pcie6); default: the GPU's PCIe gen."
 )
 @click.option("--nic", default="nic200", show_default=True, help="NIC for the remote tier (nic100/200/400).")
-@click.option(
-    "--efficiency",
-    type=click.FloatRange(min=0, min_open=True, max=1),
-    default=1.0,
-    show_default=True,
-    help="Fraction of peak FLOPs a prefill reaches.",
-)
+@efficiency_option("Fraction of peak FLOPs a prefill reaches.")
 @common_kv_dtype
 @common_ceilings
 @common_json
