@@ -6,6 +6,8 @@
 #   engine-tests: GPU tests + memcheck (kernels, engine) + racecheck/synccheck (engine) + `kvtier trace`
 #   engine-bench: probe + suites bidir, save_beside_matmul, submit_overhead, gather_d2d
 #   engine-all: GPU tests + engine-bench
+#   multi: (2+ GPUs) handoff/probe GPU tests, memcheck/racecheck of a handoff, probe --all-gpus,
+#          suites handoff + contention, `kvtier path` with the measured sharing
 set -uo pipefail
 mode=${1:-full}
 shift || true
@@ -38,6 +40,26 @@ if [ "$mode" = engine-tests ]; then
   done
   echo "== kvtier trace on the GPU"
   timeout 120 $py -m kvtier trace --device cuda --out "$out/trace.png" 2>&1 | tail -5
+  exit 0
+fi
+if [ "$mode" = multi ]; then
+  nvidia-smi topo -m > "$out/topo.txt" 2>&1; cat "$out/topo.txt"
+  echo "== GPU tests of several GPUs"
+  timeout 300 $py -m pytest -q -m gpu -p no:cacheprovider tests/test_handoff_gpu.py tests/test_handoff_hf.py \
+    tests/test_probe_multi.py tests/test_bench_multi.py 2>&1 | tail -20 | tee "$out/pytest-multi.log"
+  for tool in memcheck racecheck; do
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 200 compute-sanitizer --tool $tool --error-exitcode 99 \
+      $([ $tool = memcheck ] && echo --leak-check no) $py -m pytest -q -p no:cacheprovider \
+      tests/test_handoff_gpu.py -k "round_trip and vllm_flash" > "$out/handoff-$tool.log" 2>&1
+    echo "$tool exit code: $?" | tee -a "$out/handoff-$tool.log"; tail -3 "$out/handoff-$tool.log"
+  done
+  echo "== probe --all-gpus"
+  timeout 300 $py -m kvtier probe --all-gpus --save "$out/ceilings-multi.json" 2>&1 | tee "$out/probe-multi.log" | tail -30
+  echo "== bench handoff, contention"
+  timeout 400 $py -m kvtier bench --out "$out" --suite handoff --suite contention 2>&1 | tee "$out/bench.log" | tail -30
+  echo "== path with the measured sharing"
+  $py -m kvtier path --model llama-3-8b --tokens 32768 --shared-by 2 --ceilings "$out/ceilings-multi.json" 2>&1 | tail -20 \
+    | tee "$out/path-multi.txt"
   exit 0
 fi
 if [ "$mode" = engine-all ]; then

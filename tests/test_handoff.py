@@ -46,6 +46,38 @@ def test_round_trip_every_layout(devs, fmt, num_tokens):
         assert bits_equal(after[2].narrow(axis, 1, tail), before[2].narrow(axis, 1, tail))
 
 
+@pytest.mark.parametrize("pieces", [1, 2, 3])  # one block per piece .. several blocks per piece
+@pytest.mark.parametrize("num_tokens", [None, 4 * 6 + 3])  # 27 tokens in 7 blocks: the last holds 3
+def test_pieces_pipeline(devs, pieces, num_tokens):
+    """Several pieces: gather k+1 beside copy k; the last piece layer by layer; every byte lands."""
+    a, b = devs
+    ka, kb = caches("vllm_flash", "vllm_flash")
+    src, dst = [9, 0, 3, 3, 7, 1, 5], [2, 8, 6, 0, 4, 9, 1]
+    h = Handoff(ka, kb, src_device=a, dst_device=b, sanitize=True, piece_bytes=pieces * ka.block_nbytes)
+    assert len(h._pieces(len(src), num_tokens)) == -(-len(src) // pieces)
+    job = h.send(src, dst, after=None, num_tokens=num_tokens)
+    for layer, ev in enumerate(job.layer_events):
+        assert ev.synchronize(timeout=10)  # layer l of every piece is readable after its event
+        assert bits_equal(
+            gather_ref(kb, dst, num_tokens)[:, layer], gather_ref(ka, src, num_tokens)[:, layer]
+        )
+    assert job.wait(timeout=10) and job.sent.query()
+    h.close()
+
+
+def test_pieces_copy_waits_for_its_gather():
+    """Slow gathers, instant copies: a copy that did not wait its piece's gather sends stale bytes."""
+    a, b = SimDevice(launch_delay=0.03), SimDevice()
+    ka, kb = caches("vllm_flash", "vllm_flash")
+    h = Handoff(ka, kb, src_device=a, dst_device=b, sanitize=True, piece_bytes=ka.block_nbytes)
+    job = h.send([1, 2, 3], [4, 5, 6], after=None)
+    assert job.wait(timeout=10)
+    assert bits_equal(gather_ref(kb, [4, 5, 6]), gather_ref(ka, [1, 2, 3]))
+    h.close()
+    a.close()
+    b.close()
+
+
 @pytest.mark.parametrize("pair", [("vllm_flash", "flashinfer_nhd"), ("vllm_hnd_memory", "flashinfer_hnd")])
 def test_between_layouts(devs, pair):
     a, b = devs
@@ -111,6 +143,8 @@ def test_arguments(devs):
     hnd = random_cache("flashinfer_hnd", L, NB, BS, H, D, torch.bfloat16)
     with pytest.raises(ValueError, match="copies blocks as they are"):  # token-major vs head-major chunk
         Handoff(ka, hnd, src_device=a, dst_device=b)
+    with pytest.raises(ValueError, match="piece_bytes"):
+        Handoff(ka, kb, src_device=a, dst_device=b, piece_bytes=0)
     h = Handoff(ka, kb, src_device=a, dst_device=b)
     with pytest.raises(ValueError, match="dst_blocks: 1 ids for 2"):
         h.send([1, 2], [3], after=None)

@@ -41,6 +41,22 @@ def test_round_trip(two, fmt, num_tokens):
     assert bits_equal(got, gather_ref(ka, src, num_tokens).cpu())
 
 
+@pytest.mark.parametrize("pieces", [1, 3])  # blocks per piece: gathers, copies, scatters overlap
+def test_pieces_round_trip(two, pieces):
+    from kvtier.engine import Handoff
+
+    a, b = two
+    ka = random_cache("vllm_flash", L, NB, BS, H, D, torch.bfloat16, device="cuda:0", seed=1)
+    kb = random_cache("vllm_flash", L, NB, BS, H, D, torch.bfloat16, device="cuda:1", seed=2)
+    src, dst = torch.randperm(NB)[:20], torch.randperm(NB)[:20]
+    h = Handoff(ka, kb, src_device=a, dst_device=b, sanitize=True, piece_bytes=pieces * ka.block_nbytes)
+    job = h.send(src, dst, after=None, num_tokens=19 * BS + 5)
+    assert job.wait(timeout=30)
+    want = gather_ref(ka, src, 19 * BS + 5).cpu()
+    assert bits_equal(gather_ref(kb, dst, 19 * BS + 5).cpu(), want)
+    h.close()
+
+
 def test_decode_on_b_waits_per_layer(two):
     """Compute on b waits each layer's event, then reads; a overwrites the source after e_sent."""
     from kvtier.engine import Handoff

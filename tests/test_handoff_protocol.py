@@ -100,7 +100,7 @@ def decode_reads_before_handoff(r, buggy):
 
 def prefill_overwrites_before_copy(r, buggy):
     e = r.write_a([B, 5], 1)
-    r.h.send([5], [6], after=e)  # an earlier handoff keeps a's send stream busy for DELAY
+    r.a.launch(lambda: time.sleep(DELAY), r.h.send_stream)  # earlier work keeps a's send stream busy
     r.h.send([B], [B], after=e)  # so this gather runs only after DELAY
     r.write_a([B], 7, wait=not buggy)  # buggy: a reuses the block for the next request at once
     r.a.synchronize()

@@ -79,8 +79,9 @@ FIGURES: dict[str, str] = {
     "h2d_pinned_all_gpus_gbps": "GB/s, host->device, pinned, every GPU at once (total)",
     "d2h_pinned_all_gpus_gbps": "GB/s, device->host, pinned, every GPU at once (total)",
     "peer_gbps": "GB/s, GPU->GPU copy of the slowest pair (bytes moved once)",
+    "peer_copy_gbps": "GB/s, GPU 0 -> GPU 1 copy (bytes moved once)",
 }
-MULTI_GPU_FIGURES = ("h2d_pinned_all_gpus_gbps", "d2h_pinned_all_gpus_gbps", "peer_gbps")
+MULTI_GPU_FIGURES = ("h2d_pinned_all_gpus_gbps", "d2h_pinned_all_gpus_gbps", "peer_gbps", "peer_copy_gbps")
 MULTI_GPU_KEYS = (
     "gpus",
     "h2d_pinned_gbps",

@@ -134,6 +134,15 @@ def bf16_tflops(timer: Timer, n: int = 8192) -> float:
     return 2 * n**3 / t.median_s / 1e12
 
 
+def peer_copy(timer: Timer, nbytes: int) -> float:
+    """GPU 0 -> GPU 1 (torch copy_: P2P when peer access is on, else through host memory); bytes
+    moved once. Timed on GPU 0's stream, where torch runs a copy between devices."""
+    if torch.cuda.device_count() < 2:
+        raise ValueError(f"peer_copy: needs two CUDA devices, found {torch.cuda.device_count()}")
+    src, dst = _dev_bytes(nbytes, "cuda:0"), torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+    return timer.time(lambda: dst.copy_(src, non_blocking=True)).gbps(nbytes)
+
+
 def host_memcpy(timer: Timer, nbytes: int) -> float:
     """Host memory to host memory (torch copy_, pageable), bytes copied (read + write = 2x that)."""
     host = timer if not timer.on_cuda else Timer("cpu", min_reps=timer.min_reps, budget_s=timer.budget_s)
@@ -161,6 +170,7 @@ CEILINGS: dict[str, CeilingDef] = {
     "h2d_pageable": CeilingDef(h2d_pageable, "h2d_pageable_gbps", "bytes moved host->device"),
     "d2h_pageable": CeilingDef(d2h_pageable, "d2h_pageable_gbps", "bytes moved device->host"),
     "bidir_pinned": CeilingDef(bidir_pinned, "bidir_pinned_gbps", "bytes of both directions"),
+    "peer_copy": CeilingDef(peer_copy, "peer_copy_gbps", "bytes moved GPU 0 -> GPU 1"),
     "host_memcpy": CeilingDef(host_memcpy, "host_memcpy_gbps", "bytes copied", needs_gpu=False),
     "disk_write": CeilingDef(disk_write, "disk_write_gbps", "bytes written + fsync", False, ("root",)),
     "disk_read": CeilingDef(disk_read, "disk_read_gbps", "bytes read from the device", False, ("root",)),

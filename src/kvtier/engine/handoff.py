@@ -2,11 +2,13 @@
 
 One job, in the lifecycle protocol's order (DESIGN.md), on a copy stream of each device:
 
-  a: wait `after` + pending writers/loaders of the source blocks -> gather into a contiguous
-     chunk on a -> one peer copy chunk_a -> chunk_b -> record e_sent       (SAVE-like read on a)
-  b: wait e_sent (an event of a: valid across devices in CUDA) + pending readers/writers/
-     savers/loaders of the destination blocks -> scatter, an event per layer -> record e_done
-     (LOAD on b)
+  a: wait `after` + pending writers/loaders of the source blocks -> per piece of ~piece_bytes:
+     gather into a contiguous chunk on a's send stream, then a peer copy chunk_a -> chunk_b on
+     a's copy stream (the copy of piece k overlaps the gather of piece k+1); e_sent after the
+     last gather                                                           (SAVE-like read on a)
+  b: wait pending readers/writers/savers/loaders of the destination blocks -> per piece: wait
+     its copy's event (an event of a: valid across devices in CUDA), scatter; the last piece
+     layer by layer, an event per layer -> record e_done                   (LOAD on b)
 
 Compute on a may overwrite the source blocks only after e_sent (the tracker of a hands it to
 a later `waits_for(WRITE)`); compute on b may read the destination blocks only after the
@@ -118,7 +120,19 @@ class Handoff:
     sanitize: trackers made here raise LifecycleError on illegal moves (default: KVTIER_SANITIZE).
     """
 
-    def __init__(self, src, dst, *, src_device=None, dst_device=None, sanitize: bool | None = None):
+    def __init__(
+        self,
+        src,
+        dst,
+        *,
+        src_device=None,
+        dst_device=None,
+        sanitize: bool | None = None,
+        piece_bytes: int = 64 << 20,
+    ):
+        if isinstance(piece_bytes, bool) or not isinstance(piece_bytes, int) or piece_bytes <= 0:
+            raise ValueError(f"piece_bytes: expected an int > 0, got {piece_bytes!r}")
+        self.piece_bytes = piece_bytes
         self.sanitize = sanitize_enabled(sanitize)
         self.src = side(src, src_device, self.sanitize)
         self.dst = side(dst, dst_device, self.sanitize)
@@ -132,6 +146,10 @@ class Handoff:
         self.send_stream: Stream = self.src.device.new_stream("kvtier-handoff-send")
         self.recv_stream: Stream = (
             self.send_stream if self.same else self.dst.device.new_stream("kvtier-handoff-recv")
+        )
+        # a's second stream: the copy of piece k runs beside the gather of piece k+1
+        self.copy_stream: Stream = (
+            self.send_stream if self.same else self.src.device.new_stream("kvtier-handoff-copy")
         )
         self._src_ids = IdCheck(a.num_blocks, a.block_size)
         self._dst_ids = IdCheck(b.num_blocks, b.block_size)
@@ -162,6 +180,7 @@ class Handoff:
             raise ValueError(f"dst_blocks: {len(dst_ids)} ids for {len(src_ids)} source blocks")
         a, b, sa, sb = self.src, self.dst, self.send_stream, self.recv_stream
         sset, dset = frozenset(src_ids.tolist()), frozenset(dst_ids.tolist())
+        pieces = self._pieces(len(src_ids), num_tokens)
         with self._lock:
             k = next(self._seq)
             waits_a = a.blocks.waits_for(Access.SAVE, sset, stream=sa)
@@ -169,17 +188,14 @@ class Handoff:
                 cross_wait(sa, a.device, after)  # the gather must not read KV still being written
             for e in waits_a:
                 cross_wait(sa, a.device, e)  # nor blocks a load or a compute write still writes
-            chunk_a, chunk_b = self._gather_and_copy(src_ids, num_tokens)
-            e_sent = sa.record(f"e_sent#{k}")  # after it a may overwrite the source blocks
-            a.blocks.begin_save(sset, e_sent, waited=waits_a + ([after] if after is not None else []))
-            # b's waits come after the copy was enqueued: torch orders a peer copy after the tail
-            # of b's current stream, and the copy into staging need not wait for b's readers.
+            # b's waits are enqueued before any scatter: the copies into b's staging chunk need
+            # not wait for b's readers, only the scatters into the destination blocks do.
             waits_b = b.blocks.waits_for(Access.LOAD, dset, stream=sb)
             for e in waits_b:
                 cross_wait(sb, b.device, e)  # the scatter must not overwrite blocks still read (#47282)
-            if not self.same:
-                cross_wait(sb, b.device, e_sent)  # the scatter must not read chunk_b before it landed
-            layers = self._scatter(dst_ids, chunk_b, num_tokens, per_layer, f"e_done#{k}")
+            chunk_a, chunk_b, landed, e_sent = self._gather_and_copy(src_ids, pieces, f"e_sent#{k}")
+            a.blocks.begin_save(sset, e_sent, waited=waits_a + ([after] if after is not None else []))
+            layers = self._scatter(dst_ids, chunk_b, pieces, landed, per_layer, f"e_done#{k}")
             e_done = sb.record(f"e_done#{k}")  # after it b may read every destination block
             b.blocks.begin_load(dset, e_done, waited=waits_b + [e_sent])
         layer_events = [*layers, e_done] if layers else [e_done] * b.kv.num_layers
@@ -188,68 +204,105 @@ class Handoff:
                           [chunk_a, chunk_b])  # fmt: skip
 
     # ---- the bytes -------------------------------------------------------------------------
-    def _gather_and_copy(self, ids: torch.Tensor, num_tokens: int | None):
-        a, b, sa = self.src, self.dst, self.send_stream
+    def _pieces(self, n: int, num_tokens: int | None) -> list[tuple[int, int, int | None]]:
+        """(first block, end block, num_tokens of the piece) for pieces of ~piece_bytes."""
+        per = max(1, self.piece_bytes // self.src.kv.block_nbytes)
+        bs, out = self.src.kv.block_size, []
+        for s in range(0, n, per):
+            e = min(n, s + per)
+            out.append((s, e, None if num_tokens is None or e < n else num_tokens - s * bs))
+        return out
+
+    def _gather_and_copy(self, ids: torch.Tensor, pieces, sent_label: str):
+        """Piece by piece: gather on a's send stream, then copy to b on a's copy stream, so the
+        gather of piece k+1 overlaps the copy of piece k. Returns the chunks, per piece the event
+        after which its bytes are in chunk_b, and e_sent (after the last gather: the source blocks
+        have been read)."""
+        a, b, sa, sc = self.src, self.dst, self.send_stream, self.copy_stream
         n = len(ids)
-        if a.kv.device.type == "cpu":
+        cpu = a.kv.device.type == "cpu"
+        if cpu:
             from kvtier.reference import gather_ref
 
             chunk_a = torch.empty(a.kv.chunk_shape(n), dtype=a.kv.dtype)
             chunk_b = chunk_a if self.same else torch.empty(b.kv.chunk_shape(n), dtype=b.kv.dtype)
-            a.device.launch(lambda: chunk_a.copy_(gather_ref(a.kv, ids, num_tokens)), sa)
-            if not self.same:
-                a.device.copy(chunk_b, chunk_a, sa)  # the "peer copy", landing late on purpose
-            return chunk_a, chunk_b
-        from kvtier import ops
+        else:
+            with torch.cuda.stream(sa.raw):
+                chunk_a = torch.empty(a.kv.chunk_shape(n), dtype=a.kv.dtype, device=a.kv.device)
+            if self.same:
+                chunk_b = chunk_a
+            else:
+                with torch.cuda.stream(self.recv_stream.raw):
+                    chunk_b = torch.empty(b.kv.chunk_shape(n), dtype=b.kv.dtype, device=b.kv.device)
+                # b's stream allocated chunk_b: the copies on a's copy stream must come after it.
+                sc.raw.wait_stream(self.recv_stream.raw)
+        landed, e_sent = [], None
+        for i, (s, e, nt) in enumerate(pieces):
+            part_ids = ids[s:e]
+            if cpu:
+                src = chunk_a[s:e]
+                a.device.launch(lambda src=src, i=part_ids, nt=nt: src.copy_(gather_ref(a.kv, i, nt)), sa)
+            else:
+                from kvtier import ops
 
-        with torch.cuda.stream(sa.raw):
-            chunk_a = torch.empty(a.kv.chunk_shape(n), dtype=a.kv.dtype, device=a.kv.device)
-            ops.gather(a.kv, ids, chunk_a, num_tokens=num_tokens)
-        if self.same:
-            return chunk_a, chunk_a
-        with torch.cuda.stream(self.recv_stream.raw):
-            chunk_b = torch.empty(b.kv.chunk_shape(n), dtype=b.kv.dtype, device=b.kv.device)
-        # Both streams current: torch runs the peer copy on a's stream and orders it after b's
-        # stream (chunk_b's allocation) — no false dependency on either compute stream.
-        with torch.cuda.stream(sa.raw), torch.cuda.stream(self.recv_stream.raw):
-            chunk_b.copy_(chunk_a, non_blocking=True)
-        chunk_b.record_stream(sa.raw)  # the allocator must not reuse chunk_b while a's stream writes it
-        return chunk_a, chunk_b
+                with torch.cuda.stream(sa.raw):
+                    ops.gather(a.kv, part_ids, chunk_a[s:e], num_tokens=nt)
+            last = i == len(pieces) - 1
+            # after the last gather a may overwrite the source blocks (e_sent)
+            gathered = sa.record(sent_label if last else f"handoff:gathered[{s}:{e}]")
+            e_sent = gathered if last else None
+            if self.same:
+                landed.append(None)
+                continue
+            sc.wait_event(gathered)  # the copy must not read the piece before its gather wrote it
+            if cpu:
+                a.device.copy(chunk_b[s:e], chunk_a[s:e], sc)  # the "peer copy", landing late on purpose
+            else:
+                # Both copy streams current: torch runs the peer copy on a's and orders it after b's.
+                with torch.cuda.stream(sc.raw), torch.cuda.stream(self.recv_stream.raw):
+                    chunk_b[s:e].copy_(chunk_a[s:e], non_blocking=True)
+            landed.append(sc.record(f"handoff:landed[{s}:{e}]"))
+        if not cpu and not self.same:
+            chunk_a.record_stream(sc.raw)  # the allocator must not reuse chunk_a while the copies read it
+            chunk_b.record_stream(sc.raw)  # nor chunk_b while a's copy stream writes it
+        return chunk_a, chunk_b, landed, e_sent
 
-    def _scatter(self, ids, chunk: torch.Tensor, num_tokens, per_layer: bool, label: str) -> list[Event]:
-        """Enqueue the scatter on b; return the events of layers 0..L-2 (the caller records the last)."""
+    def _scatter(self, ids, chunk, pieces, landed, per_layer: bool, label: str) -> list[Event]:
+        """Enqueue the scatters on b, piece by piece once each landed; the last piece layer by
+        layer (when per_layer). Returns the events of layers 0..L-2 (the caller records the last):
+        b's stream runs in order, so layer l's event also follows every earlier piece."""
         b, sb = self.dst, self.recv_stream
         L = b.kv.num_layers
+        events = []
+        for i, ((s, e, nt), ev) in enumerate(zip(pieces, landed, strict=True)):
+            if ev is not None:
+                cross_wait(sb, b.device, ev)  # the scatter must not read the piece before it landed on b
+            last = i == len(pieces) - 1
+            steps = [(layer, 1) for layer in range(L)] if per_layer and last else [None]
+            for j, layers in enumerate(steps):
+                b.device.launch(self._scatter_step(ids[s:e], chunk[s:e], nt, layers), sb)
+                if layers is not None and j < L - 1:
+                    events.append(sb.record(f"{label}:layer{j}"))  # layer j has landed on b
+        return events
+
+    def _scatter_step(self, ids, part, num_tokens, layers):
+        b = self.dst
         if b.kv.device.type == "cpu":
             from kvtier.engine.movers import layer_kv
             from kvtier.reference import scatter_ref
 
-            def part(layer):
-                one, p = layer_kv(b.kv, layer), chunk[:, layer : layer + 1]
-                return lambda: scatter_ref(one, ids, p, num_tokens)
+            if layers is None:
+                return lambda: scatter_ref(b.kv, ids, part, num_tokens)
+            l0 = layers[0]
+            return lambda: scatter_ref(layer_kv(b.kv, l0), ids, part[:, l0 : l0 + 1], num_tokens)
+        from kvtier import ops
 
-            steps = [part(layer) for layer in range(L)] if per_layer else [
-                lambda: scatter_ref(b.kv, ids, chunk, num_tokens)
-            ]  # fmt: skip
-        else:
-            from kvtier import ops
-
-            def part(layer):
-                return lambda: ops.scatter(b.kv, ids, chunk, num_tokens=num_tokens, layers=(layer, 1))
-
-            steps = [part(layer) for layer in range(L)] if per_layer else [
-                lambda: ops.scatter(b.kv, ids, chunk, num_tokens=num_tokens)
-            ]  # fmt: skip
-        events = []
-        for i, step in enumerate(steps):
-            b.device.launch(step, sb)
-            if per_layer and i < L - 1:
-                events.append(sb.record(f"{label}:layer{i}"))  # layer i has landed on b
-        return events
+        return lambda: ops.scatter(b.kv, ids, part, num_tokens=num_tokens, layers=layers)
 
     def close(self) -> None:
         """Wait for every handoff submitted; the streams stay with their devices."""
-        self.send_stream.synchronize()  # submitted is not done: the copies must land first
+        self.send_stream.synchronize()  # submitted is not done: the gathers must finish first
+        self.copy_stream.synchronize()  # and the copies to b must land
         self.recv_stream.synchronize()  # and the scatters on b, whose events the trackers hold
 
 
