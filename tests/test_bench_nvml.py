@@ -59,6 +59,28 @@ def test_read_with_partial_binding(monkeypatch, tmp_path):
     assert info["peers"] == [{"nvml_index": 1, "path": "NODE"}]
 
 
+def test_nvlink_peers_read_nv(monkeypatch):
+    """Two GPUs under one host bridge, joined by 18 NVLinks: "NV18" (as nvidia-smi), not "PHB"."""
+    bus = {"h0": b"00000000:1B:00.0", "h1": b"00000000:2B:00.0"}
+    fake = _fake_pynvml(
+        nvmlDeviceGetPciInfo=lambda h: types.SimpleNamespace(busId=bus[h]),
+        nvmlDeviceGetTopologyCommonAncestor=lambda a, b: 30,  # PHB
+        nvmlDeviceGetNvLinkState=lambda h, link: 1 if link < 18 else (_ for _ in ()).throw(_Err("bad link")),
+        nvmlDeviceGetNvLinkRemotePciInfo_v2=lambda h, link: types.SimpleNamespace(
+            busId=bus["h1" if h == "h0" else "h0"]
+        ),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(nvml, "numa_node_from_sysfs", lambda bus: 0)
+    assert nvml.read(0)["peers"] == [{"nvml_index": 1, "path": "NV18"}]
+    # through a switch: the links end elsewhere, the P2P status says NVLink
+    fake.nvmlDeviceGetNvLinkRemotePciInfo_v2 = lambda h, link: types.SimpleNamespace(busId=b"switch")
+    fake.nvmlDeviceGetP2PStatus = lambda a, b, cap: 0
+    assert nvml.read(0)["peers"] == [{"nvml_index": 1, "path": "NV18"}]
+    fake.nvmlDeviceGetP2PStatus = lambda a, b, cap: 4  # not supported over NVLink
+    assert nvml.read(0)["peers"] == [{"nvml_index": 1, "path": "PHB"}]
+
+
 def test_read_without_driver(monkeypatch):
     def boom():
         raise _Err("Driver Not Loaded")

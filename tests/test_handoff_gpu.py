@@ -57,6 +57,31 @@ def test_pieces_round_trip(two, pieces):
     h.close()
 
 
+@pytest.mark.parametrize("late", ["send", "copy", "recv"])
+def test_pieces_ordering_under_delays(two, late):
+    """One stream of the handoff held back ~10 ms: its consumers must wait (stale or poisoned
+    bytes otherwise), whichever stage is late."""
+    from kvtier.engine import Handoff
+
+    a, b = two
+    ka = random_cache("vllm_flash", L, NB, BS, H, D, torch.bfloat16, device="cuda:0", seed=3)
+    kb = random_cache("vllm_flash", L, NB, BS, H, D, torch.bfloat16, device="cuda:1", seed=4)
+    for x in kb.layers:
+        x.fill_(float("nan"))  # poison: a scatter that ran early leaves NaN or stale bytes
+    torch.cuda.synchronize(1)
+    h = Handoff(ka, kb, src_device=a, dst_device=b, sanitize=True, piece_bytes=2 * ka.block_nbytes)
+    stream = {"send": h.send_stream, "copy": h.copy_stream, "recv": h.recv_stream}[late]
+    with torch.cuda.stream(stream.raw):
+        torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time before this stage's work
+    src, dst = torch.randperm(NB)[:9], torch.randperm(NB)[:9]
+    job = h.send(src, dst, after=None)
+    for layer, ev in enumerate(job.layer_events):
+        assert ev.synchronize(timeout=30)
+        got = kb.block_view(layer)[:, dst].cpu()
+        assert bits_equal(got, ka.block_view(layer)[:, src].cpu())  # layer l complete after its event
+    h.close()
+
+
 def test_decode_on_b_waits_per_layer(two):
     """Compute on b waits each layer's event, then reads; a overwrites the source after e_sent."""
     from kvtier.engine import Handoff

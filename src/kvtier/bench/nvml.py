@@ -140,6 +140,31 @@ def _peers(pynvml: Any, h: Any) -> list[dict]:
             continue
         if _bus(other) == _bus(h):
             continue  # itself
+        nv = _nvlink_path(pynvml, h, other)
         level = _call("nvmlDeviceGetTopologyCommonAncestor", h, other)
-        peers.append({"nvml_index": j, "path": _TOPO_LEVELS.get(level, str(level))})
+        peers.append({"nvml_index": j, "path": nv or _TOPO_LEVELS.get(level, str(level))})
     return peers
+
+
+def _nvlink_path(pynvml: Any, h: Any, other: Any) -> str | None:
+    """ "NV<links>" when NVLink joins the two GPUs (as `nvidia-smi topo -m` says), else None. The
+    common-ancestor call only knows PCIe: two NVLinked GPUs under one host bridge read "PHB"."""
+    bus = _bus(other)
+    n_links = getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)
+    direct = 0
+    for link in range(n_links):
+        state = _call("nvmlDeviceGetNvLinkState", h, link)
+        if state == UNKNOWN:
+            break  # no NVLink, or no more links
+        if state != getattr(pynvml, "NVML_FEATURE_ENABLED", 1):
+            continue
+        remote = _call("nvmlDeviceGetNvLinkRemotePciInfo_v2", h, link)
+        direct += int(remote != UNKNOWN and bus is not None and _text(getattr(remote, "busId", None)) == bus)
+    if direct:
+        return f"NV{direct}"
+    # through an NVSwitch the links end at the switch: ask whether P2P goes over NVLink
+    status = _call("nvmlDeviceGetP2PStatus", h, other, getattr(pynvml, "NVML_P2P_CAPS_INDEX_NVLINK", 2))
+    if status == getattr(pynvml, "NVML_P2P_STATUS_OK", 0):
+        links = _nvlinks(pynvml, h)
+        return f"NV{links}" if isinstance(links, int) and links else None
+    return None

@@ -128,7 +128,7 @@ class Handoff:
         src_device=None,
         dst_device=None,
         sanitize: bool | None = None,
-        piece_bytes: int = 64 << 20,
+        piece_bytes: int = 128 << 20,
     ):
         if isinstance(piece_bytes, bool) or not isinstance(piece_bytes, int) or piece_bytes <= 0:
             raise ValueError(f"piece_bytes: expected an int > 0, got {piece_bytes!r}")
@@ -237,8 +237,8 @@ class Handoff:
                 # b's stream allocated chunk_b: the copies on a's copy stream must come after it.
                 sc.raw.wait_stream(self.recv_stream.raw)
         landed, e_sent = [], None
-        for i, (s, e, nt) in enumerate(pieces):
-            part_ids = ids[s:e]
+        parts = [ids[s:e] for s, e, _ in pieces] if cpu else _piece_ids(a.kv, ids, pieces, False, sa)
+        for i, ((s, e, nt), part_ids) in enumerate(zip(pieces, parts, strict=True)):
             if cpu:
                 src = chunk_a[s:e]
                 a.device.launch(lambda src=src, i=part_ids, nt=nt: src.copy_(gather_ref(a.kv, i, nt)), sa)
@@ -246,7 +246,7 @@ class Handoff:
                 from kvtier import ops
 
                 with torch.cuda.stream(sa.raw):
-                    ops.gather(a.kv, part_ids, chunk_a[s:e], num_tokens=nt)
+                    ops.gather(a.kv, part_ids, chunk_a[s:e])
             last = i == len(pieces) - 1
             # after the last gather a may overwrite the source blocks (e_sent)
             gathered = sa.record(sent_label if last else f"handoff:gathered[{s}:{e}]")
@@ -258,8 +258,10 @@ class Handoff:
             if cpu:
                 a.device.copy(chunk_b[s:e], chunk_a[s:e], sc)  # the "peer copy", landing late on purpose
             else:
-                # Both copy streams current: torch runs the peer copy on a's and orders it after b's.
-                with torch.cuda.stream(sc.raw), torch.cuda.stream(self.recv_stream.raw):
+                # torch runs a copy between devices on a's current stream (sc) and joins it with b's
+                # current stream both ways: b's is the idle land stream, so the copy of piece k
+                # does not wait for the scatter of piece k-1 queued on the recv stream.
+                with torch.cuda.stream(sc.raw), torch.cuda.stream(self.land_stream.raw):
                     chunk_b[s:e].copy_(chunk_a[s:e], non_blocking=True)
             landed.append(sc.record(f"handoff:landed[{s}:{e}]"))
         if not cpu and not self.same:
@@ -273,14 +275,16 @@ class Handoff:
         b's stream runs in order, so layer l's event also follows every earlier piece."""
         b, sb = self.dst, self.recv_stream
         L = b.kv.num_layers
+        cpu = b.kv.device.type == "cpu"
+        parts = [ids[s:e] for s, e, _ in pieces] if cpu else _piece_ids(b.kv, ids, pieces, True, sb)
         events = []
-        for i, ((s, e, nt), ev) in enumerate(zip(pieces, landed, strict=True)):
+        for i, ((s, e, nt), ev, part_ids) in enumerate(zip(pieces, landed, parts, strict=True)):
             if ev is not None:
                 cross_wait(sb, b.device, ev)  # the scatter must not read the piece before it landed on b
             last = i == len(pieces) - 1
             steps = [(layer, 1) for layer in range(L)] if per_layer and last else [None]
             for j, layers in enumerate(steps):
-                b.device.launch(self._scatter_step(ids[s:e], chunk[s:e], nt, layers), sb)
+                b.device.launch(self._scatter_step(part_ids, chunk[s:e], nt, layers), sb)
                 if layers is not None and j < L - 1:
                     events.append(sb.record(f"{label}:layer{j}"))  # layer j has landed on b
         return events
@@ -297,13 +301,29 @@ class Handoff:
             return lambda: scatter_ref(layer_kv(b.kv, l0), ids, part[:, l0 : l0 + 1], num_tokens)
         from kvtier import ops
 
-        return lambda: ops.scatter(b.kv, ids, part, num_tokens=num_tokens, layers=layers)
+        return lambda: ops.scatter(b.kv, ids, part, layers=layers)  # ids: a BlockIds with its tokens
 
     def close(self) -> None:
         """Wait for every handoff submitted; the streams stay with their devices."""
         self.send_stream.synchronize()  # submitted is not done: the gathers must finish first
         self.copy_stream.synchronize()  # and the copies to b must land
         self.recv_stream.synchronize()  # and the scatters on b, whose events the trackers hold
+
+
+def _piece_ids(kv: PagedKV, ids: torch.Tensor, pieces, unique: bool, stream: Stream) -> list:
+    """One BlockIds per piece from a single copy of `ids` (checked by `send`) to kv's device, on
+    `stream`: the per-layer scatters and the per-piece gathers reuse them, no check per launch."""
+    from kvtier.ops.checks import BlockIds
+
+    bs = kv.block_size
+    with torch.cuda.stream(stream.raw):
+        dev = ids.to(torch.int32).to(kv.device, non_blocking=True)  # pageable source: staged at once
+        ready = torch.cuda.Event()
+        ready.record(stream.raw)  # the ids have landed: an op on another stream waits for this
+    return [
+        BlockIds(kv, ids[s:e], dev[s:e], unique, bs if nt is None else nt - (e - s - 1) * bs, ready)
+        for s, e, nt in pieces
+    ]
 
 
 def handoff(src_kv, src_blocks, dst_kv, dst_blocks, *, after: Event | None, src_device=None,

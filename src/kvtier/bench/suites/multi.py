@@ -96,7 +96,7 @@ def handoff_suite(ctx: Context):
         n = tokens // BLOCK
         g = torch.Generator().manual_seed(tokens)
         src, dst = torch.randperm(n, generator=g), torch.randperm(n, generator=g)
-        for piece, name in ((64 << 20, "pieces 64MiB"), (ka.chunk_nbytes(n), "one piece")):
+        for piece, name in ((128 << 20, "pieces 128MiB"), (ka.chunk_nbytes(n), "one piece")):
             h = Handoff(ka, kb, src_device=da, dst_device=db, piece_bytes=piece)
             reps = 3 if ctx.quick else 10
             if ctx.on_progress:
