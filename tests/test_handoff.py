@@ -55,6 +55,9 @@ def test_pieces_pipeline(devs, pieces, num_tokens):
     src, dst = [9, 0, 3, 3, 7, 1, 5], [2, 8, 6, 0, 4, 9, 1]
     h = Handoff(ka, kb, src_device=a, dst_device=b, sanitize=True, piece_bytes=pieces * ka.block_nbytes)
     assert len(h._pieces(len(src), num_tokens)) == -(-len(src) // pieces)
+    assert {h.send_stream, h.copy_stream} <= set(a._streams) and {h.recv_stream, h.land_stream} <= set(
+        b._streams
+    )
     job = h.send(src, dst, after=None, num_tokens=num_tokens)
     for layer, ev in enumerate(job.layer_events):
         assert ev.synchronize(timeout=10)  # layer l of every piece is readable after its event

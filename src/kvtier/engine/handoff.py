@@ -151,6 +151,11 @@ class Handoff:
         self.copy_stream: Stream = (
             self.send_stream if self.same else self.src.device.new_stream("kvtier-handoff-copy")
         )
+        # b's current stream while torch copies between the devices: it joins the copy with b's
+        # current stream, and this one carries nothing else (no false wait on the scatters)
+        self.land_stream: Stream = (
+            self.recv_stream if self.same else self.dst.device.new_stream("kvtier-handoff-land")
+        )
         self._src_ids = IdCheck(a.num_blocks, a.block_size)
         self._dst_ids = IdCheck(b.num_blocks, b.block_size)
         self._lock = threading.Lock()
