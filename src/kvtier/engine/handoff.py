@@ -80,7 +80,7 @@ class HandoffJob:
     dst_blocks: torch.Tensor  # int64 [n], CPU
     nbytes: int
     route: str  # "p2p", "host" (CUDA without peer access), "same-device" or "sim"
-    _buffers: list[torch.Tensor] = field(default_factory=list, repr=False)
+    _buffers: list = field(default_factory=list, repr=False)  # staging chunks and device ids
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until b has every block; False on timeout (the staging chunks are kept)."""
@@ -198,15 +198,15 @@ class Handoff:
             waits_b = b.blocks.waits_for(Access.LOAD, dset, stream=sb)
             for e in waits_b:
                 cross_wait(sb, b.device, e)  # the scatter must not overwrite blocks still read (#47282)
-            chunk_a, chunk_b, landed, e_sent = self._gather_and_copy(src_ids, pieces, f"e_sent#{k}")
+            chunk_a, chunk_b, landed, e_sent, ids_a = self._gather_and_copy(src_ids, pieces, f"e_sent#{k}")
             a.blocks.begin_save(sset, e_sent, waited=waits_a + ([after] if after is not None else []))
-            layers = self._scatter(dst_ids, chunk_b, pieces, landed, per_layer, f"e_done#{k}")
+            layers, ids_b = self._scatter(dst_ids, chunk_b, pieces, landed, per_layer, f"e_done#{k}")
             e_done = sb.record(f"e_done#{k}")  # after it b may read every destination block
             b.blocks.begin_load(dset, e_done, waited=waits_b + [e_sent])
         layer_events = [*layers, e_done] if layers else [e_done] * b.kv.num_layers
         n = len(src_ids)
         return HandoffJob(e_sent, e_done, layer_events, src_ids, dst_ids, a.kv.chunk_nbytes(n), self.route,
-                          [chunk_a, chunk_b])  # fmt: skip
+                          [chunk_a, chunk_b, ids_a, ids_b])  # fmt: skip
 
     # ---- the bytes -------------------------------------------------------------------------
     def _pieces(self, n: int, num_tokens: int | None) -> list[tuple[int, int, int | None]]:
@@ -272,7 +272,7 @@ class Handoff:
         if not cpu and not self.same:
             chunk_a.record_stream(sc.raw)  # the allocator must not reuse chunk_a while the copies read it
             chunk_b.record_stream(sc.raw)  # nor chunk_b while a's copy stream writes it
-        return chunk_a, chunk_b, landed, e_sent
+        return chunk_a, chunk_b, landed, e_sent, parts
 
     def _scatter(self, ids, chunk, pieces, landed, per_layer: bool, label: str) -> list[Event]:
         """Enqueue the scatters on b, piece by piece once each landed; the last piece layer by
@@ -292,7 +292,7 @@ class Handoff:
                 b.device.launch(self._scatter_step(part_ids, chunk[s:e], nt, layers), sb)
                 if layers is not None and j < L - 1:
                     events.append(sb.record(f"{label}:layer{j}"))  # layer j has landed on b
-        return events
+        return events, parts
 
     def _scatter_step(self, ids, part, num_tokens, layers):
         b = self.dst
@@ -317,7 +317,9 @@ class Handoff:
 
 def _piece_ids(kv: PagedKV, ids: torch.Tensor, pieces, unique: bool, stream: Stream) -> list:
     """One BlockIds per piece from a single copy of `ids` (checked by `send`) to kv's device, on
-    `stream`: the per-layer scatters and the per-piece gathers reuse them, no check per launch."""
+    `stream`: the per-layer scatters and the per-piece gathers reuse them, no check per launch.
+    The job keeps them until e_done: the device ids must outlive the kernels that read them,
+    also where the allocator ignores record_stream (PYTORCH_NO_CUDA_MEMORY_CACHING=1)."""
     from kvtier.ops.checks import BlockIds
 
     bs = kv.block_size
