@@ -48,12 +48,14 @@ def test_round_trip_every_layout(devs, fmt, num_tokens):
 
 @pytest.mark.parametrize("pieces", [1, 2, 3])  # one block per piece .. several blocks per piece
 @pytest.mark.parametrize("num_tokens", [None, 4 * 6 + 3])  # 27 tokens in 7 blocks: the last holds 3
-def test_pieces_pipeline(devs, pieces, num_tokens):
+@pytest.mark.parametrize("group", [1, 2, 4])  # layers per scatter of the last piece (L = 3)
+def test_pieces_pipeline(devs, pieces, num_tokens, group):
     """Several pieces: gather k+1 beside copy k; the last piece layer by layer; every byte lands."""
     a, b = devs
     ka, kb = caches("vllm_flash", "vllm_flash")
     src, dst = [9, 0, 3, 3, 7, 1, 5], [2, 8, 6, 0, 4, 9, 1]
-    h = Handoff(ka, kb, src_device=a, dst_device=b, sanitize=True, piece_bytes=pieces * ka.block_nbytes)
+    h = Handoff(ka, kb, src_device=a, dst_device=b, sanitize=True, piece_bytes=pieces * ka.block_nbytes,
+                layer_group=group)  # fmt: skip
     assert len(h._pieces(len(src), num_tokens)) == -(-len(src) // pieces)
     assert {h.send_stream, h.copy_stream} <= set(a._streams) and {h.recv_stream, h.land_stream} <= set(
         b._streams
@@ -148,6 +150,8 @@ def test_arguments(devs):
         Handoff(ka, hnd, src_device=a, dst_device=b)
     with pytest.raises(ValueError, match="piece_bytes"):
         Handoff(ka, kb, src_device=a, dst_device=b, piece_bytes=0)
+    with pytest.raises(ValueError, match="layer_group"):
+        Handoff(ka, kb, src_device=a, dst_device=b, layer_group=0)
     h = Handoff(ka, kb, src_device=a, dst_device=b)
     with pytest.raises(ValueError, match="dst_blocks: 1 ids for 2"):
         h.send([1, 2], [3], after=None)

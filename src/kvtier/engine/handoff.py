@@ -118,6 +118,9 @@ class Handoff:
 
     src, dst: a TransferEngine, a `Side`, or a PagedKV (then `src_device` / `dst_device`).
     sanitize: trackers made here raise LifecycleError on illegal moves (default: KVTIER_SANITIZE).
+    piece_bytes: bytes per piece of the pipeline (gather / peer copy / scatter overlap).
+    layer_group: layers per scatter of the last piece, each group with its event (a per-layer
+        scatter costs a launch, ~0.1 ms of host time on the H200: 32 of them outlast the copy).
     """
 
     def __init__(
@@ -129,10 +132,14 @@ class Handoff:
         dst_device=None,
         sanitize: bool | None = None,
         piece_bytes: int = 128 << 20,
+        layer_group: int = 4,
     ):
         if isinstance(piece_bytes, bool) or not isinstance(piece_bytes, int) or piece_bytes <= 0:
             raise ValueError(f"piece_bytes: expected an int > 0, got {piece_bytes!r}")
         self.piece_bytes = piece_bytes
+        if isinstance(layer_group, bool) or not isinstance(layer_group, int) or layer_group <= 0:
+            raise ValueError(f"layer_group: expected an int > 0, got {layer_group!r}")
+        self.layer_group = layer_group  # layers per scatter (and per event) of the last piece
         self.sanitize = sanitize_enabled(sanitize)
         self.src = side(src, src_device, self.sanitize)
         self.dst = side(dst, dst_device, self.sanitize)
@@ -287,11 +294,16 @@ class Handoff:
             if ev is not None:
                 cross_wait(sb, b.device, ev)  # the scatter must not read the piece before it landed on b
             last = i == len(pieces) - 1
-            steps = [(layer, 1) for layer in range(L)] if per_layer and last else [None]
-            for j, layers in enumerate(steps):
+            g = self.layer_group
+            steps = [(l0, min(g, L - l0)) for l0 in range(0, L, g)] if per_layer and last else [None]
+            for layers in steps:
                 b.device.launch(self._scatter_step(part_ids, chunk[s:e], nt, layers), sb)
-                if layers is not None and j < L - 1:
-                    events.append(sb.record(f"{label}:layer{j}"))  # layer j has landed on b
+                if layers is None:
+                    continue
+                covered = min(layers[0] + layers[1], L - 1) - layers[0]  # the last layer's is e_done
+                if covered > 0:
+                    ev = sb.record(f"{label}:layers{layers[0]}+{layers[1]}")  # these layers landed on b
+                    events.extend([ev] * covered)
         return events, parts
 
     def _scatter_step(self, ids, part, num_tokens, layers):
@@ -302,8 +314,13 @@ class Handoff:
 
             if layers is None:
                 return lambda: scatter_ref(b.kv, ids, part, num_tokens)
-            l0 = layers[0]
-            return lambda: scatter_ref(layer_kv(b.kv, l0), ids, part[:, l0 : l0 + 1], num_tokens)
+            l0, c = layers
+
+            def group():
+                for layer in range(l0, l0 + c):
+                    scatter_ref(layer_kv(b.kv, layer), ids, part[:, layer : layer + 1], num_tokens)
+
+            return group
         from kvtier import ops
 
         return lambda: ops.scatter(b.kv, ids, part, layers=layers)  # ids: a BlockIds with its tokens

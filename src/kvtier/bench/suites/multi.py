@@ -1,7 +1,8 @@
 """Suites of several GPUs (issue #9), run where two or more CUDA devices are present.
 
   handoff   GPU 0's paged KV -> GPU 1's (`kvtier.engine.Handoff`): 8K and 32K tokens of the
-            Llama-3-8B shape (1 and 4 GiB), pipelined in pieces and as one piece, vs the same-run
+            Llama-3-8B shape (1 and 4 GiB), pipelined in 128 MiB pieces (with and without events
+            per group of layers on b) and as one piece, vs the same-run
             peer copy of 1 GiB (`peer_copy`); each row also carries that peer copy against the
             spec of the link NVML reports between the two GPUs (NVLink 4 or PCIe Gen5).
   contention  every GPU copying to / from pinned host memory at once vs alone (seed §5.2):
@@ -57,7 +58,7 @@ def _caches(tokens: int):
     return a, b
 
 
-def _time_handoff(h, src, dst, reps: int, warmup: int = 2):
+def _time_handoff(h, src, dst, reps: int, per_layer: bool, warmup: int = 2):
     """Device-event ms on GPU 1 from before the submit to after e_done, one job at a time."""
     from kvtier.engine.handoff import cross_wait
 
@@ -67,7 +68,7 @@ def _time_handoff(h, src, dst, reps: int, warmup: int = 2):
         start = b_cur.record("bench:start")
         # a's streams start no earlier than the clock: the gathers wait the start event
         cross_wait(h.send_stream, h.src.device, start)
-        job = h.send(src, dst, after=None)
+        job = h.send(src, dst, after=None, per_layer=per_layer)
         b_cur.wait_event(job.event)  # the end event must follow the last scatter, or it under-reports
         end = b_cur.record("bench:end")
         end.synchronize()  # elapsed time is known only once the end event completed
@@ -96,19 +97,25 @@ def handoff_suite(ctx: Context):
         n = tokens // BLOCK
         g = torch.Generator().manual_seed(tokens)
         src, dst = torch.randperm(n, generator=g), torch.randperm(n, generator=g)
-        for piece, name in ((128 << 20, "pieces 128MiB"), (ka.chunk_nbytes(n), "one piece")):
+        variants = (  # (piece bytes, per-layer events, name)
+            (128 << 20, False, "pieces 128MiB"),
+            (128 << 20, True, "pieces 128MiB, layer events"),
+            (ka.chunk_nbytes(n), False, "one piece"),
+        )
+        for piece, per_layer, name in variants:
             h = Handoff(ka, kb, src_device=da, dst_device=db, piece_bytes=piece)
             reps = 3 if ctx.quick else 10
             if ctx.on_progress:
                 ctx.on_progress(f"handoff {tokens} {name}")
-            t = _time_handoff(h, src, dst, reps)
+            t = _time_handoff(h, src, dst, reps, per_layer)
             for x in kb.layers:
                 x.fill_(float("nan"))  # poison: the check below must see this run's bytes
             h.send(src, dst, after=None).wait()
             ok = bits_equal(gather_ref(kb, dst).cpu(), gather_ref(ka, src).cpu())
             h.close()
             yield ctx.row(f"{tokens // 1024}K tokens {name}", ka.chunk_nbytes(n), t, "peer_copy", correct=ok,
-                          tokens=tokens, blocks=n, piece_bytes=piece, route=h.route, **common)  # fmt: skip
+                          tokens=tokens, blocks=n, piece_bytes=piece, per_layer=per_layer, route=h.route,
+                          layer_group=h.layer_group, **common)  # fmt: skip
         del ka, kb
         for i in (0, 1):
             with torch.cuda.device(i):
