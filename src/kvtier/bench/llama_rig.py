@@ -42,8 +42,8 @@ def build_llama(shape: str = "llama-3-8b", device="cpu", dtype=None, *, seed: in
     dtype = dtype or torch.float32
     cfg = llama_config(shape, **override)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
+        model = LlamaForCausalLM(cfg).to(dtype)  # cast on meta: no fp32 copy is ever allocated
+    model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -7,6 +7,7 @@ loads it from there. Each request also runs without kvtier (transformers' Dynami
 whole prompt recomputed): its time to first token is the baseline and its tokens must match.
 
     kvtier demo                          # CPU: SimDevice, a small model, 1024-token prefix
+    kvtier demo --device cuda            # GPU: CudaDevice, a 0.9B-parameter fp32 model, 8192 tokens
     kvtier demo --redis redis://localhost:6379 --plot ttft.png
 """
 
@@ -33,29 +34,34 @@ TAIL, CHUNK, BLOCK = 48, 256, 16
 PLOT_PREFIXES = {"cpu": (256, 512, 1024, 2048), "cuda": (1024, 2048, 4096, 8192, 16384)}
 
 
-def build_model(kind: str):
-    """A Llama with random weights (seeded) in fp32: greedy ties are not decided by rounding."""
+def build_model(kind: str, device: str | None = None, max_positions: int = 32768):
+    """A Llama of config MODELS[kind] with seeded random weights in fp32 (greedy ties are not
+    decided by rounding), made on `device` directly (default: "cuda" for kind "cuda", else "cpu"):
+    no CPU copy of a large model to move over."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(max_position_embeddings=32768, **MODELS[kind])
-    return LlamaForCausalLM(cfg).to("cuda" if kind == "cuda" else "cpu").eval()
+    from kvtier.bench.llama_rig import build_llama
+
+    device = device or ("cuda" if kind == "cuda" else "cpu")
+    return build_llama("tiny", device, torch.float32, max_positions=max_positions, **MODELS[kind])
+
+
+def _sync(device) -> None:
+    if getattr(device, "type", device) == "cuda":
+        import torch
+
+        torch.cuda.synchronize()  # a host clock read is true only once the GPU's queued work is done
 
 
 class _FirstToken:
     """A generate() streamer noting when the first new token comes out (the prompt comes first)."""
 
-    def __init__(self) -> None:
-        self.calls, self.t_first = 0, None
+    def __init__(self, device="cpu") -> None:
+        self.device, self.t_first = device, None
 
     def put(self, value) -> None:
-        self.calls += 1
-        if self.calls == 2:
-            if getattr(value, "is_cuda", False):
-                import torch
-
-                torch.cuda.synchronize()  # the token exists once the GPU has made it, not when queued
+        if value.dim() == 1 and self.t_first is None:  # (batch,): a new token; the prompt is (1, n)
+            _sync(self.device)  # the token exists once the GPU made it (its loads landed), not when queued
             self.t_first = time.perf_counter()
 
     def end(self) -> None:
@@ -69,7 +75,9 @@ def generate(model, ids, new_tokens: int, cache=None):
     from kvtier.integrations.hf import cache_kwarg
 
     extra = {} if cache is None else {cache_kwarg(model): cache}
-    clock = _FirstToken()
+    clock = _FirstToken(model.device)
+    if cache is None:
+        _sync(model.device)  # the clock must not start while earlier work is still queued
     t0 = time.perf_counter() if cache is None else cache.t_start  # kvtier's lookup counts too
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, streamer=clock, **extra)
@@ -82,6 +90,7 @@ def request(kvt, model, ids, new_tokens: int, label: str) -> dict:
     import torch
 
     (ref, a), (_, b) = generate(model, ids, new_tokens), generate(model, ids, new_tokens)
+    _sync(model.device)  # cache() starts kvtier's clock: nothing earlier may still be queued
     cache = kvt.cache(ids)
     out, ttft = generate(model, ids, new_tokens, cache)
     load_s = cache.load_seconds()
@@ -100,13 +109,13 @@ def request(kvt, model, ids, new_tokens: int, label: str) -> dict:
     )  # fmt: skip
 
 
-def run(kind: str, prefix: int, requests: int, new_tokens: int, redis_url: str | None) -> dict:
+def run(kind: str, prefix: int, requests: int, new_tokens: int, redis_url: str | None, model=None) -> dict:
     import torch
 
     from kvtier.integrations.hf import KVTier
     from kvtier.store.disk import DiskTier
 
-    model = build_model(kind)
+    model = model if model is not None else build_model(kind)
     g = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     shared = torch.randint(1, vocab, (1, prefix), generator=g)
@@ -124,12 +133,14 @@ def run(kind: str, prefix: int, requests: int, new_tokens: int, redis_url: str |
         opts = dict(num_blocks=blocks, chunk_tokens=CHUNK, salt=salt)
         with KVTier.for_model(model, tiers=tiers, **opts) as kvt:
             device = kvt.device.name
+            warm_up_kvtier(kvt, model)
             for i, ids in enumerate(prompts[:-1]):
                 rows.append(request(kvt, model, ids, new_tokens, "cold" if i == 0 else f"warm {i}"))
             kvt.store.evict()  # empty the host: the next hit must come from disk
             rows.append(request(kvt, model, prompts[-1], new_tokens, "host emptied"))
         if redis_url:  # another instance: no disk, no host copy, only the Redis both share
             with KVTier.for_model(model, tiers=_redis(redis_url), **opts) as b:
+                warm_up_kvtier(b, model)
                 rows.append(request(b, model, prompts[1], new_tokens, "2nd instance"))
     cfg = model.config
     return dict(
@@ -151,18 +162,42 @@ def _redis(url: str | None) -> list:
     return [RedisTier(url=url, prefix="kvtier-demo:", ttl_s=3600, timeout_s=5.0)]
 
 
-def sweep(kind: str, prefixes, new_tokens: int) -> list[dict]:
+def warm_up_kvtier(kvt, model, *, always: bool = False) -> int:
+    """On a GPU, one throwaway request saved and then loaded, so that the first measured ones do not
+    pay for first use (Triton compiles the engine's kernels, CUDA graphs are captured); its chunks
+    are evicted after, from every tier. SimDevice has nothing to compile: skipped unless `always`.
+    Returns the tokens its load hit (0: skipped)."""
+    import torch
+
+    if kvt.device.name == "sim" and not always:
+        return 0
+    g = torch.Generator().manual_seed(99)
+    ids = torch.randint(1, model.config.vocab_size, (1, 2 * CHUNK + 8), generator=g).to(model.device)
+    hit = 0
+    for _ in range(2):  # the first saves, the second loads
+        cache = kvt.cache(ids)
+        out, _ = generate(model, ids, 2, cache)
+        hit = cache.hit_tokens
+        h = cache.finish(out)
+        if h is not None and not h.wait_durable(60):  # pushed down before it is deleted there
+            raise RuntimeError("kvtier warm-up: the save did not reach the lower tiers in 60 s")
+    kvt.store.evict(out[0].tolist(), lower=True)
+    return hit
+
+
+def sweep(kind: str, prefixes, new_tokens: int, model=None) -> list[dict]:
     """TTFT of recompute (DynamicCache) vs load (kvtier, host hit) over prefix lengths."""
     import torch
 
     from kvtier.integrations.hf import KVTier
 
-    model = build_model(kind)
+    model = model if model is not None else build_model(kind)
     g = torch.Generator().manual_seed(2)
     out = []
     blocks = 2 * (max(prefixes) + 2 * TAIL + new_tokens) // BLOCK + 8
     with KVTier.for_model(model, num_blocks=blocks, chunk_tokens=CHUNK) as kvt:
         generate(model, torch.randint(1, 99, (1, 64)).to(model.device), 2)  # warm-up
+        warm_up_kvtier(kvt, model)
         for n in prefixes:
             ids = torch.randint(1, model.config.vocab_size, (1, n + TAIL), generator=g).to(model.device)
             request(kvt, model, ids, 1, "cold")  # saves the prefix
@@ -272,9 +307,12 @@ def demo(
     kind = ("cuda" if torch.cuda.is_available() else "cpu") if device_kind == "auto" else device_kind
     if kind == "cuda" and not torch.cuda.is_available():
         raise click.UsageError("--device cuda: torch finds no CUDA GPU")
-    data = run(kind, prefix or PREFIX[kind], requests, new_tokens, redis_url)
+    prefix = prefix or PREFIX[kind]
+    longest = max([prefix + TAIL + 8 * requests] + ([max(PLOT_PREFIXES[kind]) + 2 * TAIL] if plot else []))
+    model = build_model(kind, max_positions=max(32768, longest + new_tokens))  # once, for both
+    data = run(kind, prefix, requests, new_tokens, redis_url, model)
     if plot:
-        data["sweep"] = sweep(kind, PLOT_PREFIXES[kind], new_tokens)
+        data["sweep"] = sweep(kind, PLOT_PREFIXES[kind], new_tokens, model)
         m = data["model"]
         title = (
             f"TTFT, random-weight Llama {m['layers']}L/{m['hidden']} {m['dtype']} on {data['torch_device']}"

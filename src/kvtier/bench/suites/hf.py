@@ -1,0 +1,354 @@
+"""The `hf` suite: kvtier's HF cache beside transformers' own caches, on a random-weight Llama.
+
+One request (batch 1, greedy) of a prompt = a cached prefix + a short tail, three caches:
+
+  ttft recompute <N>   transformers' DynamicCache: the whole prompt prefilled (the baseline)
+  ttft kvtier <N>      `KVTierCache`: the prefix is a host-tier hit (pinned pool -> the device's
+                       paged cache -> attention, layer by layer); only the tail is prefilled. The
+                       lookup and the load count.
+  ttft offloaded <N>   transformers' offloaded cache (``DynamicCache(offloading=True)``,
+                       ``OffloadedCache`` or ``cache_implementation="offloaded"``: whichever this
+                       transformers has): the whole prompt prefilled, each layer's KV sent to the CPU
+  decode <cache> <N>   the decode steps after the first token, per cache
+
+Shapes: on a GPU the Llama-3-8B shape in bf16, prefixes 8K and 32K (quick: 2K, 8K), 32 new
+tokens (quick 16); on the CPU the tiny rig in fp32, prefixes 1K / 4K (quick 128 / 512). The
+offloaded cache needs CUDA: skipped on the CPU, with the reason. kvtier's paged cache and pinned
+pool are sized to the longest request (`store_sizes`; 32K of 8B bf16 KV: 4 GiB each). About two
+minutes on an H200, most of it the offloaded cache's decode at 32K.
+
+Timing: host clock. ``torch.cuda.synchronize()`` before the clock starts and at each streamed
+token; one warm-up run per cache, then `reps` runs interleaved (recompute, kvtier, offloaded);
+median, min, max. TTFT rows: bytes = KV bytes of the prefix, median_ms = TTFT. Decode rows:
+bytes = KV bytes of the prompt (read by attention at each step; the offloaded cache also moves
+it host->device), median_ms = one decode step. Ceiling: h2d_pinned on a GPU, host_memcpy on the
+CPU. For the kvtier TTFT row the ratio says how close TTFT comes to the bare transfer of the hit;
+elsewhere it is a scale. The comparisons are params: ttft_ms, speedup_vs_recompute (recompute
+TTFT / this TTFT; P8 wants >= 8 for kvtier), tokens_per_s, decode_vs_dynamic.
+
+correct: recompute: every run gives the reference's tokens. offloaded: the reference's tokens.
+kvtier: the cold request (no hit) gives the reference's tokens; the loaded prefix KV equals,
+bit for bit, the KV that request saved; every hit run gives the tokens of a DynamicCache
+pre-filled with that same KV (the tail computed in the same order). Whether the hit's tokens
+also equal the whole-prompt recompute is `tokens_match_recompute`: in bf16 a tail prefilled
+apart from the prefix is rounded differently, and a near-tie may flip.
+"""
+
+from __future__ import annotations
+
+import inspect
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.bench.stats import summarize
+from kvtier.bench.suite import Context, SkipSuite, register
+
+P8 = 8.0  # PERF.md: TTFT on a prefix hit >= 8x faster than recomputing
+NO_OFFLOAD_ON_CPU = "transformers' offloaded cache moves KV from a CUDA device to the CPU: needs a GPU"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What one run measures: model `shape` (llama_rig) in `dtype`, one request per prefix."""
+
+    shape: str
+    dtype: str
+    prefixes: tuple[int, ...]  # cached prefix tokens, multiples of chunk_tokens
+    tail: int  # prompt tokens after the prefix, prefilled on a hit
+    new_tokens: int  # generated per run: the first token, then new_tokens - 1 decode steps
+    reps: int
+    chunk_tokens: int
+    block_size: int
+
+    def __post_init__(self) -> None:
+        for name, low in (
+            ("tail", 1),
+            ("new_tokens", 2),
+            ("reps", 1),
+            ("chunk_tokens", 1),
+            ("block_size", 1),
+        ):
+            v = getattr(self, name)  # new_tokens >= 2: a first token and at least one decode step
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{name}: expected an int >= {low}, got {v!r}")
+        if self.chunk_tokens % self.block_size:
+            raise ValueError(
+                f"chunk_tokens: {self.chunk_tokens} is not a multiple of block_size {self.block_size}"
+            )
+        if not self.prefixes or any(n < 1 or n % self.chunk_tokens for n in self.prefixes):
+            raise ValueError(f"prefixes: expected multiples of chunk_tokens, got {self.prefixes!r}")
+
+
+def plan_for(on_gpu: bool, quick: bool) -> Plan:
+    if on_gpu:
+        prefixes, new = ((2048, 8192), 16) if quick else ((8192, 32768), 32)
+        return Plan("llama-3-8b", "bfloat16", prefixes, 64, new, 2 if quick else 3, 256, 16)
+    prefixes, new = ((128, 512), 4) if quick else ((1024, 4096), 16)
+    return Plan("tiny", "float32", prefixes, 16, new, 2 if quick else 3, 64, 16)
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """KV bytes of one token, all layers (K and V)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers * 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def store_sizes(plan: Plan, bytes_per_token: int) -> tuple[int, int]:
+    """(num_blocks, pool_bytes) for the longest request: its blocks, and pinned room for the chunks
+    its finish() saves inside the host capacity (the pool less max(1/8, two chunks), StoreConfig)."""
+    longest = max(plan.prefixes) + plan.tail + plan.new_tokens
+    num_blocks = -(-longest // plan.block_size) + 8
+    chunk = -(-plan.chunk_tokens * bytes_per_token // 4096) * 4096  # a pool slot: the chunk, aligned
+    need = longest // plan.chunk_tokens * chunk
+    pool = max(-(-need * 8 // 7), need + 2 * chunk) + 2 * chunk
+    return num_blocks, -(-pool // (2 << 20)) * (2 << 20)
+
+
+def offloaded_cache(model):
+    """(generate kwargs factory, what it is) for transformers' offloaded cache, or (None, why not)."""
+    import transformers
+    from transformers import cache_utils
+
+    from kvtier.integrations.hf import cache_kwarg
+
+    key, dyn = cache_kwarg(model), cache_utils.DynamicCache
+    params = inspect.signature(dyn.__init__).parameters
+    if "offloading" in params:
+        cfg = {"config": model.config} if "config" in params else {}
+        return (lambda: {key: dyn(offloading=True, **cfg)}), "DynamicCache(offloading=True)"
+    if hasattr(cache_utils, "OffloadedCache"):
+        return (lambda: {key: cache_utils.OffloadedCache()}), "OffloadedCache"
+    from transformers.generation import configuration_utils as gc
+
+    if "offloaded" in getattr(gc, "ALL_CACHE_IMPLEMENTATIONS", ()):
+        return (lambda: {"cache_implementation": "offloaded"}), 'cache_implementation="offloaded"'
+    why = "has no DynamicCache(offloading=...), OffloadedCache or cache_implementation 'offloaded'"
+    return None, f"transformers {transformers.__version__} {why}"
+
+
+def dynamic_cache(model, prefill: list[tuple[torch.Tensor, torch.Tensor]] = ()):
+    """A DynamicCache, optionally holding ``prefill``: per layer (K, V), each (1, kv_heads, n, head_dim)."""
+    from transformers import DynamicCache
+
+    has_config = "config" in inspect.signature(DynamicCache).parameters
+    cache = DynamicCache(config=model.config) if has_config else DynamicCache()
+    for i, (k, v) in enumerate(prefill):
+        cache.update(k, v, i)
+    return cache
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()  # a host clock read is only true once the queued GPU work has finished
+
+
+class TokenClock:
+    """A generate() streamer: the host time of each new token, read once the device has made it."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda, self.times = cuda, []
+
+    def put(self, value) -> None:
+        if value.dim() > 1:
+            return  # the prompt (1, n), streamed before the prefill
+        _sync(self.cuda)  # submitted is not done: the token exists once every stream has made it
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+@dataclass(slots=True)
+class Run:
+    sequences: torch.Tensor  # (1, prompt + new), on the model's device
+    ttft_s: float
+    step_s: float  # seconds per decode step (mean over the run)
+    cache: object = None  # the cache it used; dropped once read (its KV is large)
+    hit_tokens: int | None = None  # kvtier runs: the prefix the store gave
+    load_ms: float | None = None  # kvtier runs: lookup -> last loaded byte landed (engine events)
+
+
+def timed_generate(model, ids: torch.Tensor, new_tokens: int, make_kwargs, cuda: bool) -> Run:
+    """One greedy run; ``make_kwargs()`` gives the cache, made inside the clock (a lookup counts)."""
+    from kvtier.integrations.hf import cache_kwarg
+
+    clock = TokenClock(cuda)
+    _sync(cuda)  # the clock must not start while earlier work is still queued
+    t0 = time.perf_counter()
+    kw = make_kwargs()
+    with torch.no_grad():  # min_new_tokens: an early EOS would shorten the decode being timed
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=0, streamer=clock, **kw)  # fmt: skip
+    t = clock.times
+    if len(t) != new_tokens:
+        raise RuntimeError(f"generate streamed {len(t)} tokens, expected {new_tokens}")
+    return Run(out, t[0] - t0, (t[-1] - t[0]) / (len(t) - 1), kw.get(cache_kwarg(model)))
+
+
+def _kvtier_done(run: Run) -> Run:
+    """Read what a kvtier run's cache knows, give its blocks back, drop it."""
+    c = run.cache
+    run.hit_tokens = c.hit_tokens
+    load = c.load_seconds()  # waits for the load's last event: untimed, after the run
+    run.load_ms = None if load is None else load * 1e3
+    c.finish(None)  # no save: only the blocks go back
+    run.cache = None
+    return run
+
+
+def _tokens(run: Run, prompt: int) -> list[int]:
+    return run.sequences[0, prompt:].tolist()
+
+
+def _first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+
+
+def _label(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def _prefix_kv(cache, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(lay.keys[:, :, :n], lay.values[:, :, :n]) for lay in cache.layers]
+
+
+def _checks(model, kvt, ids: torch.Tensor, prefix: int, gen, key: str) -> tuple[list[int], dict]:
+    """Untimed: the reference tokens, and the kvtier checks (cold = reference, loaded KV = saved KV,
+    hit tokens = a DynamicCache holding that KV). Also the warm-up of recompute and of the hit."""
+    prompt = ids.shape[1]
+    ref = _tokens(gen(lambda: {key: dynamic_cache(model)}), prompt)
+    cold = gen(lambda: {key: kvt.cache(ids)})  # no hit: computes the whole prompt, then saves its KV
+    cold_ok = cold.cache.hit_tokens == 0 and _tokens(cold, prompt) == ref
+    handle = cold.cache.finish(cold.sequences)  # returns once the save's copies have landed
+    saved = 0 if handle is None else handle.saved
+    saved_kv = _prefix_kv(cold.cache, prefix)
+    same_order = _tokens(gen(lambda: {key: dynamic_cache(model, saved_kv)}), prompt)
+    hit = gen(lambda: {key: kvt.cache(ids)})  # warm-up of the hit path (first-use compiles, captures)
+    loaded = _prefix_kv(hit.cache, prefix) if hit.cache.hit_tokens == prefix else None
+    kv_exact = loaded is not None and all(
+        torch.equal(a, b) for x, y in zip(loaded, saved_kv, strict=True) for a, b in zip(x, y, strict=True)
+    )
+    tier = "+".join(sorted(set(hit.cache.hit_tiers))) or "-"
+    _kvtier_done(hit)
+    return ref, dict(
+        cold_ok=cold_ok, saved_chunks=saved, kv_bit_exact=kv_exact, same_order=same_order, tier=tier
+    )
+
+
+def _request(ctx: Context, plan: Plan, model, kvt, prefix: int, offload, why: str, common: dict):
+    """The rows of one prefix length: checks and warm-ups (untimed), then interleaved timed runs."""
+    from kvtier.integrations.hf import cache_kwarg
+
+    key, prompt = cache_kwarg(model), prefix + plan.tail
+    g = torch.Generator().manual_seed(prefix)
+    ids = torch.randint(1, model.config.vocab_size, (1, prompt), generator=g).to(ctx.device)
+    gen = lambda make: timed_generate(model, ids, plan.new_tokens, make, ctx.on_gpu)
+    ref, k = _checks(model, kvt, ids, prefix, gen, key)
+    paths = {"recompute": lambda: {key: dynamic_cache(model)}, "kvtier": lambda: {key: kvt.cache(ids)}}
+    if offload is not None:
+        try:
+            gen(offload)  # warm-up; an offloading that fails in this transformers is skipped, not fatal
+            paths["offloaded"] = offload
+        except Exception as e:  # noqa: BLE001
+            why = f"transformers' offloaded cache failed here: {type(e).__name__}: {e}"[:300]
+    runs: dict[str, list[Run]] = {p: [] for p in paths}
+    for _ in range(plan.reps):  # interleaved: a drift of clocks or load hits every cache alike
+        for name, make in paths.items():
+            r = gen(make)
+            r = _kvtier_done(r) if name == "kvtier" else r
+            r.cache = None
+            runs[name].append(r)
+    got = {p: [_tokens(r, prompt) for r in rs] for p, rs in runs.items()}
+    loads = [r.load_ms for r in runs["kvtier"] if r.load_ms]
+    load_ms = statistics.median(loads) if loads else None
+    kv_ok = k["cold_ok"] and k["saved_chunks"] >= prefix // plan.chunk_tokens and k["kv_bit_exact"]
+    hits_ok = all(t == k["same_order"] for t in got["kvtier"]) and all(
+        r.hit_tokens == prefix for r in runs["kvtier"]
+    )
+    same = "every run = the reference"
+    checks = {
+        "recompute": dict(correct=all(t == ref for t in got["recompute"]), check=same),
+        "kvtier": dict(
+            correct=kv_ok and hits_ok,
+            check="cold = reference; loaded KV = saved KV bit for bit; tokens = DynamicCache holding that KV",
+            kv_bit_exact=k["kv_bit_exact"],
+            cold_matches_reference=k["cold_ok"],
+            saved_chunks=k["saved_chunks"],
+            hit_tier=k["tier"],
+            hit_tokens=min(r.hit_tokens for r in runs["kvtier"]),
+            tokens_match_recompute=all(t == ref for t in got["kvtier"]),
+            first_divergence_from_recompute=_first_divergence(got["kvtier"][0], ref),
+            load_ms=load_ms,
+            load_gbps=prefix * common["kv_bytes_per_token"] / load_ms / 1e6 if load_ms else None,
+        ),  # fmt: skip
+        "offloaded": dict(correct=all(t == ref for t in got.get("offloaded", [])), check=same),
+    }
+    yield from _rows(ctx, plan, prefix, runs, checks, common)
+    if "offloaded" not in runs:
+        for what in ("ttft", "decode"):
+            ctx.skip(f"{what} offloaded {_label(prefix)}", why)
+
+
+def _rows(ctx: Context, plan: Plan, prefix: int, runs: dict, checks: dict, common: dict):
+    bpt, prompt = common["kv_bytes_per_token"], prefix + plan.tail
+    ceiling = "h2d_pinned" if ctx.on_gpu else "host_memcpy"
+    ttft = {p: summarize([r.ttft_s * 1e3 for r in rs]) for p, rs in runs.items()}
+    step = {p: summarize([r.step_s * 1e3 for r in rs]) for p, rs in runs.items()}
+    base = dict(common, prefix_tokens=prefix, prompt_tokens=prompt, tail_tokens=plan.tail,
+                new_tokens=plan.new_tokens, reps=plan.reps, chunk_tokens=plan.chunk_tokens,
+                block_size=plan.block_size)  # fmt: skip
+    for p in runs:
+        extra = {k: v for k, v in checks[p].items() if k != "correct"}
+        t, speed = ttft[p], ttft["recompute"].median_ms / ttft[p].median_ms
+        if p == "kvtier":
+            extra |= dict(target=f"P8: >= {P8:g}x faster than recompute", meets_target=speed >= P8)
+        yield ctx.row(f"ttft {p} {_label(prefix)}", prefix * bpt, t, ceiling, correct=checks[p]["correct"],
+                      **base, **extra, cache=p, path=f"ttft {p}", measures="time to first token (ms)",
+                      ttft_ms=t.median_ms, speedup_vs_recompute=speed)  # fmt: skip
+    for p in runs:
+        t = step[p]
+        yield ctx.row(f"decode {p} {_label(prefix)}", prompt * bpt, t, ceiling, correct=checks[p]["correct"],
+                      **base, cache=p, path=f"decode {p}", measures="one decode step (ms)",
+                      tokens_per_s=1e3 / t.median_ms,
+                      decode_vs_dynamic=step["recompute"].median_ms / t.median_ms)  # fmt: skip
+
+
+@register("hf", needs_gpu=False, description="HF transformers: TTFT kvtier hit vs recompute vs offloaded")
+def hf(ctx: Context):
+    try:
+        import transformers
+
+        from kvtier.bench.llama_rig import build_llama
+        from kvtier.integrations.hf import KVTier
+    except ImportError as e:
+        raise SkipSuite(f"needs transformers (pip install 'kvtier[hf]'): {e}") from None
+    plan = plan_for(ctx.on_gpu, ctx.quick)
+    dtype = getattr(torch, plan.dtype)
+    model = build_llama(plan.shape, ctx.device, dtype)
+    offload, note = offloaded_cache(model) if ctx.on_gpu else (None, NO_OFFLOAD_ON_CPU)
+    bpt = kv_bytes_per_token(model.config, dtype)
+    num_blocks, pool = store_sizes(plan, bpt)
+    cfg = model.config
+    common = dict(model=plan.shape, dtype=dtype, layers=cfg.num_hidden_layers,
+                  kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, kv_bytes_per_token=bpt,
+                  transformers=transformers.__version__, torch=torch.__version__,
+                  attn=getattr(cfg, "_attn_implementation", None), pool_bytes=pool,
+                  offload_api=note if offload is not None else None,
+                  clock="host perf_counter, device synchronized")  # fmt: skip
+    opts = dict(
+        num_blocks=num_blocks, block_size=plan.block_size, pool_bytes=pool, chunk_tokens=plan.chunk_tokens
+    )
+    kvt = KVTier.for_model(model, model_id=f"random-{plan.shape}-seed0", **opts)
+    try:
+        for prefix in plan.prefixes:
+            yield from _request(ctx, plan, model, kvt, prefix, offload, note, common)
+            kvt.store.evict()  # the next length starts with an empty host
+            if ctx.on_gpu:
+                torch.cuda.empty_cache()  # this length's caches are gone: give the memory back
+    finally:
+        kvt.close()
