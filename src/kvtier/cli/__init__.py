@@ -14,6 +14,7 @@ def cli() -> None:
 
 def main() -> None:
     # each import registers its subcommands on `cli`
+    import kvtier.cli.calibrate  # noqa: F401
     from kvtier.cli import analysis, demo, measure, plan, trace  # noqa: F401
 
     cli(prog_name="kvtier")

@@ -6,10 +6,11 @@
     out = model.generate(ids, past_key_values=cache, max_new_tokens=64, do_sample=False)
     cache.finish(out)
 
-Order of work. The load of chunks [s, n) is submitted first, on the engine's copy stream (layer
-by layer, an event per layer). Then the model runs one forward over tokens [0, s) on the compute
-stream, filling every layer's K/V for those positions: this is exact, because attention of a
-token < s reads only keys < s — it never needs the loaded [s, n). ``generate`` then sees
+Order of work. The load of chunks [s, n) starts first, on a thread of its own (a disk or remote
+read blocks in `KVStore.load`; the copies go to the engine's copy stream, layer by layer, an
+event per layer). Meanwhile the model runs one forward over tokens [0, s) on the compute stream,
+filling every layer's K/V for those positions: this is exact, because attention of a token < s
+reads only keys < s — it never needs the loaded [s, n). ``generate`` then sees
 ``get_seq_length() == s + loaded`` and prefills only the rest of the prompt; at each layer's
 first update, that layer waits for its load event, its loaded K/V is appended after [0, s), and
 then the new tokens' K/V. The cache holds exactly what one forward over the prompt would.
@@ -18,6 +19,7 @@ then the new tokens' K/V. The cache holds exactly what one forward over the prom
 from __future__ import annotations
 
 import inspect
+import threading
 import time
 
 import torch
@@ -84,24 +86,46 @@ def split_cache(kvt: KVTier, model, input_ids: torch.Tensor, split_tokens: int) 
     n = kvt.store.lookup(tokens[:-1]).tokens  # the last prompt token always runs: it gives the logits
     s = min(split_tokens, n)
     blocks = kvt._alloc((n - s) // bs)
-    load = kvt.store.load(tokens[:-1], blocks, first_chunk=s // ct) if n > s else None
+    box: dict = {}
+
+    def read() -> None:  # lower tiers are read on the calling thread of KVStore.load
+        try:
+            box["load"] = kvt.store.load(tokens[:-1], blocks, first_chunk=s // ct)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            box["error"] = e
+
+    reader = threading.Thread(target=read, name="kvtier-split-load", daemon=True) if n > s else None
+    if reader is not None:
+        reader.start()  # disk / remote reads and the copies overlap the forward over [0, s) below
+    cache = SplitCache(kvt, blocks, None, t0, start, front=s)
+    try:
+        if s:
+            # Nothing here reads the loaded blocks (tokens < s never attend to positions >= s).
+            extra = (
+                {"logits_to_keep": 1}
+                if "logits_to_keep" in inspect.signature(model.forward).parameters
+                else {}
+            )
+            cache.recomputing = True
+            try:
+                with torch.no_grad():
+                    model(ids[:, :s], **{cache_kwarg(model): cache}, use_cache=True, **extra)
+            finally:
+                cache.recomputing = False
+    finally:
+        if reader is not None:
+            reader.join()  # the load handle (its per-layer events) exists only once read() returned
+    if "error" in box:
+        kvt._release(blocks)
+        raise box["error"]
+    load = box.get("load")
     if load is not None and load.tokens < n - s:  # a chunk vanished since the lookup: fewer blocks
         keep = load.tokens // bs
         kvt._release(blocks[keep:])
-        blocks = blocks[:keep]
-    cache = SplitCache(kvt, blocks, load, t0, start, front=s)
-    if s:
-        # The load is in flight on the copy stream while the compute stream runs this forward;
-        # nothing here reads the loaded blocks (tokens < s never attend to positions >= s).
-        extra = (
-            {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-        )
-        cache.recomputing = True
-        try:
-            with torch.no_grad():
-                model(ids[:, :s], **{cache_kwarg(model): cache}, use_cache=True, **extra)
-        finally:
-            cache.recomputing = False
+        del blocks[keep:]
+    cache.load = load
+    cache.hit_tokens = load.tokens if load is not None else 0
+    cache.hit_tiers = load.tiers if load is not None else ()
     return cache
 
 

@@ -12,7 +12,7 @@ import importlib
 # module -> why it could not be imported; the runner reports these instead of crashing
 IMPORT_ERRORS: dict[str, str] = {}
 
-for _module in ("baseline", "kv", "engine", "interference", "store", "multi", "hf"):
+for _module in ("baseline", "kv", "engine", "interference", "store", "multi", "hf", "ttft"):
     try:
         importlib.import_module(f"{__name__}.{_module}")
     except Exception as e:  # one broken suite module must not take the others down

@@ -1,0 +1,304 @@
+"""What the `ttft` suite measures on: the model, the prompts, one `KVTier` per tier, the planner's
+inputs (this run's ceilings, an optional calibration), and the P8 / P9 checks of its rows.
+
+Not a suite (it registers nothing); `ttft.py` is.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+from kvtier.bench import calibrate
+from kvtier.bench.suite import Context
+
+P8_SPEEDUP, P9_FACTOR, P9_WITHIN = 8.0, 0.9, 3.0
+MAX_READ_S = 6.0  # a lower tier slower than this for a prefix skips it: the suite must fit in minutes
+# The first token's top-2 logit gap, in std of the logits: several times what bf16 rounding moves a
+# logit by (an estimate; each row records the real move as logits_max_abs_diff).
+MARGIN = 0.05
+
+
+class Rig:
+    def __init__(self, ctx: Context, stack: ExitStack) -> None:
+        from kvtier.bench.llama_rig import build_llama
+        from kvtier.ceilings import Ceilings
+
+        self.ctx, self.on_gpu, big = ctx, ctx.on_gpu, ctx.on_gpu and not ctx.quick
+        self.shape = "llama-3-8b" if big else "tiny"
+        self.prefixes = (2048, 8192, 32768) if big else ((256, 512) if ctx.quick else (512, 1024))
+        self.new, self.block = (64 if big else 16), 16
+        self.new_out = 1 if big else 4  # tokens generated; bf16: only the first one's margin is checked
+        self.chunk = 256 if big else 64
+        self.warmup, self.reps = 1, 2 if ctx.quick else 3
+        dtype = torch.bfloat16 if big else torch.float32  # fp32: greedy ties are not decided by rounding
+        self.model = build_llama(self.shape, ctx.device, dtype, attn_implementation="sdpa")
+        self.spec = calibrate.model_spec(self.model)
+        wdt, self.kv_dtype = calibrate.roofline_dtypes(self.model)
+        self.link = "h2d_pinned" if self.on_gpu else "host_memcpy"
+        root = Path(os.environ.get("KVTIER_BENCH_DIR") or tempfile.gettempdir())
+        self.workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-ttft-", dir=root))
+        stack.callback(shutil.rmtree, self.workdir, ignore_errors=True)
+        self.remote_gbps = float(os.environ.get("KVTIER_TTFT_REMOTE_GBPS") or (2.0 if self.on_gpu else 0.05))
+        figures = self._figures()
+        efficiency, self.calibration = self._calibration(figures)
+        name = torch.cuda.get_device_name(ctx.device) if self.on_gpu else None
+        self.ceilings = Ceilings(figures, gpu=name, source="kvtier bench ttft (this run)")
+        self.gpu = calibrate.machine_gpu(ctx.device, self.ceilings)
+        self.plan_opts = dict(efficiency=efficiency, dtype=wdt, kv_dtype=self.kv_dtype)
+        self.disk_io = None
+        self.recompute: dict[int, tuple] = {}  # n -> (Timing, outputs, infos)
+        self.reference: dict[int, torch.Tensor] = {}  # n -> the recompute run's tokens
+        self.reference_logits: dict[int, torch.Tensor] = {}  # n -> its first token's logits
+        self._prompts: dict[int, torch.Tensor] = {}
+        self.margins: dict[int, tuple[float, int]] = {}  # n -> (top-2 margin in std, prompts drawn)
+
+    def _figures(self) -> dict[str, float]:
+        """This run's ceilings for the planner (see the suite's docstring)."""
+        from kvtier.bench import probes
+        from kvtier.bench.timing import Timer
+
+        ctx, link = self.ctx, self.ctx.ceiling(self.link)
+        if self.on_gpu:
+            timer = Timer(ctx.device, min_reps=3, budget_s=0.5)
+            f = {"h2d_pinned_gbps": link, "d2h_pinned_gbps": ctx.ceiling("d2h_pinned"),
+                 "d2d_copy_gbps": ctx.ceiling("d2d_copy"),
+                 "bf16_tflops": probes.bf16_tflops(timer, 4096 if ctx.quick else 8192)}  # fmt: skip
+        else:
+            tf = calibrate.cpu_matmul_tflops(ctx.host_timer, 256 if ctx.quick else 512)
+            f = {"host_memcpy_gbps": link, "h2d_pinned_gbps": link, "d2h_pinned_gbps": link,
+                 "d2d_copy_gbps": 2 * link, "bf16_tflops": tf}  # fmt: skip
+        f["disk_read_gbps"] = ctx.ceiling("disk_read", root=self.workdir)
+        f["redis_loopback_get_gbps"] = self.remote_gbps  # the planner's remote GET hop: the throttle
+        return f
+
+    def _calibration(self, figures: dict) -> tuple[float, str]:
+        """(prefill efficiency, what was used) from $KVTIER_CALIBRATION; figures get its H2D rate."""
+        path = os.environ.get("KVTIER_CALIBRATION")
+        if not path:
+            return 1.0, "none"
+        try:
+            cal = calibrate.load(path)
+        except ValueError as e:
+            self.ctx.skip("calibration", f"{e}; the planner runs uncalibrated")
+            return 1.0, f"unreadable: {path}"
+        gpu = torch.cuda.get_device_name(self.ctx.device) if self.on_gpu else None
+        here = (self.ctx.device.type, self.shape, gpu)
+        if (cal.get("device"), cal.get("model", {}).get("shape"), gpu and cal.get("gpu")) != here:
+            why = (
+                f"{path} was made on {cal.get('device')} with {cal.get('model', {}).get('shape')}, not {here}"
+            )
+            self.ctx.skip("calibration", why + "; the planner runs uncalibrated")
+            return 1.0, f"not used: {why}"
+        rates = calibrate.effective_rates(cal)
+        if "h2d_gbps" in rates:
+            figures["h2d_pinned_gbps"] = rates["h2d_gbps"]
+        eff = min(1.0, rates.get("prefill_tflops", figures["bf16_tflops"]) / figures["bf16_tflops"])
+        return eff, path
+
+    # ---- prompts, tiers, requests ------------------------------------------------------------
+
+    def label(self, n: int) -> str:
+        return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+    def kv_bytes(self, n: int) -> int:
+        return int(n * self.spec.kv_bytes_per_token(self.kv_dtype))
+
+    def prompt(self, n: int) -> torch.Tensor:
+        """[1, n + new] random token ids, the same for every tier, whose first greedy token is no
+        near-tie: its top-2 logits are >= MARGIN standard deviations apart, so bf16 rounding (a
+        prefill of other shapes computes the same KV) cannot flip it while wrong KV still would."""
+        if n not in self._prompts:
+            for attempt in range(8):
+                g = torch.Generator().manual_seed(1000 * n + attempt)
+                ids = torch.randint(1, self.model.config.vocab_size, (1, n + self.new), generator=g)
+                ids = ids.to(self.ctx.device)
+                _, _, logits = first_token(self.model, ids, None, 1)
+                self.margins[n] = (margin(logits), attempt + 1)
+                if self.margins[n][0] >= MARGIN:
+                    break
+            self._prompts[n] = ids
+        return self._prompts[n]
+
+    def plan(self, n: int):
+        from kvtier.planner import plan
+
+        return plan(self.spec, self.gpu, "host", n, self.new, self.ceilings, chunk_tokens=self.chunk,
+                    **self.plan_opts)  # fmt: skip
+
+    def kvtier(self, tier: str, stack: ExitStack):
+        """A KVTier whose only lower tier is `tier` (None, with the cases skipped, if it cannot be)."""
+        from kvtier.bench.probes_io import disk_io_mode
+        from kvtier.device import SimDevice
+        from kvtier.integrations.hf import KVTier
+        from kvtier.store.disk import DiskTier
+        from kvtier.store.throttle import MemoryTier, ThrottledTier
+
+        need = 2 * sum(self.kv_bytes(n) for n in self.prefixes) + (64 << 20)
+        tiers = []
+        if tier == "disk":
+            free = shutil.disk_usage(self.workdir).free
+            if free < need + (1 << 30):
+                why = f"{free / 2**30:.1f} GiB free in {self.workdir}, need {need / 2**30:.1f} GiB"
+                for n in self.prefixes:
+                    for mode in ("load", "split", "choice"):
+                        self.ctx.skip(f"{self.label(n)} {mode} disk", why + " (set KVTIER_BENCH_DIR)")
+                return None
+            self.disk_io = disk_io_mode(self.workdir)
+            tiers = [DiskTier(self.workdir / "disk", need, o_direct=self.disk_io == "O_DIRECT")]
+        elif tier == "remote":
+            tiers = [ThrottledTier(MemoryTier(need, name="remote"), self.remote_gbps)]
+        for t in tiers:
+            stack.callback(t.close)  # after the KVTier's close (registered later, runs first)
+        device = None
+        if not self.on_gpu:
+            device = SimDevice()  # CPU: worker threads stand in for the streams, copies are memcpys
+            stack.callback(device.close)
+        blocks = -(-(max(self.prefixes) + self.new + self.new_out) // self.block) + 8
+        pool = int(1.25 * self.kv_bytes(max(self.prefixes))) + 8 * self.kv_bytes(self.chunk)
+        kvt = KVTier.for_model(self.model, device=device, num_blocks=blocks, block_size=self.block,
+                               pool_bytes=pool, tiers=tiers, model_id=f"kvtier-bench-ttft/{self.shape}",
+                               chunk_tokens=self.chunk, salt=os.urandom(8))  # fmt: skip
+        stack.callback(kvt.close)
+        return kvt
+
+    def too_slow(self, tier: str, n: int) -> str | None:
+        """Why n tokens are not read from `tier` (a run would take over MAX_READ_S), or None."""
+        rate = {"disk": self.ceilings.get("disk_read_gbps"), "remote": self.remote_gbps}.get(tier)
+        s = self.kv_bytes(n) / (rate * 1e9) if rate else 0.0
+        if s <= MAX_READ_S:
+            return None
+        gib = self.kv_bytes(n) / 2**30
+        return f"reading {gib:.1f} GiB at {rate:.2f} GB/s takes {s:.0f} s a run (cap {MAX_READ_S:g} s)"
+
+    def cold(self, kvt, tier: str, ids, reference) -> str | None:
+        """One cold request that saves the prefix; None, or why the tier cannot be measured."""
+        cache = kvt.cache(ids)
+        out, _, _ = first_token(self.model, ids, cache, self.new_out)
+        h = cache.finish(out)
+        # Submitted is not done: the prefix is in the tier once every save event (host) or push
+        # (lower tier, write-through) completed; lookups before that would race them.
+        if h is not None and not (h.wait_durable(600) if tier != "host" else h.wait(600)):
+            return "the cold request's save did not finish within 600 s"
+        if not torch.equal(out, reference):
+            return "the cold request's tokens differ from the recompute run's"
+        if tier != "host":
+            kvt.store.evict()  # from now on the prefix lives in the tier only
+        n = ids.shape[1] - self.new
+        hit = kvt.store.lookup(ids[0, :-1].tolist())
+        if hit.tokens < n or set(hit.tiers) != {tier}:
+            where = sorted(set(hit.tiers))
+            return f"after the cold request the store holds {hit.tokens} of {n} tokens, in {where}"
+        return None
+
+    def cold_host(self, kvt, tier: str):
+        """Before each run of a lower tier: empty the host (and the page cache of buffered disk files)."""
+        if tier == "host":
+            return None
+
+        def before() -> None:
+            kvt.store.evict()
+            if tier == "disk" and self.disk_io != "O_DIRECT":
+                from kvtier.store.chunkfile import SUFFIX
+
+                for f in (self.workdir / "disk").rglob(f"*{SUFFIX}"):
+                    fd = os.open(f, os.O_RDONLY)
+                    try:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # fsynced pages are clean: dropped
+                    finally:
+                        os.close(fd)
+
+        return before
+
+    def params(self, n: int, tier: str, mode: str, predicted: float, measured: float) -> dict:
+        p = dict(model=self.shape, dtype=str(self.model.dtype).removeprefix("torch."), prefix_tokens=n,
+                 new_tokens=self.new, chunk_tokens=self.chunk, block_size=self.block, tier=tier, mode=mode,
+                 predicted_ms=predicted, measured_ms=measured, error_pct=(predicted / measured - 1) * 100,
+                 planner_efficiency=self.plan_opts["efficiency"], calibration=self.calibration,
+                 device="CudaDevice" if self.on_gpu else "SimDevice (CPU; copies are memcpys)",
+                 runs=self.reps, warmup_runs=self.warmup, generated_tokens=self.new_out,
+                 first_token_margin_std=self.margins[n][0], prompts_drawn=self.margins[n][1])  # fmt: skip
+        if tier == "remote":
+            p["remote_gbps"] = self.remote_gbps
+        if tier == "disk":
+            p["disk_io"] = self.disk_io
+        return p
+
+
+class _FirstToken:
+    """A generate() streamer noting when the first new token comes out (the prompt comes first)."""
+
+    def __init__(self) -> None:
+        self.calls, self.t_first = 0, None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()  # the token exists once the GPU has made it, not when queued
+            self.t_first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def first_token(model, ids, cache, new_tokens: int):
+    """(tokens [1, prompt + new], perf_counter() when the first new token came out, that token's
+    logits [vocab] in fp32) of a greedy generate."""
+    from kvtier.integrations.hf import cache_kwarg
+
+    extra = {} if cache is None else {cache_kwarg(model): cache}
+    clock = _FirstToken()
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=clock,
+                             output_logits=True, return_dict_in_generate=True, **extra)  # fmt: skip
+    return out.sequences, clock.t_first, out.logits[0][0].float()
+
+
+def margin(logits: torch.Tensor) -> float:
+    """Gap between the two largest logits, in standard deviations of all of them."""
+    top = logits.topk(2).values
+    return float((top[0] - top[1]) / logits.std())
+
+
+def checks(rig: Rig, n: int, tier: str, rows: dict, ms: dict) -> None:
+    """P8 on the host load row, P9 on the split row, regret on the choice row (params)."""
+    dry = None if rig.on_gpu and rig.shape == "llama-3-8b" else f"dry run ({rig.shape} on {rig.ctx.device})"
+    if tier == "host" and "load" in rows:
+        sp = ms["recompute"] / ms["load"]
+        why = f"recompute {ms['recompute']:.1f} ms / load {ms['load']:.1f} ms = {sp:.1f}x (target >= 8x)"
+        status = "pass" if sp >= P8_SPEEDUP else "miss"
+        if dry or n < 8192:
+            why, status = f"{dry or 'a prefix under 8K'}, not P8's case: would be {status}: {why}", "n/a"
+        rows["load"].params.update(p8=status, p8_speedup=sp, p8_why=why)
+    if "split" in rows:
+        lo = min(ms["load"], ms["recompute"])
+        ratio = max(ms["load"], ms["recompute"]) / lo
+        split = ms["split"]
+        if ratio > P9_WITHIN:
+            status = "n/a"
+            why = (
+                f"load-only {ms['load']:.1f} ms and recompute-only {ms['recompute']:.1f} ms are not within 3x"
+            )
+            why += f" ({ratio:.1f}x): P9 does not apply"
+            rig.ctx.skip(f"P9 {rig.label(n)} {tier}", why)
+        else:
+            status = "pass" if split <= P9_FACTOR * lo else "miss"
+            why = f"split {split:.1f} ms vs 0.9 x min(load, recompute) = {P9_FACTOR * lo:.1f} ms"
+            if status == "miss" and tier != "host":
+                why += (f"; split_cache reads [s, n) from {tier} inside store.load before the forward over "
+                        "[0, s) starts: only the H2D copies overlap the recompute, the planner assumes "
+                        "the tier read does too")  # fmt: skip
+            if dry:
+                why, status = f"{dry}, not P9's H200 case: would be {status}: {why}", "n/a"
+        rows["split"].params.update(p9=status, p9_ratio=ratio, p9_why=why, p9_vs_best=split / lo)
+    if "choice" in rows:
+        opts = {k: ms[k] for k in ("recompute", "load", "split") if k in ms}
+        best = min(opts, key=opts.get)
+        rows["choice"].params.update(best_measured=best, regret_pct=(ms["choice"] / opts[best] - 1) * 100)
