@@ -6,6 +6,9 @@
 #   engine-tests: GPU tests + memcheck (kernels, engine) + racecheck/synccheck (engine) + `kvtier trace`
 #   engine-bench: probe + suites bidir, save_beside_matmul, submit_overhead, gather_d2d
 #   engine-all: GPU tests + engine-bench
+#   engine-store: (carry .whl) engine GPU tests, profile_submit.py, suites submit_overhead, bidir,
+#          save_beside_matmul, store (Redis from the carried wheel + binary), handoff, contention
+#   models: kvtier calibrate, suites ttft (calibrated) + hf, `kvtier demo` on the GPU (+ Redis)
 #   multi: (2+ GPUs) handoff/probe GPU tests, memcheck/racecheck of a handoff, probe --all-gpus,
 #          suites handoff + contention, `kvtier path` with the measured sharing
 set -uo pipefail
@@ -40,6 +43,38 @@ if [ "$mode" = engine-tests ]; then
   done
   echo "== kvtier trace on the GPU"
   timeout 120 $py -m kvtier trace --device cuda --out "$out/trace.png" 2>&1 | tail -5
+  exit 0
+fi
+# Redis on a GPU box without it: `carry` .whl (redis-py wheel + Debian's redis-server and its libs)
+if [ -d .whl ]; then
+  $py -m pip install -q --no-deps --target /tmp/kvtier-pydeps .whl/redis-*.whl > "$out/pip.log" 2>&1
+  export PYTHONPATH=src:/tmp/kvtier-pydeps PATH="$PWD/.whl/redis-bin:$PATH"
+fi
+export KVTIER_BENCH_DIR=${KVTIER_BENCH_DIR:-$PWD/.benchdisk}  # the box's disk, not a tmpfs
+mkdir -p "$KVTIER_BENCH_DIR"
+
+if [ "$mode" = engine-store ]; then
+  echo "== GPU tests (engine, kernels)"
+  timeout 200 $py -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py tests/test_engine_graphs_gpu.py \
+    tests/test_kernels_gpu.py $(ls tests/test_submit_*.py 2>/dev/null) 2>&1 | tail -15 | tee "$out/pytest-gpu.log"
+  echo "== profile_submit"
+  timeout 120 $py benchmarks/profile_submit.py > "$out/profile_submit.txt" 2>&1; tail -40 "$out/profile_submit.txt"
+  echo "== bench"
+  timeout 420 $py -m kvtier bench --out "$out" --suite submit_overhead --suite bidir --suite save_beside_matmul \
+    --suite store --suite handoff --suite contention 2>&1 | tee "$out/bench.log" | tail -60
+  exit 0
+fi
+if [ "$mode" = models ]; then
+  echo "== calibrate"
+  timeout 150 $py -m kvtier calibrate --save "$out/calibration.json" 2>&1 | tee "$out/calibrate.log" | tail -40
+  echo "== bench ttft, hf"
+  KVTIER_CALIBRATION="$out/calibration.json" timeout 330 $py -m kvtier bench --out "$out" --suite ttft --suite hf \
+    2>&1 | tee "$out/bench.log" | tail -60
+  echo "== demo on the GPU"
+  r=$(command -v redis-server >/dev/null && echo yes)
+  [ -n "$r" ] && { redis-server --port 6399 --save "" --daemonize yes > /dev/null; sleep 0.5; }
+  timeout 100 $py -m kvtier demo --device cuda --plot "$out/demo-ttft.png" ${r:+--redis redis://127.0.0.1:6399} \
+    2>&1 | tee "$out/demo.log" | tail -30
   exit 0
 fi
 if [ "$mode" = multi ]; then
