@@ -1,53 +1,236 @@
-"""Where the CPU time of submitting one engine job goes (P6): cProfile of save/load submits of
-1 GiB of Llama-3-8B KV in 16-token blocks on a CUDA device. Prints the top functions.
+"""Where the CPU time of submitting one engine job goes (P6: <= 100 us per 1 GiB job, flat in
+block count), phase by phase (`kvtier.engine.jobs.SubmitTrace`), on the CUDA device when there is
+one, else a dry run on a SimDevice whose streams run each item at once (the engine's own Python --
+ids, slot, tracker, events -- without worker threads; the sim's "mover" is its CPU copy, no graph).
 
-    PYTHONPATH=src python3 benchmarks/profile_submit.py
+    PYTHONPATH=src python benchmarks/profile_submit.py [--reps 20] [--json out.json] [--cprofile]
+
+Cases: 1 GiB of Llama-3-8B KV (32 layers, 8 KV heads, head_dim 128, bf16) in 16-token blocks (512
+blocks of 2 MiB) and in 1-token blocks (8192 blocks of 128 KiB). Modes, each on a fresh engine
+over one shared pool of four 1 GiB slots, path "staged":
+  same       every save into one slot, every load from one slot: no graph is moved
+  alternate  saves alternate between two slots, loads too: every replay first moves its graph
+  alt-exec2  alternate with two execs per graph (graphs.slot_execs = 2): none moved once both exist
+  alt-torch  alternate, replayed through torch (copy_, CUDAGraph.replay) instead of runtime calls
+  eager      graphs off
+Per mode: median submit_us (perf_counter around save()/load(), as the submit_overhead suite) and
+median us per phase; the graph stats; and a check that the last saves wrote exactly the bytes of
+the reference slot into freshly poisoned slots, and the last loads wrote src's KV into poisoned
+dst blocks. Expected on an H200: 30-80 s in all (the first jobs compile the Triton kernels).
 """
 
+from __future__ import annotations
+
+import argparse
 import cProfile
+import json
 import pstats
+import statistics
+import sys
 import time
 
 import torch
 
 from kvtier import layout
-from kvtier.device import CudaDevice
+from kvtier.device.sim import SimDevice, SimStream
 from kvtier.engine import TransferEngine
+from kvtier.engine.jobs import SubmitTrace
 from kvtier.pool import PinnedPool
 
-L, H, D, BS, NB, N = 32, 8, 128, 16, 2048, 512  # 512 blocks x 2 MiB = 1 GiB
-dev = CudaDevice()
-kv = layout.vllm_flash([torch.randn(2, NB, BS, H, D, dtype=torch.bfloat16, device="cuda") for _ in range(L)])
-pool = PinnedPool(dev, 2 * kv.chunk_nbytes(N))
-eng = TransferEngine(dev, kv, pool)
-src = torch.randperm(NB)[:N]
-dst = torch.randperm(NB)[:N]
+CASES = {"bs16": (16, 512), "bs1": (1, 8192)}  # block size, blocks: 1 GiB each on the 8B shape
+GPU_MODES = ["same", "alternate", "alt-exec2", "alt-torch", "eager"]
+SIM_MODES = ["same", "alternate"]
+PHASES = ["ids", "slot", "poll", "tracker_wait", "graph_lookup", "retarget", "ids_fill", "ids_h2d",
+          "launch", "graph_miss", "eager", "capture", "mover", "event", "tracker_begin", "other"]  # fmt: skip
 
 
-def one():
-    t0 = time.perf_counter()
-    job = eng.save(src, after=None)
-    t1 = time.perf_counter()
-    assert eng.wait(job)
-    t2 = time.perf_counter()
-    lj = eng.load(job.slot, dst)
-    t3 = time.perf_counter()
-    assert eng.wait(lj)
-    eng.release(job.slot)
-    eng.poll()
-    return (t1 - t0) * 1e6, (t3 - t2) * 1e6
+class _InlineStream(SimStream):
+    """A SimStream that runs each item when it is enqueued (no worker thread)."""
+
+    def __init__(self, device, name):
+        self._dev, self.name = device, name
+        self._seq = iter(range(1, 1 << 62))
+
+    def _put(self, item) -> None:
+        try:
+            item()
+        except BaseException as e:  # noqa: BLE001 - as a worker would: raised at the next sync
+            self._dev._set_error(e, self.name)
+
+    def _stop(self) -> None:
+        pass
 
 
-for _ in range(3):
-    one()  # warm-up: Triton compiles, staging buffers
-times = [one() for _ in range(10)]
-print("submit us (save, load):", [(round(a), round(b)) for a, b in times])
-prof = cProfile.Profile()
-prof.enable()
-for _ in range(10):
-    one()
-prof.disable()
-st = pstats.Stats(prof)
-st.sort_stats("tottime").print_stats(25)
-eng.close()
-pool.close()
+class InlineSim(SimDevice):
+    def new_stream(self, name=None):
+        s = _InlineStream(self, name or f"stream{next(self._names)}")
+        self._streams.append(s)
+        return s
+
+    def close(self) -> None:
+        self._closed = True
+
+
+def make_cache(device, bs: int, n: int, gpu: bool):
+    layers, heads, dim = (32, 8, 128) if gpu else (2, 1, 8)
+    g = torch.Generator(device=device).manual_seed(bs)
+    shape = (2, 2 * n, bs, heads, dim)
+    return layout.vllm_flash(
+        [torch.randn(shape, dtype=torch.bfloat16, device=device, generator=g) for _ in range(layers)]
+    )
+
+
+def run_mode(dev, kv, pool, src, dst, mode: str, reps: int, prof=None) -> dict:
+    gpu = dev.name != "sim"
+    eng = TransferEngine(dev, kv, pool, path="staged", graphs=mode != "eager")
+    g = getattr(eng.mover, "graphs", None)
+    if g is not None and mode == "alt-exec2":
+        g.slot_execs = 2
+    if g is not None and mode == "alt-torch":
+        g.direct = False
+    alternate = mode.startswith("alt")
+    compute = dev.current_stream()
+    srcs = []
+    for _ in range(2 if alternate else 1):  # the loads' sources (the first save is eager + capture)
+        job = eng.save(src, after=None)
+        assert eng.wait(job)  # a load reads the slot only after its save completed
+        srcs.append(job.slot)
+    ref = srcs[0].tensor
+    warm, held, ok, tr = 3, None, {"saves": 0, "loads": 0}, SubmitTrace()
+    total = warm + reps + 4  # four untimed jobs at the end check the bytes
+    us = {"save": [], "load": []}
+    for i in range(total):
+        timed, check = warm <= i < warm + reps, i >= total - 2
+        if i == warm:
+            eng.trace = tr  # the timed jobs only
+        if i == warm + reps:
+            eng.trace = None
+        if check:
+            poison_dst(eng, kv, dst, compute, gpu)
+        if timed and prof is not None:
+            prof.enable()
+        job = eng.save(src, after=None)
+        if timed and prof is not None:
+            prof.disable()
+        assert eng.wait(job)
+        if check:
+            ok["saves"] += bool(torch.equal(job.slot.tensor, ref))
+        if i >= total - 4:
+            job.slot.tensor.fill_(0xA5)  # no copy touches it (e_save completed): poisoned for reuse
+        if alternate:
+            if held is not None:
+                eng.release(held)  # the slot before: the next save takes it, the one after the other
+            held = job.slot
+        else:
+            eng.release(job.slot)
+        if timed and prof is not None:
+            prof.enable()
+        lj = eng.load(srcs[i % len(srcs)], dst)
+        if timed and prof is not None:
+            prof.disable()
+        assert eng.wait(lj)  # the check below reads the blocks only after e_load
+        if check:
+            ok["loads"] += all(torch.equal(x[:, dst], x[:, src]) for x in kv.layers)
+        eng.poll()
+        if timed:
+            us["save"].append(job.submit_s * 1e6)
+            us["load"].append(lj.submit_s * 1e6)
+    out = {"mode": mode, "checked": ok, "graph_stats": vars(g.stats).copy() if g is not None else None}
+    if g is not None:  # nodes per captured graph (save, load): what one cudaGraphLaunch submits
+        out["graph_nodes"] = [getattr(e.nodes, "num_nodes", None) for e in g.cache._d.values()]
+    for job in ("save", "load"):
+        out[job] = {"submit_us": statistics.median(us[job]), "phases_us": tr.medians(job)}
+    for s in [*srcs, held]:
+        if s is not None:
+            eng.release(s)
+    eng.close()
+    assert pool.stats().used == 0
+    return out
+
+
+def poison_dst(eng, kv, dst, compute, gpu: bool) -> None:
+    """0xFF bytes in the dst blocks, written on the compute stream; the next load waits for it."""
+    if gpu:
+        with torch.cuda.stream(compute.raw):
+            for x in kv.layers:
+                x.view(torch.int16)[:, dst] = -1
+    else:
+        for x in kv.layers:
+            x.view(torch.int16)[:, dst] = -1
+    eng.compute_write(dst, compute.record("poison"))
+
+
+def show(case: str, r: dict) -> None:
+    for job in ("save", "load"):
+        ph = r[job]["phases_us"]
+        cols = " ".join(f"{k}={ph[k]:.1f}" for k in PHASES if ph.get(k))
+        print(f"{case:5s} {r['mode']:10s} {job}: submit_us={r[job]['submit_us']:7.1f} | {cols}")
+    gs = r["graph_stats"]
+    if gs:
+        print(f"{'':17s}graph stats {gs}, nodes per graph {r.get('graph_nodes')}")
+    print(f"{'':17s}checked: {r['checked']} of 2 saves / 2 loads bit-exact")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--modes", nargs="*", default=None)
+    ap.add_argument("--cases", nargs="*", default=list(CASES))
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--cprofile", action="store_true", help="cProfile the timed submits of bs16 alternate")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    gpu = torch.cuda.is_available()
+    if gpu:
+        from kvtier.device import CudaDevice
+
+        dev, device = CudaDevice(), "cuda"
+        print(
+            "device:", torch.cuda.get_device_name(0), "torch", torch.__version__, "cuda", torch.version.cuda
+        )
+    else:
+        dev, device = InlineSim(), "cpu"
+        print("no CUDA device: dry run on SimDevice (inline streams); graph modes need a GPU")
+    modes = args.modes or (GPU_MODES if gpu else SIM_MODES)
+    results, pool = [], None
+    for case in args.cases:
+        bs, n = CASES[case]
+        kv = make_cache(device, bs, n, gpu)
+        nbytes = kv.chunk_nbytes(n)
+        if pool is None or pool.chunk_bytes != nbytes:
+            if pool is not None:
+                pool.close()
+            pool = PinnedPool(dev, 4 * nbytes, chunk_bytes=nbytes)  # one slot per chunk
+        perm = torch.randperm(2 * n, generator=torch.Generator().manual_seed(n))
+        src, dst = perm[:n].clone(), perm[n:].clone()
+        print(f"== {case}: {n} blocks of {bs} tokens, {nbytes / 2**30:.2f} GiB per job")
+        for mode in modes:
+            prof = cProfile.Profile() if args.cprofile and case == "bs16" and mode == "alternate" else None
+            r = run_mode(dev, kv, pool, src, dst, mode, args.reps, prof)
+            r.update(case=case, blocks=n, block_size=bs, nbytes=nbytes, device=dev.name)
+            results.append(r)
+            show(case, r)
+            if prof is not None:
+                pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        del kv
+        if gpu:
+            torch.cuda.empty_cache()
+    if pool is not None:
+        pool.close()
+    print("\nsubmit_us medians (save / load); P6: <= 100 us, flat in block count")
+    for r in results:
+        sv, ld = r["save"]["submit_us"], r["load"]["submit_us"]
+        print(f"  {r['case']:5s} {r['mode']:10s} {sv:7.1f} / {ld:7.1f}")
+    print(f"elapsed {time.perf_counter() - t_start:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    bad = [r for r in results if r["checked"] != {"saves": 2, "loads": 2}]
+    if bad:
+        print("BYTES WRONG in", [(r["case"], r["mode"]) for r in bad])
+    dev.close()
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

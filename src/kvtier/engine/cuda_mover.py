@@ -50,6 +50,7 @@ class CudaMover:
         self.scatter_stream = torch.cuda.Stream(device=self.kv.device)  # staged loads' scatters
         self.batch_available = batch.available()
         self.graphs = StagedGraphs(self.kv, engine.max_graphs) if engine.graphs else None
+        self.trace = None  # a jobs.SubmitTrace, set through engine.trace
         self._staging_key: dict[str, tuple[int, ...]] = {}  # direction -> staging addresses (graph key)
 
     def check_path(self, path: Path) -> None:
@@ -65,6 +66,7 @@ class CudaMover:
             key = self._key("save", ids, num_tokens, slot)
             if key is not None and self.graphs.replay(key, ids, raw, slot.tensor.data_ptr()):
                 return
+            self._mark("graph_miss")
             # Eager (also the warm-up of a capture). The last DMA is on `raw`: e_save follows it.
             ops.save_staged(
                 kv,
@@ -75,8 +77,10 @@ class CudaMover:
                 copy_stream=raw,
                 num_tokens=num_tokens,
             )
+            self._mark("eager")
             if key is not None:
                 self.graphs.capture(key, slot.tensor, self._save_staging, self.gather_stream, raw)
+                self._mark("capture")
         elif path is Path.KERNEL:
             with torch.cuda.stream(raw):
                 ops.gather(kv, ids, slot.tensor, num_tokens=num_tokens, max_ctas=self.uva_ctas)
@@ -98,6 +102,7 @@ class CudaMover:
             key = self._key("load", ids, num_tokens, slot)
             if key is not None and self.graphs.replay(key, ids, raw, slot.tensor.data_ptr()):
                 return []  # the graph joined its scatters into `raw`: e_load follows them
+            self._mark("graph_miss")
             last = ops.load_staged(
                 kv,
                 ids,
@@ -109,8 +114,10 @@ class CudaMover:
             )
             # The last scatter runs on the scatter stream: e_load (on `raw`) must follow it.
             raw.wait_event(last)
+            self._mark("eager")
             if key is not None:
                 self.graphs.capture(key, slot.tensor, self._load_staging, self.scatter_stream, raw)
+                self._mark("capture")
             return []
         with torch.cuda.stream(raw):
             bid = ops.block_ids(kv, ids, unique=True, num_tokens=num_tokens)  # one H2D of the ids
@@ -126,6 +133,10 @@ class CudaMover:
                 if layer < kv.num_layers - 1:
                     events.append(stream.record(f"{label}:layer{layer}"))  # layer `layer` has landed
             return events
+
+    def _mark(self, phase: str) -> None:
+        if self.trace is not None:
+            self.trace.mark(phase)
 
     def _key(self, direction: str, ids, num_tokens, slot: Slot):
         """The graph key of a staged job, or None when graphs are off."""

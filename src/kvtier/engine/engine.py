@@ -16,14 +16,13 @@ call returned: only `poll`/`wait` apply completions, and they look at events.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 
-import torch
-
 from kvtier.device.base import Device, Event, Stream
 from kvtier.engine.ids import IdCheck
-from kvtier.engine.jobs import LoadJob, SaveJob, _Job
+from kvtier.engine.jobs import NO_TRACE, LoadJob, SaveJob, SubmitTrace, _Job
 from kvtier.engine.movers import make_mover
 from kvtier.engine.paths import Path, choose_path, parse_path
 from kvtier.layout import PagedKV
@@ -46,6 +45,8 @@ class TransferEngine:
             size / block count / last-block tokens and pointed at each job's slot before replay
             (`graphs.py`): fewer Python calls per job (H200: 0.5-0.6 ms per 1 GiB job against
             1.1-3 ms eager). Ignored on SimDevice. max_graphs: size of that LRU cache.
+
+    `trace`: a `SubmitTrace` timing the phases of each submit (KVTIER_SUBMIT_TRACE=1), or None.
     """
 
     def __init__(
@@ -92,6 +93,8 @@ class TransferEngine:
         self._seq = itertools.count(1)
         self._closed = False
         self._check_ids = IdCheck(kv.num_blocks, kv.block_size)
+        on = os.environ.get("KVTIER_SUBMIT_TRACE", "").strip().lower() in ("1", "true", "yes", "on")
+        self.trace = SubmitTrace() if on else None
 
     # ---- jobs -----------------------------------------------------------------------------
     def save(
@@ -110,17 +113,19 @@ class TransferEngine:
         timeout: seconds to wait for pool room (completed jobs are harvested meanwhile); None
             waits no longer than one harvest. Then PoolExhausted.
         """
-        t0 = time.perf_counter()
+        t0, tr = time.perf_counter(), self._trace or NO_TRACE
+        tr.begin("save")
         self._check_open()
-        ids = self._ids(block_ids, unique=False, num_tokens=num_tokens)
+        ids, bset = self._check_ids.check(block_ids, False, num_tokens)  # bset: the same ids, checked
+        tr.mark("ids")
         p = self._path("save", path)
         nbytes = self.kv.chunk_nbytes(len(ids))
         # Back-pressure: settled jobs and retired slots give their room back while we wait.
         slot = self.slots.alloc(nbytes, timeout=timeout or 0.0, on_pressure=lambda _n: self.poll() > 0)
+        tr.mark("slot")
         try:
             with self._lock:
                 k = next(self._seq)
-                bset = frozenset(ids.numpy().tolist())  # made once: the tracker takes a frozenset as is
                 waits = self.blocks.waits_for(Access.SAVE, bset, stream=self.save_stream)
                 if after is not None:
                     # The copy must not read KV the compute has not finished writing (vLLM #31341).
@@ -128,13 +133,18 @@ class TransferEngine:
                 for e in waits:
                     # Nor blocks a load or a registered compute write still writes.
                     self.save_stream.wait_event(e)
+                tr.mark("tracker_wait")
                 self.mover.save(p, ids, num_tokens, slot, self.save_stream)
+                tr.mark("mover")
                 e_save = self.save_stream.record(f"e_save#{k}")
+                tr.mark("event")
                 waited = waits + ([after] if after is not None else [])
                 self.blocks.begin_save(bset, e_save, waited=waited)
                 self.slots.begin_fill(slot, e_save)  # READY only once e_save has completed
                 job = SaveJob(self, slot, e_save, ids, nbytes, p.value, time.perf_counter() - t0)
                 self._jobs.append(job)
+                tr.mark("tracker_begin")
+                tr.end()
                 return job
         except BaseException:
             if self.slots.state(slot) is SlotState.ALLOCATED:
@@ -151,14 +161,17 @@ class TransferEngine:
         path: str | None = None,
     ) -> LoadJob:
         """Copy the READY slot `slot` into blocks `block_ids` (n distinct ids, every layer)."""
-        t0 = time.perf_counter()
+        t0, tr = time.perf_counter(), self._trace or NO_TRACE
+        tr.begin("load")
         self._check_open()
-        ids = self._ids(block_ids, unique=True, num_tokens=num_tokens)
+        ids, bset = self._check_ids.check(block_ids, True, num_tokens)  # bset: the same ids, checked
+        tr.mark("ids")
         nbytes = self.kv.chunk_nbytes(len(ids))
         if slot.nbytes != nbytes:
             raise ValueError(f"slot: holds {slot.nbytes} B, {len(ids)} blocks need {nbytes} B")
         p = self._path("load", path, per_layer)
         self.poll()  # a save into this slot that has completed becomes READY now
+        tr.mark("poll")
         with self._lock:
             state = self.slots.state(slot)
             if self.sanitize and state not in (SlotState.READY, SlotState.READING):
@@ -166,31 +179,35 @@ class TransferEngine:
                 why = "the slot holds no complete data yet: wait for its save job first"
                 raise LifecycleError("load", slot.name, state.value, None, why)
             k = next(self._seq)
-            bset = frozenset(ids.numpy().tolist())  # made once: the tracker takes a frozenset as is
             waits = self.blocks.waits_for(Access.LOAD, bset, stream=self.load_stream)
             for e in waits:
                 # The load must not overwrite blocks still read, written or saved (vLLM #47282).
                 self.load_stream.wait_event(e)
+            tr.mark("tracker_wait")
             layers = self.mover.load(p, ids, num_tokens, slot, self.load_stream, per_layer, f"e_load#{k}")
+            tr.mark("mover")
             e_load = self.load_stream.record(f"e_load#{k}")
+            tr.mark("event")
             self.slots.begin_read(slot, e_load)  # the slot may be freed only after e_load
             self.blocks.begin_load(bset, e_load, waited=waits)
             layer_events = [*layers, e_load] if layers else [e_load] * self.kv.num_layers
             job = LoadJob(self, slot, e_load, ids, nbytes, p.value, 0.0, layer_events=layer_events)
             self._jobs.append(job)
         job.submit_s = time.perf_counter() - t0
+        tr.mark("tracker_begin")
+        tr.end()
         return job
 
     # ---- what the serving engine tells us --------------------------------------------------
     def compute_read(self, blocks, event: Event, waited=()) -> None:
         """Compute reads `blocks` until `event`; a later load into them waits for it."""
-        ids = self._ids(blocks, unique=False)
-        self.blocks.compute_read(ids, event, waited=self._waited(event, waited))
+        _ids, bset = self._check_ids.check(blocks, False)
+        self.blocks.compute_read(bset, event, waited=self._waited(event, waited))
 
     def compute_write(self, blocks, event: Event, waited=()) -> None:
         """Compute writes `blocks` until `event`; a later save or load of them waits for it."""
-        ids = self._ids(blocks, unique=False)
-        self.blocks.compute_write(ids, event, waited=self._waited(event, waited))
+        _ids, bset = self._check_ids.check(blocks, False)
+        self.blocks.compute_write(bset, event, waited=self._waited(event, waited))
 
     # ---- completion --------------------------------------------------------------------------
     def poll(self) -> int:
@@ -251,6 +268,17 @@ class TransferEngine:
         self.close()
 
     @property
+    def trace(self) -> SubmitTrace | None:
+        return self._trace
+
+    @trace.setter
+    def trace(self, value: SubmitTrace | None) -> None:
+        self._trace = value
+        for obj in (self.mover, getattr(self.mover, "graphs", None)):
+            if obj is not None:
+                obj.trace = value  # the mover and its graphs mark their own phases
+
+    @property
     def graph_stats(self):
         """Captures / replays / misses / evictions / failures of the staged CUDA graphs (None: off)."""
         g = getattr(self.mover, "graphs", None)
@@ -274,10 +302,6 @@ class TransferEngine:
             )
         self.mover.check_path(p)
         return p
-
-    def _ids(self, block_ids, unique: bool, num_tokens: int | None = None) -> torch.Tensor:
-        """int64 [n] CPU block ids, checked (no Python loop per block): `ids.py`."""
-        return self._check_ids(block_ids, unique, num_tokens)
 
     def _note_wait(self, stream: Stream, event: Event) -> None:
         with self._lock:

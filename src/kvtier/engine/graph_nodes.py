@@ -1,4 +1,5 @@
-"""The DMA nodes of a captured staged graph, pointed at another pool slot of the same size.
+"""The DMA nodes of a captured staged graph, pointed at another pool slot of the same size; and
+the few runtime calls that replay such a graph without torch (`Launcher`).
 
 A staged graph's DMAs are memcpy nodes between a staging buffer (device) and the job's slot
 (pinned host): the slot address is baked into them at capture. After instantiation `SlotNodes.find`
@@ -13,13 +14,18 @@ CUDA Runtime API, cudaGraphExecMemcpyNodeSetParams: "The modifications only affe
 launches of hGraphExec. Already enqueued or running launches of hGraphExec are not affected by
 this call." So a retarget may follow a replay of the same exec that is still queued or running.
 Anything unexpected raises `NodeError`; the caller then keys that graph by the slot address.
+
+`Launcher` enqueues a replay as two runtime calls on a raw stream handle -- cudaMemcpyAsync of the
+ids from a pinned buffer, cudaGraphLaunch of the exec -- instead of torch's stream switch, copy_
+and CUDAGraph.replay; it also makes further execs of a kept graph (cudaGraphInstantiateWithFlags)
+so that graphs.py can keep one exec per recent slot instead of moving one exec's nodes each job.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from ctypes import POINTER, byref, c_int, c_size_t, c_void_p
+from ctypes import POINTER, byref, c_int, c_size_t, c_ulonglong, c_void_p
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -138,6 +144,14 @@ class SlotNodes:
         self._api, self._exec = api, c_void_p(exec_handle)
         self._nodes = nodes  # (node handle, params as captured, the host-side cudaPitchedPtr in them, offset)
         self.base = base  # the slot the exec's nodes point at now
+        self.captured = base  # the slot the graph's own nodes point at (a new exec of it starts there)
+        self.num_nodes = len(nodes)
+
+    def for_exec(self, exec_handle: int) -> SlotNodes:
+        """The same nodes in another exec instantiated from the same graph (at the captured slot)."""
+        out = SlotNodes(self._api, exec_handle, self._nodes, self.captured)
+        out.num_nodes = self.num_nodes
+        return out
 
     @classmethod
     def find(cls, graph, host_side: str, base: int, nbytes: int, staging, expected: int) -> SlotNodes:
@@ -170,7 +184,9 @@ class SlotNodes:
         # The pointer field's own offset: the effective address minus the node's x position.
         pos = [(p.dstPos.x if host_side == "dst" else p.srcPos.x) for _h, p, _s in found]
         nodes = [(h, p, s, off - x) for (h, p, s), off, x in zip(found, offsets, pos, strict=True)]
-        return cls(api, ex, nodes, base)
+        out = cls(api, ex, nodes, base)
+        out.num_nodes = count.value  # every node of the graph (kernels, memcpys, event waits ...)
+        return out
 
     def retarget(self, base: int) -> None:
         """Point every node's host side at the slot at `base` (host-side calls only: the caller
@@ -183,3 +199,52 @@ class SlotNodes:
             # running keep the old slot (CUDA runtime API, cudaGraphExecMemcpyNodeSetParams).
             _check(exec_set(ex, h, byref(p)), "cudaGraphExecMemcpyNodeSetParams")
         self.base = base
+
+
+@functools.cache
+def _launch_api() -> SimpleNamespace:
+    from kvtier.device.cudart import runtime
+
+    lib, _ver, why = runtime()
+    if lib is None:
+        raise NodeError(why)
+
+    def fn(name, *args):
+        return ctypes.CFUNCTYPE(c_int, *args)((name, lib))  # own prototypes, as in _api()
+
+    try:
+        return SimpleNamespace(
+            memcpy=fn("cudaMemcpyAsync", c_void_p, c_void_p, c_size_t, c_int, c_void_p),
+            launch=fn("cudaGraphLaunch", c_void_p, c_void_p),
+            instantiate=fn("cudaGraphInstantiateWithFlags", POINTER(c_void_p), c_void_p, c_ulonglong),
+            destroy=fn("cudaGraphExecDestroy", c_void_p),
+        )
+    except AttributeError as e:
+        raise NodeError(f"CUDA runtime lacks a call: {e}") from e
+
+
+class Launcher:
+    """A replay as runtime calls on raw handles (ints). Each raises NodeError on failure, after
+    clearing the runtime's error; nothing is enqueued by a call that failed."""
+
+    def __init__(self, api: SimpleNamespace | None = None):
+        self._api = api if api is not None else _launch_api()
+
+    def h2d(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """Enqueue a copy of `nbytes` from pinned host `src` to device `dst` on `stream`."""
+        _check(self._api.memcpy(dst, src, nbytes, KIND_H2D, stream), "cudaMemcpyAsync")
+
+    def launch(self, exec_handle: int, stream: int) -> None:
+        _check(self._api.launch(exec_handle, stream), "cudaGraphLaunch")
+
+    def instantiate(self, graph_handle: int) -> int:
+        """A new exec of the cudaGraph_t `graph_handle` (its nodes as captured)."""
+        ex = c_void_p(0)
+        _check(self._api.instantiate(byref(ex), graph_handle, 0), "cudaGraphInstantiateWithFlags")
+        if not ex.value:
+            raise NodeError("cudaGraphInstantiateWithFlags returned no exec")
+        return ex.value
+
+    def destroy(self, exec_handle: int) -> None:
+        """Free an exec made by `instantiate`; no launch of it may still be queued or running."""
+        _check(self._api.destroy(exec_handle), "cudaGraphExecDestroy")

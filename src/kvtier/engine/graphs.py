@@ -3,16 +3,22 @@ DMAs, or DMAs + scatters, over the two staging buffers) captured once, replayed 
 
 Submitting a staged job eagerly costs ~1-3 ms of CPU (a Triton launch, stream switches and an
 event pair per chunk); a replay is one small H2D copy of the block ids into the graph's own
-device buffer and one `cudaGraphLaunch`, both on the engine's copy stream.
+device buffer and one `cudaGraphLaunch`, both on the engine's copy stream, as two runtime calls
+on raw handles (`graph_nodes.Launcher`; torch's copy_ / replay where those are unavailable).
 
 Key: everything the graph bakes in besides the ids and the slot address -- direction, slot size,
 number of blocks, valid tokens of the last block, the staging buffers. The ids are data: each
-replay first copies them (pinned, non_blocking, on the copy stream) into the entry's device
-buffer. The slot address is baked into the DMA (memcpy) nodes; after capture `graph_nodes.py`
-finds those nodes, and a replay for another slot of the same size first moves their host side
-(cudaGraphExecMemcpyNodeSetParams on the exec graph), so one graph serves every slot. Where the
+replay first copies them from one of the entry's pinned buffers (`ids.HostRing`, made at capture,
+refilled only once the event after its last copy has completed). The slot address is baked
+into the DMA (memcpy) nodes; after capture `graph_nodes.py` finds those nodes, and a replay for
+another slot of the same size first moves their host side (cudaGraphExecMemcpyNodeSetParams on
+the exec graph), so one graph serves every slot. Where the
 nodes are not as expected (or the update API fails), that graph is keyed by its slot address
 too (`pinned_key`), as before: a replay never writes bytes anywhere but the job's slot.
+With `slot_execs` > 1 an entry keeps up to that many execs of its graph (cudaGraphInstantiate of
+the kept graph), each pointed at a recent slot: a job on one of those slots launches its exec
+unmoved (a moved exec may cost the driver a re-upload at its next launch); another slot moves
+the least recently used exec, or a new one. They share the ids buffer: one stream replays them.
 The cache is an LRU of `max_graphs` entries; an evicted entry is kept alive until an event
 recorded on its stream at eviction has completed (a queued replay may still read it).
 A miss runs the job eagerly (which also warms up every Triton specialization and launch plan)
@@ -31,152 +37,162 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections import OrderedDict
-from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from kvtier.engine.graph_nodes import SlotNodes
+from kvtier.engine.graph_cache import LRU, GraphStats, HostBuf, graph_key, host_buf, pinned_key
+from kvtier.engine.graph_cache import Entry as _Entry
+from kvtier.engine.graph_cache import Exec as _Exec
+from kvtier.engine.graph_nodes import Launcher, NodeError, SlotNodes
+from kvtier.engine.ids import HostRing
+from kvtier.engine.jobs import NO_TRACE
 from kvtier.ops.staged import load_chunks, save_chunks
 
-
-class LRU:
-    """A bounded mapping, least recently used first out. `put` returns the entries it evicted."""
-
-    def __init__(self, max_size: int):
-        if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
-            raise ValueError(f"max_graphs: expected a positive int, got {max_size!r}")
-        self.max_size = max_size
-        self._d: OrderedDict = OrderedDict()
-
-    def get(self, key):
-        value = self._d.get(key)
-        if value is not None:
-            self._d.move_to_end(key)
-        return value
-
-    def put(self, key, value) -> list:
-        self._d[key] = value
-        self._d.move_to_end(key)
-        evicted = []
-        while len(self._d) > self.max_size:
-            evicted.append(self._d.popitem(last=False)[1])
-        return evicted
-
-    def clear(self) -> list:
-        values = list(self._d.values())
-        self._d.clear()
-        return values
-
-    def pop(self, key):
-        return self._d.pop(key, None)
-
-    def keys(self) -> list:
-        return list(self._d)  # oldest first
-
-    def __len__(self) -> int:
-        return len(self._d)
-
-    def __contains__(self, key) -> bool:
-        return key in self._d
-
-
-def graph_key(direction: str, slot_nbytes: int, n: int, last_valid: int, staging: tuple):
-    """What a staged graph bakes in besides the block ids and the slot address (module docstring)."""
-    return (direction, slot_nbytes, n, last_valid, staging)
-
-
-def pinned_key(key: tuple, slot_ptr: int) -> tuple:
-    """The key of a graph whose DMA nodes could not be retargeted: it serves one slot address only."""
-    return (*key, slot_ptr)
-
-
-@dataclass
-class GraphStats:
-    captures: int = 0
-    replays: int = 0
-    misses: int = 0
-    evictions: int = 0
-    failures: int = 0
-    retargets: int = 0  # replays that first moved the graph's DMA nodes to another slot
-    pinned: int = 0  # captures whose DMA nodes could not be retargeted (keyed by slot address)
-
-
-@dataclass(eq=False)
-class _Entry:
-    graph: object  # torch.cuda.CUDAGraph
-    ids_dev: torch.Tensor  # int32 [n] on the cache's device: the graph reads the ids from here
-    stream: torch.cuda.Stream  # the copy stream it was captured on and is replayed on
-    nodes: SlotNodes | None = None  # its DMA nodes, retargetable to another slot (None: pinned)
-
-
-def _launch(entry: _Entry, host: torch.Tensor) -> None:
-    """On the current stream (the entry's copy stream): ids in, then the graph."""
-    # The graph reads its ids buffer: the new ids land first, on the stream that replays it (and
-    # after the previous replay of this graph, which read the old ones, on that same stream).
-    entry.ids_dev.copy_(host, non_blocking=True)
-    entry.graph.replay()
+__all__ = ["LRU", "GraphStats", "StagedGraphs", "graph_key", "pinned_key"]
 
 
 class StagedGraphs:
-    """The graph cache of one CudaMover (used under the engine's lock)."""
+    """The graph cache of one CudaMover (used under the engine's lock).
 
-    def __init__(self, kv, max_graphs: int = 64):
+    slot_execs: execs kept per graph, each at a recent slot (1: one exec, moved to each job's slot).
+    direct: replay through runtime calls (`Launcher`); off where they are missing or failed.
+    trace: a `jobs.SubmitTrace` (or None) to time the phases of a replay.
+    """
+
+    def __init__(self, kv, max_graphs: int = 64, slot_execs: int = 1):
+        if isinstance(slot_execs, bool) or not isinstance(slot_execs, int) or slot_execs < 1:
+            raise ValueError(f"slot_execs: expected a positive int, got {slot_execs!r}")
         self.kv = kv
         self.cache = LRU(max_graphs)
         self.stats = GraphStats()
         self.enabled = True
         self.retarget = True  # capture retargetable graphs (off after a failed node update)
+        self.slot_execs = slot_execs
+        self.trace = None
         self._warned = False
         self._device = kv.device
         self._dead: list[tuple[torch.cuda.Event, _Entry]] = []  # evicted, maybe still queued
+        try:
+            self._launcher: Launcher | None = Launcher()
+        except NodeError:
+            self._launcher = None
+        self.direct = self._launcher is not None
 
     def replay(self, key, ids: torch.Tensor, stream: torch.cuda.Stream, slot_ptr: int) -> bool:
         """Replay the graph of `key` for the slot at `slot_ptr` with block ids `ids` (int64 CPU,
         checked); False on a miss."""
-        if not self.enabled:
-            self.stats.misses += 1
-            return False
-        entry = self.cache.get(key)
-        if entry is None:
+        tr = self.trace or NO_TRACE
+        entry = self.cache.get(key) if self.enabled else None
+        if entry is None and self.enabled:
             key = pinned_key(key, slot_ptr)
             entry = self.cache.get(key)
-        if entry is None:
-            self.stats.misses += 1
-            return False
+        tr.mark("graph_lookup")
         # The DMA nodes must point at this job's slot before the replay is enqueued (else the
-        # bytes go to / come from the last slot); skipped when they already do.
-        if entry.nodes is not None and entry.nodes.base != slot_ptr and not self._move(key, entry, slot_ptr):
+        # bytes go to / come from the last slot); skipped when an exec's nodes already do.
+        ex = None if entry is None else self._exec_for(key, entry, slot_ptr)
+        tr.mark("retarget")
+        if ex is None or not self._enqueue(entry, ex, ids, stream):
             self.stats.misses += 1
             return False
-        host = torch.empty(len(ids), dtype=torch.int32, pin_memory=True)  # torch's caching host allocator
-        host.copy_(ids)
-        prev = torch.cuda.current_stream()  # of the current device
-        if prev.device_index != stream.device_index:  # another device is current: the general context
-            with torch.cuda.stream(stream):
-                _launch(entry, host)
-        else:
-            torch.cuda.set_stream(stream)  # cheaper than a StreamContext on the usual path
-            try:
-                _launch(entry, host)
-            finally:
-                torch.cuda.set_stream(prev)
         self.stats.replays += 1
         return True
 
-    def _move(self, key, entry: _Entry, slot_ptr: int) -> bool:
-        """Point the entry's DMA nodes at the slot at `slot_ptr`, before its replay is enqueued
+    def _enqueue(self, entry: _Entry, ex: _Exec, ids, stream) -> bool:
+        """The ids copy then the launch, on `stream` (the entry's copy stream); False: nothing
+        of the graph was launched (the job goes eager)."""
+        tr, ring = self.trace or NO_TRACE, entry.ring
+        i = ring.take()  # a buffer no queued copy reads any more
+        buf = ring.buffers[i]
+        np.copyto(buf.array, ids.numpy() if isinstance(ids, torch.Tensor) else ids, casting="unsafe")
+        tr.mark("ids_fill")
+        # The graph reads its ids buffer: the new ids land first, on the stream that replays it (and
+        # after the previous replay of this graph, which read the old ones, on that same stream).
+        if self.direct and ex.handle:
+            if torch.cuda.current_device() == stream.device_index:
+                return self._direct(entry, ex, buf, i, stream)
+            with torch.cuda.device(stream.device_index):
+                return self._direct(entry, ex, buf, i, stream)
+        if ex is not entry.main:
+            return False  # only torch's own exec can be launched through torch
+        prev = torch.cuda.current_stream()  # of the current device
+        if prev.device_index != stream.device_index:  # another device is current: the general context
+            with torch.cuda.stream(stream):
+                self._torch_launch(entry, buf, i, stream)
+        else:
+            torch.cuda.set_stream(stream)  # cheaper than a StreamContext on the usual path
+            try:
+                self._torch_launch(entry, buf, i, stream)
+            finally:
+                torch.cuda.set_stream(prev)
+        return True
+
+    def _direct(self, entry: _Entry, ex: _Exec, buf: HostBuf, i: int, stream) -> bool:
+        tr, h = self.trace or NO_TRACE, stream.cuda_stream
+        try:
+            self._launcher.h2d(entry.ids_dev.data_ptr(), buf.ptr, buf.array.nbytes, h)
+            entry.ring.arm(i, stream)  # buffer i is rewritten only after this: the copy reads it later
+            tr.mark("ids_h2d")
+            self._launcher.launch(ex.handle, h)
+        except NodeError as e:  # nothing of the graph was launched: the job goes eager
+            self.direct = False
+            self.stats.failures += 1
+            warnings.warn(f"kvtier: direct graph launch failed, replays go through torch: {e}", stacklevel=5)
+            return False
+        tr.mark("launch")
+        return True
+
+    def _torch_launch(self, entry: _Entry, buf: HostBuf, i: int, stream) -> None:
+        tr = self.trace or NO_TRACE
+        entry.ids_dev.copy_(buf.tensor, non_blocking=True)
+        entry.ring.arm(i, stream)  # buffer i is rewritten only after this: the copy reads it later
+        tr.mark("ids_h2d")
+        entry.graph.replay()
+        tr.mark("launch")
+
+    def _exec_for(self, key, entry: _Entry, slot_ptr: int) -> _Exec | None:
+        """The exec to launch for the slot at `slot_ptr`: one whose nodes point there already, else
+        one moved there (a new one while fewer than slot_execs, or the least recently used); None
+        when moving failed (the entry is dropped)."""
+        if entry.nodes is None:
+            return entry.main  # pinned: its key holds this slot's address
+        execs = entry.execs if self.direct else [entry.main]
+        ex = next((x for x in execs if x.nodes.base == slot_ptr), None)
+        if ex is None and self.direct and len(entry.execs) < self.slot_execs:
+            ex = self._new_exec(entry)
+        if ex is None:
+            ex = execs[-1]
+        if self.direct:  # most recently used first
+            if ex in entry.execs:
+                entry.execs.remove(ex)
+            entry.execs.insert(0, ex)
+        if ex.nodes.base != slot_ptr and not self._move(key, entry, ex, slot_ptr):
+            return None
+        return ex
+
+    def _new_exec(self, entry: _Entry) -> _Exec | None:
+        try:
+            h = self._launcher.instantiate(int(entry.graph.raw_cuda_graph()))
+        except Exception as e:  # noqa: BLE001 - one exec per graph, moved, as before
+            self.slot_execs, self.stats.failures = 1, self.stats.failures + 1
+            warnings.warn(f"kvtier: another exec of a staged graph failed, one per graph: {e}", stacklevel=5)
+            return None
+        self.stats.execs += 1
+        return _Exec(h, entry.main.nodes.for_exec(h), owned=True)
+
+    def _move(self, key, entry: _Entry, ex: _Exec, slot_ptr: int) -> bool:
+        """Point the exec's DMA nodes at the slot at `slot_ptr`, before its replay is enqueued
         (earlier launches keep their slot: graph_nodes.py). On failure drop the entry: it is
         never launched half-updated; the job goes eager and later captures are pinned."""
         try:
-            entry.nodes.retarget(slot_ptr)
+            ex.nodes.retarget(slot_ptr)
         except Exception as e:  # noqa: BLE001 - NodeError or anything else: never launch it again
             self.cache.pop(key)
             self._retire(entry)  # a replay of it may still be queued: keep it alive until it ran
             self.retarget = False
             self.stats.failures += 1
             msg = f"kvtier: moving a staged graph to another slot failed, graphs keyed by slot: {e}"
-            warnings.warn(msg, stacklevel=4)
+            warnings.warn(msg, stacklevel=5)
             return False
         self.stats.retargets += 1
         return True
@@ -259,7 +275,13 @@ class StagedGraphs:
                 g.instantiate()  # keep_graph defers it; the exec must exist before its nodes are read
                 base, nbytes = slot_tensor.data_ptr(), slot_tensor.numel() * slot_tensor.element_size()
                 nodes = self._find_nodes(g, direction, base, nbytes, n, staging)
-        return _Entry(g, ids_dev, stream, nodes)
+            ring = HostRing(lambda: host_buf(n), torch.cuda.Event, depth=2)
+        try:
+            handle = int(g.raw_cuda_graph_exec() or 0)
+        except (AttributeError, RuntimeError):  # a torch without it: torch's replay only
+            handle = 0
+        main = _Exec(handle, nodes)
+        return _Entry(g, ids_dev, stream, nodes, ring, [main], main)
 
     def _retire(self, entry: _Entry) -> None:
         self.stats.evictions += 1
@@ -269,9 +291,25 @@ class StagedGraphs:
         self._dead.append((ev, entry))
 
     def _reap(self) -> None:
-        self._dead = [(ev, e) for ev, e in self._dead if not ev.query()]
+        keep = []
+        for ev, e in self._dead:
+            if ev.query():
+                self._free(e)  # its last replay has run: its own execs may go
+            else:
+                keep.append((ev, e))
+        self._dead = keep
+
+    def _free(self, entry: _Entry) -> None:
+        """Destroy the entry's own execs: only once no launch of them can be queued (its eviction
+        event completed, or the streams were synchronized) -- a queued launch would use a freed exec."""
+        for x in entry.execs:
+            if x.owned:
+                with contextlib.suppress(Exception):  # best effort: a leak, never a crash
+                    self._launcher.destroy(x.handle)
+        entry.execs = [x for x in entry.execs if not x.owned]
 
     def clear(self) -> None:
         """Drop every graph (the caller synchronized the streams they run on)."""
-        self.cache.clear()
+        for e in self.cache.clear() + [e for _ev, e in self._dead]:
+            self._free(e)
         self._dead.clear()

@@ -186,12 +186,11 @@ class Handoff:
             compute write is pending beyond those registered with src's tracker).
         num_tokens: tokens in these n blocks; dst tokens past it in the last block are untouched.
         """
-        src_ids = self._src_ids(src_blocks, False, num_tokens)
-        dst_ids = self._dst_ids(dst_blocks, True, num_tokens)
+        src_ids, sset = self._src_ids.check(src_blocks, False, num_tokens)  # sset: for the tracker
+        dst_ids, dset = self._dst_ids.check(dst_blocks, True, num_tokens)
         if len(src_ids) != len(dst_ids):
             raise ValueError(f"dst_blocks: {len(dst_ids)} ids for {len(src_ids)} source blocks")
         a, b, sa, sb = self.src, self.dst, self.send_stream, self.recv_stream
-        sset, dset = frozenset(src_ids.tolist()), frozenset(dst_ids.tolist())
         pieces = self._pieces(len(src_ids), num_tokens)
         with self._lock:
             k = next(self._seq)

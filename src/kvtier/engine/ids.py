@@ -1,11 +1,26 @@
-"""Block ids of a job, checked on the CPU without a Python loop per block (and without a sort)."""
+"""Block ids of a job: checked on the CPU in a few numpy passes (no Python loop per block, no
+sort), and handed to the GPU through a ring of pinned host buffers (no allocation per job).
+
+`IdCheck` turns what the caller passed (a 1-D int32/int64 tensor, a numpy array, a range or a
+sequence of ints) into an int64 array of its own -- the job keeps it, so the caller may reuse its
+buffer -- and checks it: in range (one pass: a negative id viewed as unsigned is out of range
+too), distinct where asked (one scatter of positions, one gather back), `num_tokens` fitting.
+
+`HostRing` holds the host buffers a graph's ids are copied from. An asynchronous H2D copy reads
+its pinned source when the stream reaches it, not when it is enqueued: a buffer is written again
+only once the event recorded after its last copy has completed.
+"""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
+
+from kvtier.lifecycle.blocks import CheckedBlocks
 
 
 class IdCheck:
@@ -14,46 +29,123 @@ class IdCheck:
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks, self.block_size = num_blocks, block_size
         self._lock = threading.Lock()
-        self._mark = np.empty(num_blocks, dtype=np.int64)  # scratch of the duplicate check
-        self._arange = np.arange(0, dtype=np.int64)
+        self._mark = np.empty(num_blocks, dtype=np.int32)  # scratch of the duplicate check
+        self._pos = np.arange(0, dtype=np.int32)
 
     def __call__(self, block_ids, unique: bool, num_tokens: int | None = None) -> torch.Tensor:
-        """int64 [n] CPU block ids, in range (distinct when `unique`), num_tokens fitting n blocks."""
-        if isinstance(block_ids, torch.Tensor):
-            if block_ids.dim() != 1 or block_ids.dtype not in (torch.int32, torch.int64):
-                raise ValueError(
-                    f"block_ids: expected 1-D int32/int64, got {block_ids.dtype} {tuple(block_ids.shape)}"
-                )
-            ids = block_ids.to("cpu", torch.int64)
-        else:
-            try:
-                ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
-            except (TypeError, ValueError, RuntimeError, OverflowError) as e:
-                raise ValueError(f"block_ids: expected a sequence of ints ({e})") from None
-        if ids.dim() != 1 or len(ids) == 0:
-            raise ValueError("block_ids: expected a non-empty flat sequence of ints")
-        lo, hi = torch.aminmax(ids)  # one pass
-        if int(lo) < 0 or int(hi) >= self.num_blocks:
+        """int64 [n] CPU block ids (the job's own copy), in range (distinct when `unique`),
+        num_tokens fitting n blocks. Raises ValueError naming the argument."""
+        return self.check(block_ids, unique, num_tokens)[0]
+
+    def check(self, block_ids, unique: bool, num_tokens: int | None = None):
+        """(int64 [n] CPU tensor, the same ids as `CheckedBlocks` for the block tracker): one array."""
+        a = self._array(block_ids)
+        n = len(a)
+        if a.view(np.uint64).max() >= self.num_blocks:  # one pass: negatives wrap to huge values
             raise ValueError(f"block_ids: out of range; the cache has {self.num_blocks} blocks")
-        if unique and self.has_duplicates(ids):
+        if unique and self.has_duplicates(a):
             raise ValueError("block_ids: duplicate ids; a load cannot write one block twice")
         if num_tokens is not None:
-            bs, n = self.block_size, len(ids)
+            bs = self.block_size
             if (
                 isinstance(num_tokens, bool)
                 or not isinstance(num_tokens, int)
                 or not (n - 1) * bs < num_tokens <= n * bs
             ):
                 raise ValueError(f"num_tokens: {num_tokens!r} does not fit {n} blocks of {bs} tokens")
-        return ids
+        return torch.from_numpy(a), CheckedBlocks(a, self.num_blocks)
 
-    def has_duplicates(self, ids: torch.Tensor) -> bool:
+    @staticmethod
+    def _array(block_ids) -> np.ndarray:
+        """A new 1-D int64 array of the ids (never a view of the caller's buffer)."""
+        if isinstance(block_ids, torch.Tensor):
+            if block_ids.dim() != 1 or block_ids.dtype not in (torch.int32, torch.int64):
+                raise ValueError(
+                    f"block_ids: expected 1-D int32/int64, got {block_ids.dtype} {tuple(block_ids.shape)}"
+                )
+            if block_ids.device.type == "cpu":
+                a = block_ids.numpy().astype(np.int64)  # astype copies
+            else:
+                a = block_ids.cpu().numpy()  # a copy already (and a sync: the caller's choice)
+                a = a if a.dtype == np.int64 else a.astype(np.int64)
+        elif isinstance(block_ids, range):
+            a = np.arange(block_ids.start, block_ids.stop, block_ids.step, dtype=np.int64)
+        else:
+            if isinstance(block_ids, np.ndarray):
+                a = block_ids
+            else:
+                try:
+                    a = np.array(block_ids if isinstance(block_ids, list | tuple) else list(block_ids))
+                except (TypeError, ValueError, OverflowError) as e:
+                    raise ValueError(f"block_ids: expected a sequence of ints ({e})") from None
+            if a.ndim != 1 or len(a) == 0:
+                raise ValueError("block_ids: expected a non-empty flat sequence of ints")
+            if a.dtype.kind not in "iu":
+                raise ValueError(f"block_ids: expected a sequence of ints, got {a.dtype} values")
+            if a.dtype == np.uint64 and a.max() > np.iinfo(np.int64).max:
+                raise ValueError("block_ids: out of range")
+            a = a.astype(np.int64)  # a copy even when it is int64 already
+        if len(a) == 0:
+            raise ValueError("block_ids: expected a non-empty flat sequence of ints")
+        return a
+
+    def has_duplicates(self, ids) -> bool:
         """`ids` (in range) repeat an id. O(n), no sort: write each position at its id and read
         it back; with a repeated id one of its positions reads another's (whichever write won)."""
-        a = ids.numpy()
+        a = ids.numpy() if isinstance(ids, torch.Tensor) else ids
         with self._lock:
-            if len(self._arange) < len(a):
-                self._arange = np.arange(max(len(a), 2 * len(self._arange)), dtype=np.int64)
-            pos = self._arange[: len(a)]
+            if len(self._pos) < len(a):
+                self._pos = np.arange(max(len(a), 2 * len(self._pos)), dtype=np.int32)
+            pos = self._pos[: len(a)]
             self._mark[a] = pos
-            return not np.array_equal(self._mark[a], pos)
+            return bool((self._mark[a] != pos).any())
+
+
+class HostRing:
+    """Host buffers reused round-robin, each guarded by the event recorded after the copy that
+    last read it. Not thread-safe (used under the engine's lock).
+
+    make_buffer(): a new buffer (pinned, on CUDA). make_event(): an event with `record(stream)`,
+    `query()` and `synchronize()`. depth: buffers made up front; up to max_depth are made when
+    every buffer is still being read, past that the host waits for the oldest copy.
+    """
+
+    def __init__(self, make_buffer: Callable[[], Any], make_event: Callable[[], Any], depth=2, max_depth=16):
+        if not 1 <= depth <= max_depth:
+            raise ValueError(f"depth: expected 1 <= depth <= max_depth ({max_depth}), got {depth}")
+        self._make_buffer, self._make_event, self.max_depth = make_buffer, make_event, max_depth
+        self.buffers: list = []
+        self._events: list = []  # per buffer: recorded after its last copy (None: never used)
+        self._next = 0  # the buffer used longest ago
+        self.grown = self.waited = 0
+        for _ in range(depth):
+            self._add(len(self.buffers))
+
+    def _add(self, i: int) -> None:
+        self.buffers.insert(i, self._make_buffer())
+        self._events.insert(i, None)
+
+    def take(self) -> int:
+        """The index of a buffer the host may write now; then enqueue its copy and `arm` it."""
+        i = self._next
+        ev = self._events[i]
+        if ev is not None and not ev.query():  # its last copy may not have read it yet
+            if len(self.buffers) < self.max_depth:
+                self._add(i)  # a new buffer in its place; the busy one stays next in line
+                self.grown += 1
+            else:
+                # Writing it now would change the ids of a copy still queued: wait for that copy.
+                ev.synchronize()
+                self.waited += 1
+        return i
+
+    def arm(self, i: int, stream) -> None:
+        """Record buffer `i`'s event on `stream` right after the copy that reads it was enqueued."""
+        if self._events[i] is None:
+            self._events[i] = self._make_event()
+        # The buffer is reused only after this event: the copy has then read the ids it held.
+        self._events[i].record(stream)
+        self._next = (i + 1) % len(self.buffers)
+
+    def __len__(self) -> int:
+        return len(self.buffers)

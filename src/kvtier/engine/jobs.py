@@ -3,10 +3,16 @@
 A job is *submitted* when its call returns and *complete* when its event has completed; it is
 *settled* once the engine applied that completion to the trackers (slot READY after a save,
 the slot's read ended after a load). Nothing is released before its event completed.
+
+`SubmitTrace`: an opt-in timer of the phases of each submit (P6: CPU time per job).
 """
 
 from __future__ import annotations
 
+import statistics
+import threading
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -24,7 +30,7 @@ class _Job:
     engine: TransferEngine = field(repr=False)
     slot: Slot
     event: Event  # e_save / e_load: after it the whole job has landed
-    blocks: torch.Tensor  # int64 [n] block ids, CPU
+    blocks: torch.Tensor  # int64 [n] block ids, CPU; read-only (the block tracker holds this memory)
     nbytes: int
     path: str
     submit_s: float  # CPU seconds spent in save()/load()
@@ -70,3 +76,64 @@ class LoadJob(_Job):
         # Attention of layer `layer` must not read its blocks before their bytes have landed.
         stream.wait_event(ev)
         self.engine._note_wait(stream, ev)
+
+
+class SubmitTrace:
+    """Where the CPU time of each save()/load() goes: perf_counter_ns deltas between the engine's
+    marks (ids, slot, tracker_wait, graph_lookup, retarget, ids_fill, ids_h2d, launch, eager,
+    capture, mover, event, tracker_begin, ...), one dict per job, the last `keep` jobs. Set
+    `engine.trace = SubmitTrace()` or KVTIER_SUBMIT_TRACE=1; off (None) each mark costs one test.
+    The record in progress is per thread."""
+
+    def __init__(self, keep: int = 4096):
+        self.records: deque[dict] = deque(maxlen=keep)
+        self._local = threading.local()
+
+    def begin(self, job: str) -> None:
+        loc = self._local
+        loc.rec = {"job": job}
+        loc.t0 = loc.t = time.perf_counter_ns()
+
+    def mark(self, phase: str) -> None:
+        """Charge the time since the last mark to `phase` (added up when a phase repeats)."""
+        loc = self._local
+        rec = getattr(loc, "rec", None)
+        if rec is not None:
+            t = time.perf_counter_ns()
+            rec[phase] = rec.get(phase, 0) + t - loc.t
+            loc.t = t
+
+    def end(self) -> None:
+        loc = self._local
+        if getattr(loc, "rec", None) is None:
+            return
+        self.mark("other")
+        loc.rec["total"] = loc.t - loc.t0
+        self.records.append(loc.rec)
+        loc.rec = None
+
+    def medians(self, job: str | None = None) -> dict[str, float]:
+        """Median microseconds per phase over the records of `job` ("save"/"load"; None: all);
+        a phase a job did not pass counts 0 for it."""
+        recs = [r for r in self.records if job is None or r["job"] == job]
+        phases = dict.fromkeys(k for r in recs for k in r if k != "job")
+        return {k: statistics.median(r.get(k, 0) for r in recs) / 1e3 for k in phases}
+
+    def clear(self) -> None:
+        self.records.clear()
+
+
+class _NoTrace:
+    """What the engine marks when no trace is set: nothing (a method call each, ~50 ns)."""
+
+    def begin(self, job: str) -> None:
+        pass
+
+    def mark(self, phase: str) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+NO_TRACE = _NoTrace()

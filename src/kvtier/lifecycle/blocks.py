@@ -7,6 +7,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvtier.device.base import Event
@@ -42,20 +43,38 @@ WHY: dict[tuple[Access, Access], str] = {
 }
 
 
-Blocks = Iterable[int] | torch.Tensor  # block ids: a list, set, range or 1-D integer tensor
+class CheckedBlocks:
+    """Block ids a caller has checked already (the engine's `IdCheck`): a 1-D int64 numpy array
+    `ids` of ids in [0, `bound`) that nobody writes any more. The tracker keeps it as is: no copy,
+    no check. (A plain slotted class: made once per job, it must cost next to nothing.)"""
+
+    __slots__ = ("bound", "ids")
+
+    def __init__(self, ids: np.ndarray, bound: int):
+        self.ids, self.bound = ids, bound
+
+
+# Block ids: a list, set, frozenset, range, 1-D integer tensor or numpy array, or CheckedBlocks.
+Blocks = Iterable[int] | torch.Tensor | np.ndarray | CheckedBlocks
+
+
+MASK_MAX = 1 << 24  # ids below it are checked through the scratch mask (1 B each), others by a sort
 
 
 @dataclass(slots=True, frozen=True)
 class _Pending:
     kind: Access
-    blocks: frozenset[int]
+    blocks: np.ndarray  # int64 [n], owned by the tracker
+    hi: int  # above every id in `blocks`
     event: Event
 
 
 class BlockTracker:
     """Pending accesses to the serving engine's GPU blocks. Thread-safe.
 
-    Cost per call is O(pending accesses) set operations in C, not a Python loop per block.
+    Each access's blocks are one int64 numpy array; a call costs a few numpy passes over its own
+    blocks and over those of the pending accesses it could conflict with (a scratch mask of the
+    new blocks, gathered at each candidate's ids): no Python loop or set per block, no sort.
     Events are compared by identity: register the object `stream.record()` returned.
     """
 
@@ -64,27 +83,74 @@ class BlockTracker:
         self.name = name
         self._lock = threading.Lock()
         self._pending: list[_Pending] = []
+        self._mask = np.zeros(0, dtype=bool)  # scratch, all False between calls; covers every id seen
 
-    def _blocks(self, blocks: Blocks, kind: Access) -> frozenset[int]:
+    def _blocks(self, blocks: Blocks, kind: Access) -> tuple[np.ndarray, int]:
+        """`blocks` as an int64 array the tracker owns (callers may reuse their buffers), and a
+        bound above every id in it."""
         if not isinstance(kind, Access):
             raise ValueError(f"kind must be an Access, got {kind!r}")
-        s = frozenset(blocks.tolist() if isinstance(blocks, torch.Tensor) else blocks)
-        if not s:
-            raise ValueError("blocks must name at least one block")
-        if self.sanitize and not all(isinstance(b, int) and b >= 0 for b in s):
-            raise ValueError(f"blocks must be ints >= 0, got {sorted(s, key=str)[:8]}")
-        return s
+        if isinstance(blocks, CheckedBlocks):
+            self._cover(blocks.bound)
+            return blocks.ids, blocks.bound
+        if isinstance(blocks, torch.Tensor):
+            blocks = blocks.detach().cpu().numpy()
+        if isinstance(blocks, range):
+            a = np.arange(blocks.start, blocks.stop, blocks.step, dtype=np.int64)
+        elif isinstance(blocks, np.ndarray):
+            a = blocks
+        else:
+            seq = blocks if isinstance(blocks, list | tuple) else list(blocks)
+            try:
+                a = np.array(seq)
+            except (TypeError, ValueError, OverflowError):
+                a = np.array(seq, dtype=object)
+        if a.ndim != 1 or not len(a):
+            raise ValueError(f"blocks must name at least one block (a flat sequence), got shape {a.shape}")
+        if a.dtype.kind not in "iu" or (a.dtype == np.uint64 and a.max() > np.iinfo(np.int64).max):
+            raise ValueError(f"blocks must be ints >= 0, got {sorted(a.tolist(), key=str)[:8]}")
+        a = a.astype(np.int64)  # a copy: the pending access must not change with the caller's buffer
+        if a.min() < 0:
+            raise ValueError(f"blocks must be ints >= 0, got {sorted(a.tolist())[:8]}")
+        hi = int(a.max()) + 1
+        self._cover(hi)
+        return a, hi
+
+    def _cover(self, size: int) -> None:
+        """Grow the scratch mask to hold ids below `size` (up to MASK_MAX); call without the lock."""
+        if len(self._mask) < size <= MASK_MAX:
+            with self._lock:
+                if len(self._mask) < size:
+                    grown = np.zeros(max(size, 2 * len(self._mask)), dtype=bool)
+                    grown[: len(self._mask)] = self._mask  # all False: no call is between mark and clear
+                    self._mask = grown
+
+    def _overlapping(self, a: np.ndarray, hi: int, cands: list[_Pending]) -> list[_Pending]:
+        """The candidates that share a block with `a` (ids below `hi`); call with the lock held."""
+        if not cands:
+            return []
+        m = self._mask
+        if hi > len(m) or any(p.hi > len(m) for p in cands):  # ids past MASK_MAX: sort-based
+            return [p for p in cands if np.isin(p.blocks, a).any()]
+        m[a] = True
+        try:
+            return [p for p in cands if m[p.blocks].any()]
+        finally:
+            m[a] = False  # scratch stays all False between calls
 
     def _prune(self) -> None:
         self._pending = [p for p in self._pending if not p.event.query()]
 
     def waits_for(self, kind: Access, blocks: Blocks, stream: object = None) -> list[Event]:
         """Events a new `kind` access to `blocks` must wait for (those on `stream` are implied)."""
-        s = self._blocks(blocks, kind)
+        a, hi = self._blocks(blocks, kind)
+        follow = MUST_FOLLOW[kind]
         with self._lock:
             self._prune()
-            hits = [p for p in self._pending if p.kind in MUST_FOLLOW[kind] and not s.isdisjoint(p.blocks)]
-        return [p.event for p in hits if stream is None or p.event.stream != stream]
+            cands = [
+                p for p in self._pending if p.kind in follow and (stream is None or p.event.stream != stream)
+            ]
+            return [p.event for p in self._overlapping(a, hi, cands)]
 
     def register(self, kind: Access, blocks: Blocks, event: Event, waited: Sequence[Event] = ()) -> None:
         """Record that a `kind` access to `blocks` was submitted, followed by `event`.
@@ -92,24 +158,30 @@ class BlockTracker:
         `waited`: the events its stream waited for before the access. With the sanitizer on,
         every conflicting pending access must be waited, on the same stream, or completed.
         """
-        s = self._blocks(blocks, kind)
+        a, hi = self._blocks(blocks, kind)
         with self._lock:
             self._prune()
             if self.sanitize:
-                for p in self._pending:
-                    if p.kind not in MUST_FOLLOW[kind] or s.isdisjoint(p.blocks):
-                        continue
-                    if any(p.event is w for w in waited) or p.event.stream == event.stream or p.event.query():
-                        continue  # ordered by a wait, by stream order, or already done
-                    block = f"{self.name} {min(s & p.blocks)}"
+                follow = MUST_FOLLOW[kind]
+                cands = [
+                    p
+                    for p in self._pending
+                    if p.kind in follow
+                    and not any(p.event is w for w in waited)
+                    and p.event.stream != event.stream
+                ]
+                for p in self._overlapping(a, hi, cands):
+                    if p.event.query():
+                        continue  # completed since the prune: ordered by completion
+                    block = f"{self.name} {int(np.intersect1d(a, p.blocks).min())}"
                     raise LifecycleError(kind.name.lower(), block, p.kind.value, p.event, WHY[(kind, p.kind)])
-            self._pending.append(_Pending(kind, s, event))
+            self._pending.append(_Pending(kind, a, hi, event))
 
     def state(self, block: int) -> str:
         """IDLE, or the kinds of the pending accesses to `block` joined by '+'."""
         with self._lock:
             self._prune()
-            kinds = sorted({p.kind.value for p in self._pending if block in p.blocks})
+            kinds = sorted({p.kind.value for p in self._pending if bool((p.blocks == block).any())})
         return "+".join(kinds) or "IDLE"
 
     def pending(self) -> int:

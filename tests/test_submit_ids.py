@@ -1,0 +1,109 @@
+"""The id checks of a submit (engine/ids.py `IdCheck`): numpy passes, the same errors as before
+(naming the argument), and ids the job owns (the caller may reuse its buffer right away)."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.device import SimDevice
+from kvtier.engine import TransferEngine
+from kvtier.engine.ids import IdCheck
+from kvtier.lifecycle import Access
+from kvtier.lifecycle.blocks import CheckedBlocks
+from kvtier.pool import PinnedPool
+from kvtier.reference import bits_equal, gather_ref, random_cache
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [[3, 1, 2], (3, 1, 2), range(3, 0, -2), np.array([3, 1, 2]), np.array([3, 1, 2], np.int32),
+     torch.tensor([3, 1, 2]), torch.tensor([3, 1, 2], dtype=torch.int32), iter([3, 1, 2])],
+)  # fmt: skip
+def test_accepted_forms(ids):
+    check = IdCheck(num_blocks=10, block_size=4)
+    want = [3, 1] if isinstance(ids, range) else [3, 1, 2]
+    t, blocks = check.check(ids, unique=True, num_tokens=4 * len(want) - 3)
+    assert t.dtype == torch.int64 and t.tolist() == want
+    assert isinstance(blocks, CheckedBlocks) and blocks.bound == 10
+    assert np.shares_memory(blocks.ids, t.numpy())  # one array: the tracker keeps the job's own ids
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ([10], "block_ids: out of range"),
+        ([-1], "block_ids: out of range"),
+        (np.array([3, -2]), "block_ids: out of range"),
+        (torch.tensor([0, 10], dtype=torch.int32), "block_ids: out of range"),
+        (np.array([2**63], dtype=np.uint64), "block_ids: out of range"),
+        ([2**70], "block_ids: expected a sequence of ints"),
+        ([], "block_ids: expected a non-empty"),
+        (torch.zeros(0, dtype=torch.int64), "block_ids: expected a non-empty"),
+        (torch.zeros(2, 2, dtype=torch.int64), "block_ids: expected 1-D int32/int64"),
+        (torch.zeros(2), "block_ids: expected 1-D int32/int64"),
+        (torch.zeros(2, dtype=torch.bool), "block_ids: expected 1-D int32/int64"),
+        (["a"], "block_ids: expected a sequence of ints"),
+        ([1.5, 2.0], "block_ids: expected a sequence of ints"),
+        ([[1, 2]], "block_ids: expected a non-empty flat sequence"),
+        (np.zeros((2, 2), np.int64), "block_ids: expected a non-empty flat sequence"),
+        (5, "block_ids: expected a sequence of ints"),
+    ],
+)
+def test_errors_name_the_argument(bad, match):
+    check = IdCheck(num_blocks=10, block_size=4)
+    with pytest.raises(ValueError, match=match):
+        check(bad, unique=False)
+
+
+def test_duplicates_and_num_tokens():
+    check = IdCheck(num_blocks=10, block_size=4)
+    assert check([1, 2, 1], unique=False).tolist() == [1, 2, 1]  # a save may read a block twice
+    for dup in ([1, 2, 1], np.array([9, 9]), torch.tensor([0, 5, 0], dtype=torch.int32)):
+        with pytest.raises(ValueError, match="block_ids: duplicate ids"):
+            check(dup, unique=True)
+    with pytest.raises(ValueError, match="num_tokens"):
+        check([1, 2], unique=True, num_tokens=4)  # two blocks of 4 hold 5..8 tokens
+    for bad in (9, True, 5.0, "6"):
+        with pytest.raises(ValueError, match="num_tokens"):
+            check([1, 2], unique=True, num_tokens=bad)
+    assert check([1, 2], unique=True, num_tokens=5).tolist() == [1, 2]
+
+
+def test_duplicate_check_matches_unique_at_scale():
+    check = IdCheck(num_blocks=40_000, block_size=16)
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 512, 8192, 32_768):
+        ids = rng.permutation(40_000)[:n]
+        assert not check.has_duplicates(ids)
+        if n > 1:
+            ids[rng.integers(n)] = ids[rng.integers(n)]
+            assert check.has_duplicates(ids) == (len(np.unique(ids)) != n)
+
+
+def test_the_job_owns_its_ids():
+    check = IdCheck(num_blocks=10, block_size=4)
+    for mine in (torch.tensor([1, 2, 3]), np.array([1, 2, 3]), [1, 2, 3]):
+        t = check(mine, unique=True)
+        mine[0] = 7  # the caller reuses its buffer
+        assert t.tolist() == [1, 2, 3]
+
+
+def test_engine_protects_the_submitted_blocks_when_the_caller_reuses_its_tensor():
+    dev = SimDevice(copy_delay=0.05)
+    kv = random_cache("vllm_flash", 2, 16, 4, 2, 8, torch.bfloat16, seed=3)
+    pool = PinnedPool(dev, 2 * kv.chunk_nbytes(3))
+    eng = TransferEngine(dev, kv, pool, sanitize=True)
+    ids = torch.tensor([5, 1, 6])
+    want = gather_ref(kv, [5, 1, 6])
+    job = eng.save(ids, after=None)
+    ids[:] = torch.tensor([7, 8, 9])  # reused for the next request right after the submit
+    assert job.blocks.tolist() == [5, 1, 6]
+    # A compute write to the saved blocks must still wait for the save (and not for 7, 8, 9).
+    compute = dev.current_stream()
+    assert eng.blocks.waits_for(Access.WRITE, [1], stream=compute) == [job.event]
+    assert eng.blocks.waits_for(Access.WRITE, [7, 8, 9], stream=compute) == []
+    assert job.wait() and bits_equal(job.slot.view(kv.dtype, kv.chunk_shape(3)), want)
+    eng.release(job.slot)
+    eng.close()
+    pool.close()
+    dev.close()

@@ -1,0 +1,67 @@
+"""The opt-in submit phase timer (jobs.py `SubmitTrace`): off by default, on through the engine
+attribute or KVTIER_SUBMIT_TRACE=1, one record per job with the engine's phases."""
+
+import torch
+
+from kvtier.device import SimDevice
+from kvtier.engine import TransferEngine
+from kvtier.engine.jobs import NO_TRACE, SubmitTrace
+from kvtier.pool import PinnedPool
+from kvtier.reference import random_cache
+
+
+def _engine(dev):
+    kv = random_cache("vllm_flash", 2, 16, 4, 2, 8, torch.bfloat16, seed=2)
+    pool = PinnedPool(dev, 2 * kv.chunk_nbytes(3))
+    return TransferEngine(dev, kv, pool, sanitize=True), pool
+
+
+def test_trace_records_each_phase(monkeypatch):
+    monkeypatch.delenv("KVTIER_SUBMIT_TRACE", raising=False)
+    dev = SimDevice()
+    eng, pool = _engine(dev)
+    assert eng.trace is None
+    tr = eng.trace = SubmitTrace()
+    assert eng.mover.trace is tr
+    for _ in range(3):
+        save = eng.save([5, 1, 6], after=None)
+        assert save.wait()
+        load = eng.load(save.slot, [2, 3, 4])
+        assert load.wait()
+        eng.release(save.slot)
+    assert [r["job"] for r in tr.records] == ["save", "load"] * 3
+    s, ld = tr.records[0], tr.records[1]
+    for phase in ("ids", "slot", "tracker_wait", "mover", "event", "tracker_begin", "total"):
+        assert phase in s
+    assert "poll" in ld and "slot" not in ld
+    assert s["total"] == sum(v for k, v in s.items() if k not in ("job", "total"))
+    med = tr.medians("save")
+    assert set(med) >= {"ids", "mover", "total"} and all(v >= 0 for v in med.values())
+    eng.trace = None
+    eng.save([5, 1, 6], after=None).wait()
+    assert len(tr.records) == 6  # off again
+    eng.close()
+    pool.close()
+    dev.close()
+
+
+def test_trace_from_environment(monkeypatch):
+    monkeypatch.setenv("KVTIER_SUBMIT_TRACE", "1")
+    dev = SimDevice()
+    eng, pool = _engine(dev)
+    assert isinstance(eng.trace, SubmitTrace)
+    eng.save([1], after=None).wait()
+    assert len(eng.trace.records) == 1
+    eng.close()
+    pool.close()
+    dev.close()
+
+
+def test_no_trace_is_inert():
+    NO_TRACE.begin("save")
+    NO_TRACE.mark("ids")
+    NO_TRACE.end()
+    tr = SubmitTrace()
+    tr.mark("ids")  # no record begun: nothing happens
+    tr.end()
+    assert not tr.records and tr.medians() == {}
