@@ -58,7 +58,8 @@ if [ "$mode" = engine-store ]; then
   timeout 200 $py -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py tests/test_engine_graphs_gpu.py \
     tests/test_kernels_gpu.py $(ls tests/test_submit_*.py 2>/dev/null) 2>&1 | tail -15 | tee "$out/pytest-gpu.log"
   echo "== profile_submit"
-  timeout 120 $py benchmarks/profile_submit.py > "$out/profile_submit.txt" 2>&1; tail -40 "$out/profile_submit.txt"
+  timeout 150 $py benchmarks/profile_submit.py --json "$out/profile_submit.json" > "$out/profile_submit.txt" 2>&1
+  tail -60 "$out/profile_submit.txt"
   echo "== bench"
   timeout 420 $py -m kvtier bench --out "$out" --suite submit_overhead --suite bidir --suite save_beside_matmul \
     --suite store --suite handoff --suite contention 2>&1 | tee "$out/bench.log" | tail -60
