@@ -8,7 +8,8 @@
 #   engine-all: GPU tests + engine-bench
 #   engine-store: (carry .whl) engine GPU tests, profile_submit.py, suites submit_overhead, bidir,
 #          save_beside_matmul, store (Redis from the carried wheel + binary), handoff, contention
-#   models: kvtier calibrate, suites ttft (calibrated) + hf, `kvtier demo` on the GPU (+ Redis)
+#   models: host_jitter.py, kvtier calibrate, suites ttft (calibrated) + submit_overhead
+#   models-hf: suite hf, `kvtier demo` on the GPU (+ Redis when carried)
 #   multi: (2+ GPUs) handoff/probe GPU tests, memcheck/racecheck of a handoff, probe --all-gpus,
 #          suites handoff + contention, `kvtier path` with the measured sharing
 set -uo pipefail
@@ -66,15 +67,22 @@ if [ "$mode" = engine-store ]; then
   exit 0
 fi
 if [ "$mode" = models ]; then
+  echo "== host jitter"
+  timeout 60 $py benchmarks/host_jitter.py 2>&1 | tee "$out/host_jitter.txt"
   echo "== calibrate"
-  timeout 150 $py -m kvtier calibrate --save "$out/calibration.json" 2>&1 | tee "$out/calibrate.log" | tail -40
-  echo "== bench ttft, hf"
-  KVTIER_CALIBRATION="$out/calibration.json" timeout 330 $py -m kvtier bench --out "$out" --suite ttft --suite hf \
-    2>&1 | tee "$out/bench.log" | tail -60
+  timeout 140 $py -m kvtier calibrate --save "$out/calibration.json" 2>&1 | tee "$out/calibrate.log" | tail -40
+  echo "== bench ttft, submit_overhead"
+  KVTIER_CALIBRATION="$out/calibration.json" timeout 360 $py -m kvtier bench --out "$out" --suite ttft \
+    --suite submit_overhead 2>&1 | tee "$out/bench.log" | tail -60
+  exit 0
+fi
+if [ "$mode" = models-hf ]; then
+  echo "== bench hf"
+  timeout 330 $py -m kvtier bench --out "$out" --suite hf 2>&1 | tee "$out/bench.log" | tail -40
   echo "== demo on the GPU"
   r=$(command -v redis-server >/dev/null && echo yes)
   [ -n "$r" ] && { redis-server --port 6399 --save "" --daemonize yes > /dev/null; sleep 0.5; }
-  timeout 100 $py -m kvtier demo --device cuda --plot "$out/demo-ttft.png" ${r:+--redis redis://127.0.0.1:6399} \
+  timeout 150 $py -m kvtier demo --device cuda --plot "$out/demo-ttft.png" ${r:+--redis redis://127.0.0.1:6399} \
     2>&1 | tee "$out/demo.log" | tail -30
   exit 0
 fi
