@@ -77,6 +77,10 @@ if [ "$mode" = models ]; then
   exit 0
 fi
 if [ "$mode" = models-hf ]; then
+  if [ -n "${KVTIER_CALIBRATION:-}" ]; then  # the ttft suite again, with a committed calibration
+    echo "== bench ttft"
+    timeout 240 $py -m kvtier bench --out "$out/ttft" --suite ttft 2>&1 | tee "$out/bench-ttft.log" | tail -40
+  fi
   echo "== bench hf"
   timeout 330 $py -m kvtier bench --out "$out" --suite hf 2>&1 | tee "$out/bench.log" | tail -40
   echo "== demo on the GPU"

@@ -162,16 +162,32 @@ class KVStore:
         self._reap()
         handle = LoadHandle(num_layers=self.kv.num_layers, _on_done=self._reap)
         tiers: list[str] = []
-        # The walk ends at the first chunk no tier delivers: the rest of the prefix is useless.
-        for i, got in enumerate(self._fetch.walk(keys[: len(ids) // self.fmt.blocks])):
+
+        def submit(i: int, got, layered: bool) -> None:
             try:
-                job = self.engine.load(got.entry.slot, self._chunk(ids, i), per_layer=per_layer)
+                job = self.engine.load(got.entry.slot, self._chunk(ids, i), per_layer=layered)
             except BaseException:
                 self._completed(None, got.entry, got.kind)  # nothing was submitted from the slot
                 raise
             self._track(job, got.entry, got.kind)
             handle.jobs.append(job)
             tiers.append(got.tier)
+
+        # One job per chunk; only the last is copied layer by layer (a launch and an event per
+        # layer), the others whole (one launch): layer i of the prefix is ready once the last
+        # chunk's layer i landed, and the earlier chunks, queued before it, landed whole.
+        # The walk ends at the first chunk no tier delivers: the rest of the prefix is useless.
+        pending = None
+        for i, got in enumerate(self._fetch.walk(keys[: len(ids) // self.fmt.blocks])):
+            if pending is not None:
+                try:
+                    submit(*pending, False)
+                except BaseException:
+                    self._completed(None, got.entry, got.kind)  # fetched, never submitted
+                    raise
+            pending = (i, got)
+        if pending is not None:
+            submit(*pending, per_layer)
         handle.tokens, handle.tiers = len(handle.jobs) * self.fmt.tokens, tuple(tiers)
         chunks = Counter(f"load_chunks_{t}" for t in tiers)
         self._count(loads=1, load_tokens=handle.tokens, _call=("load", t0), **chunks)
