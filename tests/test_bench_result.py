@@ -105,3 +105,14 @@ def test_invalid_document_is_not_written(tmp_path):
 )
 def test_slug(name, expect):
     assert slug(name) == expect
+
+
+def test_named_commit_wins_over_git(monkeypatch, tmp_path):
+    """A GPU box may hold a stale .git: KVTIER_COMMIT (what was copied) wins over its HEAD."""
+    from kvtier.bench.env import git_commit
+
+    monkeypatch.setenv("KVTIER_COMMIT", "abc123")
+    assert git_commit() == ("abc123", None)
+    monkeypatch.delenv("KVTIER_COMMIT")
+    commit, _dirty = git_commit(tmp_path)  # no git here: unknown, never another checkout's HEAD
+    assert commit is None

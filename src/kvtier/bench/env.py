@@ -18,8 +18,12 @@ import kvtier
 
 
 def git_commit(where: str | Path | None = None) -> tuple[str | None, bool | None]:
-    """(commit hash, dirty?) of the checkout kvtier runs from; outside git, the commit named by
-    KVTIER_COMMIT (a copy of the tree without .git, e.g. on a remote GPU box) with dirty unknown."""
+    """(commit hash, dirty?) of the checkout kvtier runs from. KVTIER_COMMIT, when set, wins (dirty
+    unknown): a tree copied to a remote GPU box may carry no .git, or a stale one whose HEAD is
+    not the commit that was copied."""
+    named = os.environ.get("KVTIER_COMMIT")
+    if named:
+        return named, None
     cwd = Path(where) if where else Path(kvtier.__file__).resolve().parent
     try:
         head = subprocess.run(
@@ -34,7 +38,7 @@ def git_commit(where: str | Path | None = None) -> tuple[str | None, bool | None
             check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("KVTIER_COMMIT") or None, None
+        return None, None
     return (head or None), bool(status.strip())
 
 
