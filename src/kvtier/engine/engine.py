@@ -213,7 +213,17 @@ class TransferEngine:
     def poll(self) -> int:
         """Settle every job whose event has completed; return how many were settled."""
         with self._lock:
-            done = [j for j in self._jobs if j.event.query()]
+            # A stream runs in order: past its first incomplete job, none of its later ones can have
+            # completed, so each poll queries the completed jobs and one more per stream, not all.
+            done, blocked = [], set()
+            for j in self._jobs:
+                stream = j.event.stream
+                if stream is not None and stream in blocked:
+                    continue
+                if j.event.query():
+                    done.append(j)
+                elif stream is not None:
+                    blocked.add(stream)
             for j in done:
                 self._settle(j)
             self.slots.poll()  # retired slots whose events completed go back to the pool

@@ -83,6 +83,7 @@ class BlockTracker:
         self.name = name
         self._lock = threading.Lock()
         self._pending: list[_Pending] = []
+        self._prune_at = 16  # the list length that triggers the next full prune
         self._mask = np.zeros(0, dtype=bool)  # scratch, all False between calls; covers every id seen
 
     def _blocks(self, blocks: Blocks, kind: Access) -> tuple[np.ndarray, int]:
@@ -138,19 +139,24 @@ class BlockTracker:
         finally:
             m[a] = False  # scratch stays all False between calls
 
-    def _prune(self) -> None:
-        self._pending = [p for p in self._pending if not p.event.query()]
+    def _prune(self, full: bool = True) -> None:
+        """Drop completed accesses. Not full: only once the list has doubled since the last prune
+        (amortized O(1) queries per access; a completed access left in the list only makes a
+        caller wait on an event that has completed, which costs nothing)."""
+        if full or len(self._pending) >= self._prune_at:
+            self._pending = [p for p in self._pending if not p.event.query()]
+            self._prune_at = 2 * len(self._pending) + 16
 
     def waits_for(self, kind: Access, blocks: Blocks, stream: object = None) -> list[Event]:
         """Events a new `kind` access to `blocks` must wait for (those on `stream` are implied)."""
         a, hi = self._blocks(blocks, kind)
         follow = MUST_FOLLOW[kind]
         with self._lock:
-            self._prune()
+            self._prune(full=False)
             cands = [
                 p for p in self._pending if p.kind in follow and (stream is None or p.event.stream != stream)
             ]
-            return [p.event for p in self._overlapping(a, hi, cands)]
+            return [p.event for p in self._overlapping(a, hi, cands) if not p.event.query()]
 
     def register(self, kind: Access, blocks: Blocks, event: Event, waited: Sequence[Event] = ()) -> None:
         """Record that a `kind` access to `blocks` was submitted, followed by `event`.
@@ -160,7 +166,7 @@ class BlockTracker:
         """
         a, hi = self._blocks(blocks, kind)
         with self._lock:
-            self._prune()
+            self._prune(full=False)
             if self.sanitize:
                 follow = MUST_FOLLOW[kind]
                 cands = [
