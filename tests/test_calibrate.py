@@ -177,7 +177,7 @@ def test_decode_step_groups_query_heads_like_repeat_kv():
     q = torch.randn(b, kv_heads * group, d)
     k, v = torch.randn(b, kv_heads, c, d), torch.randn(b, kv_heads, c, d)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    ours = sdpa(q.view(b, kv_heads, group, d), k, v).reshape(b, kv_heads * group, d)
+    ours = calibrate.grouped_attention(q.view(b, kv_heads, group, d), k, v).reshape(b, kv_heads * group, d)
     rep = lambda x: x.repeat_interleave(group, dim=1)  # noqa: E731 - transformers' repeat_kv
     theirs = sdpa(q.unsqueeze(2), rep(k), rep(v)).squeeze(2)
     torch.testing.assert_close(ours, theirs)
