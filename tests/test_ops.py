@@ -131,3 +131,18 @@ def test_plan_picks_wide_units_where_aligned(kv):
     assert plan.unit == torch.int32 and plan.vec == 4  # 16-byte vectors
     plan = kv_copy._plan(kv, aligned[2:].data_ptr())
     assert plan.unit == torch.int16 and plan.vec == 1
+
+
+def test_checked_block_ids_equal_the_checked_path():
+    """The engine's shortcut (ids it checked itself) gives what the checking path gives."""
+    import torch
+
+    from kvtier.ops.checks import block_ids, checked_block_ids
+    from kvtier.reference import random_cache
+
+    kv = random_cache("vllm_flash", 2, 10, 4, 2, 8, torch.float16, seed=0)
+    ids = torch.tensor([7, 2, 9], dtype=torch.int64)
+    a, b = checked_block_ids(kv, ids, True, 10), block_ids(kv, ids, unique=True, num_tokens=10)
+    assert torch.equal(a.dev, b.dev) and a.last_valid == b.last_valid == 2 and a.unique
+    with pytest.raises(ValueError, match="num_tokens"):
+        checked_block_ids(kv, ids, True, 13)  # 13 tokens do not fit 3 blocks of 4

@@ -11,7 +11,8 @@ is made to wait for before the engine records the job's event:
   on a persistent grid of `uva_ctas` CTAs;
 - batch: `batch.py` (cudaMemcpyBatchAsync), on the copy stream itself.
 
-Block ids reach the GPU as one tensor per job (ops.block_ids): no per-block Python loop.
+Block ids reach the GPU as one tensor per job (ops.checks.checked_block_ids: the engine's IdCheck
+has checked them): no per-block Python loop, no second check.
 
 With `graphs` (engine option, default on), a staged job whose key (`graphs.py`: slot size, block
 count, valid tokens of the last block) was seen before is a CUDA-graph replay on the copy stream
@@ -30,6 +31,7 @@ from kvtier.device.base import Event, Stream
 from kvtier.engine import batch
 from kvtier.engine.graphs import StagedGraphs, graph_key
 from kvtier.engine.paths import Path
+from kvtier.ops.checks import checked_block_ids
 from kvtier.pool import Slot
 
 if TYPE_CHECKING:
@@ -83,12 +85,11 @@ class CudaMover:
                 self._mark("capture")
         elif path is Path.KERNEL:
             with torch.cuda.stream(raw):
-                ops.gather(kv, ids, slot.tensor, num_tokens=num_tokens, max_ctas=self.uva_ctas)
+                bid = checked_block_ids(kv, ids, False, num_tokens)  # one H2D; the engine checked them
+                ops.gather(kv, bid, slot.tensor, max_ctas=self.uva_ctas)
         else:
             with torch.cuda.stream(raw):
-                batch.copy(
-                    kv, ops.block_ids(kv, ids, unique=False, num_tokens=num_tokens), slot, raw, save=True
-                )
+                batch.copy(kv, checked_block_ids(kv, ids, False, num_tokens), slot, raw, save=True)
 
     def load(
         self, path: Path, ids, num_tokens, slot: Slot, stream: Stream, per_layer: bool, label: str
@@ -120,7 +121,7 @@ class CudaMover:
                 self._mark("capture")
             return []
         with torch.cuda.stream(raw):
-            bid = ops.block_ids(kv, ids, unique=True, num_tokens=num_tokens)  # one H2D of the ids
+            bid = checked_block_ids(kv, ids, True, num_tokens)  # one H2D; the engine checked them
             if path is Path.BATCH:
                 batch.copy(kv, bid, slot, raw, save=False)
                 return []

@@ -80,6 +80,19 @@ def block_ids(
     return BlockIds(kv, cpu, dev, unique, last_valid, ready)
 
 
+def checked_block_ids(kv: PagedKV, cpu: torch.Tensor, unique: bool, num_tokens: int | None) -> BlockIds:
+    """BlockIds of int64 CPU ids its caller has checked already (the engine's `IdCheck`: in range,
+    distinct when `unique`, num_tokens fitting): only the copy to the device, no second check."""
+    last_valid = check_num_tokens(kv, len(cpu), num_tokens)
+    dev = cpu.to(torch.int32).to(kv.device, non_blocking=True)  # pageable source: staged at once
+    ready = None
+    if dev.is_cuda:
+        ready = torch.cuda.Event()
+        # Marks the ids landed on the GPU: an op on another stream waits for it before reading them.
+        ready.record(torch.cuda.current_stream(kv.device))
+    return BlockIds(kv, cpu, dev, unique, last_valid, ready)
+
+
 def as_block_ids(kv: PagedKV, ids, unique: bool, num_tokens: int | None) -> BlockIds:
     """`ids` as BlockIds for this op: checked now, or checked before (then for this cache)."""
     if not isinstance(ids, BlockIds):
