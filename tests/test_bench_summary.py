@@ -33,3 +33,11 @@ def test_results_command_prints_markdown_and_rejects_bad_files(tmp_path):
     bad.write_text('{"rows": []}')
     r = CliRunner().invoke(cli, ["results", str(bad)])
     assert r.exit_code == 2 and "not a valid kvtier result file" in r.output
+
+
+def test_submit_figure_shows_the_hot_submit():
+    from kvtier.bench.summary import _engine_figure
+
+    assert _engine_figure({"params": {"submit_us": 500.0, "blocks": 512}}) == "submit 500 us for 512 blocks"
+    hot = _engine_figure({"params": {"submit_us": 500.0, "submit_hot_us": 90.0, "blocks": 512}})
+    assert hot == "submit 500 us, 90 us hot for 512 blocks"

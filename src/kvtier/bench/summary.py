@@ -96,7 +96,8 @@ def _engine_figure(r: dict) -> str:
     if "slowdown_pct" in p:
         return f"matmul time {p['slowdown_pct']:+.1f}% (alone spread {p.get('alone_spread_pct', 0):.1f}%)"
     if "submit_us" in p:
-        return f"submit {p['submit_us']:,.0f} us for {p.get('blocks', '?')} blocks"
+        hot = f", {p['submit_hot_us']:,.0f} us hot" if p.get("submit_hot_us") is not None else ""
+        return f"submit {p['submit_us']:,.0f} us{hot} for {p.get('blocks', '?')} blocks"
     if "us_per_chunk" in p:
         return f"{p['us_per_chunk']:.2f} us per chunk, {p['us_per_prompt']:,.0f} us per prompt"
     if "vs_path" in p:
