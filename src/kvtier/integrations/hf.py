@@ -184,6 +184,7 @@ class KVTierCache(Cache):
         self.hit_tokens = load.tokens if load is not None else 0
         self.hit_tiers: tuple[str, ...] = load.tiers if load is not None else ()
         self.arrived: list[int] = []  # layers in the order they were read (tests check the order)
+        self._ids_dev: torch.Tensor | None = None  # the hit's block ids on the device, made once
         self.finished = False
         super().__init__(layers=[self.layer_class(self, i) for i in range(owner.kv.num_layers)])
 
@@ -206,12 +207,17 @@ class KVTierCache(Cache):
             raise ValueError(
                 f"key_states: KVTierCache holds one request (batch 1), got batch {like.shape[0]}"
             )
-        ids = torch.tensor(self.blocks, device=o.kv.device)
         out = torch.empty((2, 1, o.kv.num_heads, n, o.kv.head_dim), dtype=like.dtype, device=like.device)
         pages = o.kv.layers[layer]  # (2, num_blocks, block_size, heads, dim)
 
         def gather() -> None:  # (2, nb, bs, H, D) -> (2, 1, H, nb * bs, D)
-            out.copy_(pages.index_select(1, ids).flatten(1, 2).transpose(1, 2).unsqueeze(1))
+            if self._ids_dev is None:
+                # Once per request, queued on this stream: torch.tensor(list, device=cuda) would
+                # wait for everything queued on it (a host sync per layer, no running ahead).
+                self._ids_dev = torch.as_tensor(self.blocks, dtype=torch.long).to(
+                    o.kv.device, non_blocking=True
+                )
+            out.copy_(pages.index_select(1, self._ids_dev).flatten(1, 2).transpose(1, 2).unsqueeze(1))
 
         # Attention of layer `layer` must not read its blocks before their bytes have landed:
         # the compute stream waits for that layer's event (later layers may still be in flight).
