@@ -151,3 +151,19 @@ def test_cli_prints_units_and_json_and_exits_2_on_bad_input(tmp_path):
     ):
         r = CliRunner().invoke(cli, ["plan", *bad])
         assert r.exit_code == 2, (bad, r.output)
+
+
+def test_prefill_overhead_counts_once_per_forward():
+    """A fixed cost per forward: recompute and load run one, a split runs two."""
+    from kvtier.planner import plan
+
+    a = plan("llama-3-8b", "h200", "disk", 8192, 64)
+    b = plan("llama-3-8b", "h200", "disk", 8192, 64, prefill_overhead_ms=5.0)
+    assert b.options["recompute"].ms == pytest.approx(a.options["recompute"].ms + 5.0)
+    assert b.options["recompute"].recompute_ms == pytest.approx(a.options["recompute"].recompute_ms + 5.0)
+    assert b.options["load"].new_ms == pytest.approx(a.options["load"].new_ms + 5.0)
+    s = b.options["split"]
+    assert s.recompute_ms > 5.0 and s.new_ms == pytest.approx(a.options["load"].new_ms + 5.0)
+    for bad in (-1.0, float("nan"), True, "5"):
+        with pytest.raises(ValueError, match="prefill_overhead_ms"):
+            plan("llama-3-8b", "h200", "disk", 8192, 64, prefill_overhead_ms=bad)

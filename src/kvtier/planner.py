@@ -147,6 +147,7 @@ def plan(
     nic: str = "nic200",
     gpudirect: bool = False,
     shared_by: int = 1,
+    prefill_overhead_ms: float = 0.0,
 ) -> Plan:
     """Predict recompute, load and the best chunk-aligned split for one request; choose the fastest.
 
@@ -155,6 +156,8 @@ def plan(
     with `ceilings`) bf16 peak a prefill reaches. link: the GPU <-> host link key (default: the
     GPU's PCIe generation, or the probed pinned H2D rate when `ceilings` has one). A `GPU`
     object is used as given (`specs.get_gpu(key, ceilings)` applies the measured figures).
+    prefill_overhead_ms: the fixed cost of one forward (launches, framework), added to each one the
+    option runs — a split runs two (`kvtier calibrate` fits it: `fits.prefill.overhead_ms`).
     """
     if isinstance(model, str):
         from kvtier.hfconfig import resolve_model
@@ -169,11 +172,19 @@ def plan(
         raise ValueError(f"matched_tokens: must be a multiple of chunk_tokens={chunk_tokens} >= 0, got {n!r}")
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency: must be within (0, 1], got {efficiency!r}")
+    if (
+        isinstance(prefill_overhead_ms, bool)
+        or not isinstance(prefill_overhead_ms, int | float)
+        or not (0 <= prefill_overhead_ms < float("inf"))
+    ):
+        raise ValueError(f"prefill_overhead_ms: must be a number >= 0, got {prefill_overhead_ms!r}")
     p = tier_path(g, tier, ceilings, link, nic, gpudirect, shared_by)
     layers, m = model.layers, new_tokens
 
     def pre(tokens: int, prefix: int = 0) -> float:
-        return prefill(model, g, tokens, prefix, dtype, kv_dtype, efficiency).ms if tokens else 0.0
+        if not tokens:
+            return 0.0
+        return prefill(model, g, tokens, prefix, dtype, kv_dtype, efficiency).ms + prefill_overhead_ms
 
     new_ms = pre(m, n)
 

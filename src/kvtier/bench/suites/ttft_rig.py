@@ -47,11 +47,12 @@ class Rig:
         stack.callback(shutil.rmtree, self.workdir, ignore_errors=True)
         self.remote_gbps = float(os.environ.get("KVTIER_TTFT_REMOTE_GBPS") or (2.0 if self.on_gpu else 0.05))
         figures = self._figures()
-        efficiency, self.calibration = self._calibration(figures)
+        efficiency, overhead, self.calibration = self._calibration(figures)
         name = torch.cuda.get_device_name(ctx.device) if self.on_gpu else None
         self.ceilings = Ceilings(figures, gpu=name, source="kvtier bench ttft (this run)")
         self.gpu = calibrate.machine_gpu(ctx.device, self.ceilings)
-        self.plan_opts = dict(efficiency=efficiency, dtype=wdt, kv_dtype=self.kv_dtype)
+        self.plan_opts = dict(efficiency=efficiency, dtype=wdt, kv_dtype=self.kv_dtype,
+                              prefill_overhead_ms=overhead)  # fmt: skip
         self.disk_io = None
         self.recompute: dict[int, tuple] = {}  # n -> (Timing, outputs, infos)
         self.reference: dict[int, torch.Tensor] = {}  # n -> the recompute run's tokens
@@ -78,16 +79,17 @@ class Rig:
         f["redis_loopback_get_gbps"] = self.remote_gbps  # the planner's remote GET hop: the throttle
         return f
 
-    def _calibration(self, figures: dict) -> tuple[float, str]:
-        """(prefill efficiency, what was used) from $KVTIER_CALIBRATION; figures get its H2D rate."""
+    def _calibration(self, figures: dict) -> tuple[float, float, str]:
+        """(prefill efficiency, prefill fixed ms, what was used) from $KVTIER_CALIBRATION; figures
+        get its H2D rate."""
         path = os.environ.get("KVTIER_CALIBRATION")
         if not path:
-            return 1.0, "none"
+            return 1.0, 0.0, "none"
         try:
             cal = calibrate.load(path)
         except ValueError as e:
             self.ctx.skip("calibration", f"{e}; the planner runs uncalibrated")
-            return 1.0, f"unreadable: {path}"
+            return 1.0, 0.0, f"unreadable: {path}"
         gpu = torch.cuda.get_device_name(self.ctx.device) if self.on_gpu else None
         here = (self.ctx.device.type, self.shape, gpu)
         if (cal.get("device"), cal.get("model", {}).get("shape"), gpu and cal.get("gpu")) != here:
@@ -95,12 +97,13 @@ class Rig:
                 f"{path} was made on {cal.get('device')} with {cal.get('model', {}).get('shape')}, not {here}"
             )
             self.ctx.skip("calibration", why + "; the planner runs uncalibrated")
-            return 1.0, f"not used: {why}"
+            return 1.0, 0.0, f"not used: {why}"
         rates = calibrate.effective_rates(cal)
         if "h2d_gbps" in rates:
             figures["h2d_pinned_gbps"] = rates["h2d_gbps"]
         eff = min(1.0, rates.get("prefill_tflops", figures["bf16_tflops"]) / figures["bf16_tflops"])
-        return eff, path
+        overhead = float(cal["fits"].get("prefill", {}).get("overhead_ms", 0.0))
+        return eff, overhead, path
 
     # ---- prompts, tiers, requests ------------------------------------------------------------
 
