@@ -167,3 +167,37 @@ def test_prefill_overhead_counts_once_per_forward():
     for bad in (-1.0, float("nan"), True, "5"):
         with pytest.raises(ValueError, match="prefill_overhead_ms"):
             plan("llama-3-8b", "h200", "disk", 8192, 64, prefill_overhead_ms=bad)
+
+
+def _calibration(tmp_path, gpu_key="h200"):
+    import json
+
+    doc = {
+        "kvtier_calibration": 1, "gpu": "NVIDIA H200", "gpu_key": gpu_key,
+        "fits": {"prefill": {"overhead_ms": 5.0, "efficiency": 0.5, "fit_points": 3},
+                 "h2d": {"overhead_ms": 0.0, "efficiency": 0.5, "fit_points": 4}},
+        "gpu_spec": {"bf16_tflops": 800.0, "mem_bw_gbps": 4800.0},
+        "ceilings": {"h2d_pinned_gbps": 50.0, "bf16_tflops": 800.0, "d2d_copy_gbps": 4000.0},
+    }  # fmt: skip
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def test_plan_cli_takes_a_calibration(tmp_path):
+    """--calibration: prefill at the fitted 400 TFLOP/s (half the peak) + 5 ms a forward, H2D at 25 GB/s."""
+    import json
+
+    base = ["plan", "--gpu", "h200", "--matched", "8192", "--new", "64", "--json"]
+    cal = _calibration(tmp_path)
+    r = CliRunner().invoke(cli, [*base, "--calibration", cal])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["efficiency"] == pytest.approx(0.5) and d["prefill_overhead_ms"] == 5.0
+    assert d["path"]["bottleneck_gbps"] == pytest.approx(25.0)
+    want = plan("llama-3-8b", "h200", "host", 8192, 64, efficiency=1.0)
+    assert d["options"]["load"]["load_ms"] == pytest.approx(2 * want.options["load"].load_ms, rel=0.05)
+    bad = CliRunner().invoke(cli, [*base, "--calibration", _calibration(tmp_path, "b200")])
+    assert bad.exit_code == 2 and "calibration" in bad.output
+    missing = CliRunner().invoke(cli, [*base, "--calibration", str(tmp_path / "none.json")])
+    assert missing.exit_code == 2 and "calibration" in missing.output

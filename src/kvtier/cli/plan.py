@@ -52,10 +52,29 @@ from kvtier.cli.analysis import (
 @efficiency_option("Fraction of peak FLOPs a prefill reaches.")
 @common_kv_dtype
 @common_ceilings
+@click.option(
+    "--calibration",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="A fit from `kvtier calibrate --save`: its prefill rate and fixed cost and its H2D rate "
+    "replace --efficiency and the probed H2D (its ceilings stand in for --ceilings when absent).",
+)
 @common_json
 @usage_errors
 def plan_cmd(
-    model, gpu, tier, matched, new, chunk_tokens, link, nic, efficiency, kv_dtype, ceilings, as_json
+    model,
+    gpu,
+    tier,
+    matched,
+    new,
+    chunk_tokens,
+    link,
+    nic,
+    efficiency,
+    kv_dtype,
+    ceilings,
+    calibration,
+    as_json,
 ):
     """Predict time to first token when the prefix is recomputed, loaded, or split between the two."""
     from kvtier.hfconfig import resolve_model
@@ -63,7 +82,12 @@ def plan_cmd(
     from kvtier.specs import get_gpu
 
     measured = _ceilings(ceilings)
+    overhead = 0.0
+    if calibration is not None:
+        measured, efficiency, overhead = _calibrated(calibration, measured, gpu)
     m, g = resolve_model(model), get_gpu(_gpu_key(gpu, measured), measured)
+    if calibration is not None:
+        efficiency = min(1.0, efficiency / g.bf16_tflops)  # fitted TFLOP/s as a fraction of this peak
     p = plan(
         m,
         g,
@@ -76,10 +100,33 @@ def plan_cmd(
         chunk_tokens=chunk_tokens,
         kv_dtype=kv_dtype,
         nic=nic,
+        prefill_overhead_ms=overhead,
     )
     data = {"model": m.key, "gpu": g.key, "tier": tier, "efficiency": efficiency, "kv_dtype": kv_dtype}
-    data |= {"ceilings": ceilings, "gpu_measured": list(g.measured)} | p.to_json()
+    data |= {"ceilings": ceilings, "calibration": calibration, "prefill_overhead_ms": overhead}
+    data |= {"gpu_measured": list(g.measured)} | p.to_json()
     _emit(data, as_json, _print)
+
+
+def _calibrated(path: str, measured, gpu: str | None):
+    """(ceilings, prefill TFLOP/s, prefill fixed ms) from a calibration file; the ceilings are the
+    given ones (or the file's) with the fitted H2D rate."""
+    import dataclasses
+
+    from kvtier.bench.calibrate import effective_rates, load
+    from kvtier.ceilings import Ceilings
+
+    doc = load(path)  # ValueError naming the file: exit code 2
+    if "prefill" not in doc["fits"]:
+        raise ValueError(f"calibration: {path!r} has no prefill fit")
+    if gpu is not None and doc.get("gpu_key") not in (None, gpu):
+        raise ValueError(f"calibration: {path!r} was measured on {doc.get('gpu_key')}, not --gpu {gpu}")
+    base = measured or Ceilings(dict(doc["ceilings"]), gpu=doc.get("gpu"), gpu_key=doc.get("gpu_key"),
+                                source=f"the ceilings of {path}")  # fmt: skip
+    rates = effective_rates(doc)
+    figures = dict(base.figures) | ({"h2d_pinned_gbps": rates["h2d_gbps"]} if "h2d_gbps" in rates else {})
+    return (dataclasses.replace(base, figures=figures), rates["prefill_tflops"],
+            float(doc["fits"]["prefill"].get("overhead_ms", 0.0)))  # fmt: skip
 
 
 def _print(d: dict) -> None:
