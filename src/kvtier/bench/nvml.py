@@ -113,15 +113,20 @@ def read(index: int = 0, *, uuid: str | None = None, bus_id: str | None = None) 
             pynvml.nvmlShutdown()
 
 
-def _nvlinks(pynvml: Any, h: Any) -> int | str:
-    n_links = getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)
-    active = 0
-    for link in range(n_links):
+def _active_links(pynvml: Any, h: Any) -> list[int]:
+    """The NVLinks of `h` that are up."""
+    up = []
+    for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
         state = _call("nvmlDeviceGetNvLinkState", h, link)
         if state == UNKNOWN:
             break  # no NVLink, or no more links
-        active += int(state == getattr(pynvml, "NVML_FEATURE_ENABLED", 1))
-    return active
+        if state == getattr(pynvml, "NVML_FEATURE_ENABLED", 1):
+            up.append(link)
+    return up
+
+
+def _nvlinks(pynvml: Any, h: Any) -> int | str:
+    return len(_active_links(pynvml, h))
 
 
 def _bus(h: Any) -> str | None:
@@ -150,14 +155,8 @@ def _nvlink_path(pynvml: Any, h: Any, other: Any) -> str | None:
     """ "NV<links>" when NVLink joins the two GPUs (as `nvidia-smi topo -m` says), else None. The
     common-ancestor call only knows PCIe: two NVLinked GPUs under one host bridge read "PHB"."""
     bus = _bus(other)
-    n_links = getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)
     direct = 0
-    for link in range(n_links):
-        state = _call("nvmlDeviceGetNvLinkState", h, link)
-        if state == UNKNOWN:
-            break  # no NVLink, or no more links
-        if state != getattr(pynvml, "NVML_FEATURE_ENABLED", 1):
-            continue
+    for link in _active_links(pynvml, h):
         remote = _call("nvmlDeviceGetNvLinkRemotePciInfo_v2", h, link)
         direct += int(remote != UNKNOWN and bus is not None and _text(getattr(remote, "busId", None)) == bus)
     if direct:

@@ -67,24 +67,21 @@ def block_ids(
             )
         if unique and len(torch.unique(cpu)) != len(cpu):
             raise ValueError(f"{name}: duplicate block ids; a block cannot be written twice in one copy")
-    last_valid = check_num_tokens(kv, len(cpu), num_tokens)
-    if isinstance(ids, torch.Tensor) and ids.device == kv.device and kv.device.type != "cpu":
-        dev = ids.to(torch.int32)
-    else:
-        dev = cpu.to(torch.int32).to(kv.device, non_blocking=True)  # pageable source: staged at once
-    ready = None
-    if dev.is_cuda:
-        ready = torch.cuda.Event()
-        # Marks the ids landed on the GPU: an op on another stream waits for it before reading them.
-        ready.record(torch.cuda.current_stream(kv.device))
-    return BlockIds(kv, cpu, dev, unique, last_valid, ready)
+    on_device = isinstance(ids, torch.Tensor) and ids.device == kv.device and kv.device.type != "cpu"
+    return _landed(kv, cpu, ids.to(torch.int32) if on_device else None, unique, num_tokens)
 
 
 def checked_block_ids(kv: PagedKV, cpu: torch.Tensor, unique: bool, num_tokens: int | None) -> BlockIds:
     """BlockIds of int64 CPU ids its caller has checked already (the engine's `IdCheck`: in range,
     distinct when `unique`, num_tokens fitting): only the copy to the device, no second check."""
+    return _landed(kv, cpu, None, unique, num_tokens)
+
+
+def _landed(kv: PagedKV, cpu: torch.Tensor, dev, unique: bool, num_tokens: int | None) -> BlockIds:
+    """The BlockIds, with `dev` (int32 ids on the cache's device) copied from `cpu` if not given."""
     last_valid = check_num_tokens(kv, len(cpu), num_tokens)
-    dev = cpu.to(torch.int32).to(kv.device, non_blocking=True)  # pageable source: staged at once
+    if dev is None:
+        dev = cpu.to(torch.int32).to(kv.device, non_blocking=True)  # pageable source: staged at once
     ready = None
     if dev.is_cuda:
         ready = torch.cuda.Event()
