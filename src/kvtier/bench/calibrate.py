@@ -15,16 +15,14 @@ the CPU's memcpy and fp32 matmul rates - a dry run of the method, not figures.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict
-from pathlib import Path
 
 import torch
 
 from kvtier.bench.calibrate_fit import Point, assign_roles, calibrate, p10
+from kvtier.bench.calibration_file import FORMAT_VERSION, effective_rates, load, save  # noqa: F401
 
-FORMAT_VERSION = 1
 MiB = 1 << 20
 
 
@@ -285,43 +283,3 @@ def run(device: str = "auto", quick: bool = False, ceilings=None, reps: int | No
 
 
 # ---- the file ------------------------------------------------------------------------------
-
-
-def save(doc: dict, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
-
-
-def load(path: str | Path) -> dict:
-    """A calibration file written by `kvtier calibrate --save`; ValueError naming what is wrong."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"calibration: cannot read {str(path)!r}: {e}") from None
-    if not isinstance(doc, dict) or doc.get("kvtier_calibration") != FORMAT_VERSION:
-        raise ValueError(
-            f'calibration: {str(path)!r} is not a kvtier calibration (needs "kvtier_calibration": 1)'
-        )
-    fits = doc.get("fits")
-    ok = isinstance(fits, dict) and fits and isinstance(doc.get("gpu_spec"), dict)
-    for f in fits.values() if ok else ():
-        ok = ok and isinstance(f, dict) and all(_positive(f.get(k)) for k in ("efficiency", "fit_points"))
-    if not ok or not isinstance(doc.get("ceilings"), dict):
-        raise ValueError(f"calibration: {str(path)!r} lacks fits, gpu_spec or ceilings, or has bad ones")
-    return doc
-
-
-def _positive(v) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and v > 0
-
-
-def effective_rates(doc: dict) -> dict[str, float]:
-    """What the fits say the machine really reaches: prefill TFLOP/s, H2D GB/s, decode HBM GB/s."""
-    fits, spec = doc["fits"], doc["gpu_spec"]
-    out = {}
-    if "prefill" in fits:
-        out["prefill_tflops"] = spec["bf16_tflops"] * fits["prefill"]["efficiency"]
-    if "h2d" in fits:
-        out["h2d_gbps"] = doc["ceilings"]["h2d_pinned_gbps"] * fits["h2d"]["efficiency"]
-    if "decode" in fits:
-        out["decode_gbps"] = spec["mem_bw_gbps"] * fits["decode"]["efficiency"]
-    return out

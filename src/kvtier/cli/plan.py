@@ -77,17 +77,28 @@ def plan_cmd(
     as_json,
 ):
     """Predict time to first token when the prefix is recomputed, loaded, or split between the two."""
+    import dataclasses
+
+    from kvtier.bench.calibration_file import planner_inputs
+    from kvtier.ceilings import Ceilings
     from kvtier.hfconfig import resolve_model
     from kvtier.planner import plan
     from kvtier.specs import get_gpu
 
     measured = _ceilings(ceilings)
     overhead = 0.0
-    if calibration is not None:
-        measured, efficiency, overhead = _calibrated(calibration, measured, gpu)
+    doc = _calibration(calibration, gpu) if calibration is not None else None
+    if doc is not None and measured is None:  # the file's ceilings stand in for --ceilings
+        measured = Ceilings(dict(doc["ceilings"]), gpu=doc.get("gpu"), gpu_key=doc.get("gpu_key"),
+                            source=f"the ceilings of {calibration}")  # fmt: skip
     m, g = resolve_model(model), get_gpu(_gpu_key(gpu, measured), measured)
-    if calibration is not None:
-        efficiency = min(1.0, efficiency / g.bf16_tflops)  # fitted TFLOP/s as a fraction of this peak
+    if doc is not None:
+        got = planner_inputs(doc, g.bf16_tflops)
+        efficiency, overhead = got["efficiency"], got["prefill_overhead_ms"]
+        if "h2d_gbps" in got:  # the fitted H2D rate for the PCIe hop
+            measured = dataclasses.replace(
+                measured, figures=measured.figures | {"h2d_pinned_gbps": got["h2d_gbps"]}
+            )
     p = plan(
         m,
         g,
@@ -108,25 +119,16 @@ def plan_cmd(
     _emit(data, as_json, _print)
 
 
-def _calibrated(path: str, measured, gpu: str | None):
-    """(ceilings, prefill TFLOP/s, prefill fixed ms) from a calibration file; the ceilings are the
-    given ones (or the file's) with the fitted H2D rate."""
-    import dataclasses
-
-    from kvtier.bench.calibrate import effective_rates, load
-    from kvtier.ceilings import Ceilings
+def _calibration(path: str, gpu: str | None) -> dict:
+    """A calibration file with a prefill fit, measured on --gpu when one is named."""
+    from kvtier.bench.calibration_file import load
 
     doc = load(path)  # ValueError naming the file: exit code 2
     if "prefill" not in doc["fits"]:
         raise ValueError(f"calibration: {path!r} has no prefill fit")
     if gpu is not None and doc.get("gpu_key") not in (None, gpu):
         raise ValueError(f"calibration: {path!r} was measured on {doc.get('gpu_key')}, not --gpu {gpu}")
-    base = measured or Ceilings(dict(doc["ceilings"]), gpu=doc.get("gpu"), gpu_key=doc.get("gpu_key"),
-                                source=f"the ceilings of {path}")  # fmt: skip
-    rates = effective_rates(doc)
-    figures = dict(base.figures) | ({"h2d_pinned_gbps": rates["h2d_gbps"]} if "h2d_gbps" in rates else {})
-    return (dataclasses.replace(base, figures=figures), rates["prefill_tflops"],
-            float(doc["fits"]["prefill"].get("overhead_ms", 0.0)))  # fmt: skip
+    return doc
 
 
 def _print(d: dict) -> None:

@@ -258,15 +258,15 @@ def _piece_ids(kv: PagedKV, ids: torch.Tensor, pieces, unique: bool, stream: Str
     `stream`: the per-layer scatters and the per-piece gathers reuse them, no check per launch.
     The job keeps them until e_done: the device ids must outlive the kernels that read them,
     also where the allocator ignores record_stream (PYTORCH_NO_CUDA_MEMORY_CACHING=1)."""
-    from kvtier.ops.checks import BlockIds
+    from kvtier.ops.checks import BlockIds, checked_block_ids
 
     bs = kv.block_size
     with torch.cuda.stream(stream.raw):
-        dev = ids.to(torch.int32).to(kv.device, non_blocking=True)  # pageable source: staged at once
-        ready = torch.cuda.Event()
-        ready.record(stream.raw)  # the ids have landed: an op on another stream waits for this
+        whole = checked_block_ids(kv, ids, unique, None)  # one H2D, its ready event on `stream`
     return [
-        BlockIds(kv, ids[s:e], dev[s:e], unique, bs if nt is None else nt - (e - s - 1) * bs, ready)
+        BlockIds(
+            kv, ids[s:e], whole.dev[s:e], unique, bs if nt is None else nt - (e - s - 1) * bs, whole.ready
+        )
         for s, e, nt in pieces
     ]
 

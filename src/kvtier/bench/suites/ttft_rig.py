@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from kvtier.bench import calibrate
+from kvtier.bench.calibration_file import planner_inputs
 from kvtier.bench.suite import Context
 
 P8_SPEEDUP, P9_FACTOR, P9_WITHIN = 8.0, 0.9, 3.0
@@ -98,12 +99,10 @@ class Rig:
             )
             self.ctx.skip("calibration", why + "; the planner runs uncalibrated")
             return 1.0, 0.0, f"not used: {why}"
-        rates = calibrate.effective_rates(cal)
-        if "h2d_gbps" in rates:
-            figures["h2d_pinned_gbps"] = rates["h2d_gbps"]
-        eff = min(1.0, rates.get("prefill_tflops", figures["bf16_tflops"]) / figures["bf16_tflops"])
-        overhead = float(cal["fits"].get("prefill", {}).get("overhead_ms", 0.0))
-        return eff, overhead, path
+        got = planner_inputs(cal, figures["bf16_tflops"])
+        if "h2d_gbps" in got:
+            figures["h2d_pinned_gbps"] = got["h2d_gbps"]
+        return got["efficiency"], got["prefill_overhead_ms"], path
 
     # ---- prompts, tiers, requests ------------------------------------------------------------
 
