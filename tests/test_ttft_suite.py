@@ -230,3 +230,13 @@ def test_a_calibration_file_feeds_the_planner(monkeypatch, tmp_path):
     with ExitStack() as stack:
         rig = ttft_rig.Rig(ctx, stack)
         assert rig.plan_opts["efficiency"] == 1.0 and "calibration" in ctx.skipped[0]["reason"]
+
+
+def test_tiers_asked_by_the_environment():
+    from kvtier.bench.suites.ttft_rig import tiers_asked
+
+    assert tiers_asked(None) == tiers_asked("") == ("host", "disk", "remote")
+    assert tiers_asked("remote, host") == ("host", "remote")  # the suite's order
+    for bad in ("tape", "host,tape", " , "):
+        with pytest.raises(ValueError, match="KVTIER_TTFT_TIERS"):
+            tiers_asked(bad)

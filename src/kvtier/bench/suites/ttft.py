@@ -15,6 +15,7 @@ Tiers: host (the pinned pool); disk (`DiskTier` in a temp dir under $KVTIER_BENC
 where the filesystem allows, else its files dropped from the page cache before each run); remote
 (`ThrottledTier` over a `MemoryTier`, reads at $KVTIER_TTFT_REMOTE_GBPS, default 2 GB/s; CPU:
 0.05). Before each run of a lower tier the host is emptied, so every chunk comes from the tier.
+$KVTIER_TTFT_TIERS (comma-separated, default host,disk,remote) measures only those tiers.
 
 TTFT: perf_counter from before the request (lookup and plan included) to the first new token out
 of generate (a streamer; torch.cuda.synchronize first); one warm-up and 3 timed runs (quick: 2),
@@ -51,7 +52,7 @@ def ttft(ctx: Context):
         for n in rig.prefixes:
             rig.recompute[n] = _runs(rig, f"{n} recompute", lambda ids: _recompute(rig, ids), rig.prompt(n))
         yield from _recompute_rows(rig)
-        for tier in ("host", "disk", "remote"):
+        for tier in rig.tiers:
             with ExitStack() as tstack:
                 kvt = rig.kvtier(tier, tstack)
                 if kvt is None:

@@ -46,6 +46,7 @@ class Rig:
         root = Path(os.environ.get("KVTIER_BENCH_DIR") or tempfile.gettempdir())
         self.workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-ttft-", dir=root))
         stack.callback(shutil.rmtree, self.workdir, ignore_errors=True)
+        self.tiers = tiers_asked(os.environ.get("KVTIER_TTFT_TIERS"))
         self.remote_gbps = float(os.environ.get("KVTIER_TTFT_REMOTE_GBPS") or (2.0 if self.on_gpu else 0.05))
         figures = self._figures()
         efficiency, overhead, self.calibration = self._calibration(figures)
@@ -231,6 +232,17 @@ class Rig:
         if tier == "disk":
             p["disk_io"] = self.disk_io
         return p
+
+
+def tiers_asked(text: str | None) -> tuple[str, ...]:
+    """The tiers $KVTIER_TTFT_TIERS names (comma-separated), in the suite's order; all by default."""
+    known = ("host", "disk", "remote")
+    if not text:
+        return known
+    asked = {t.strip() for t in text.split(",") if t.strip()}
+    if not asked or asked - set(known):
+        raise ValueError(f"KVTIER_TTFT_TIERS: expected a comma-separated subset of {known}, got {text!r}")
+    return tuple(t for t in known if t in asked)
 
 
 class _FirstToken:

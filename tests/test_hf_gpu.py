@@ -1,0 +1,70 @@
+"""KVTierCache on a CUDA GPU (CudaDevice, sanitizer on): greedy tokens equal DynamicCache's cold
+and with a prefix hit from the host and from disk, and with a split (front recomputed while the
+back loads). The paged cache is poisoned (NaN) before each warm request, so KV that did not land
+would show. Skipped without CUDA; the CPU versions are test_hf_cache.py and test_hf_split.py."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kvtier.integrations.hf import KVTier  # noqa: E402
+from kvtier.store.disk import DiskTier  # noqa: E402
+from test_hf_cache import generate, llama, mistral, prompts, qwen2  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def build(arch):
+    cfg, cls = arch()
+    torch.manual_seed(0)
+    return cls(cfg).eval().to("cuda")  # fp32: greedy ties are not decided by rounding
+
+
+def poison(kvt) -> None:
+    for x in kvt.kv.layers:
+        x.fill_(float("nan"))  # what attention would read if a block had not landed
+
+
+@pytest.mark.parametrize("arch", [llama, qwen2, mistral])
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_gpu_tokens_identical_cold_and_warm(arch, kind, tmp_path):
+    model = build(arch)
+    tiers = [DiskTier(tmp_path / "disk", 64 << 20)] if kind == "disk" else []
+    opts = dict(engine_options=dict(sanitize=True), chunk_tokens=32, block_size=16, num_blocks=64)
+    a, b = (x.cuda() for x in prompts(model, n_prefix=100))
+    with KVTier.for_model(model, tiers=tiers, **opts) as kvt:
+        cold = kvt.cache(a)
+        out = generate(model, a, cold)
+        assert cold.hit_tokens == 0 and torch.equal(out, generate(model, a))
+        assert cold.finish(out).wait_durable(30)
+        if kind != "host":
+            kvt.store.evict()  # the hit must come from the lower tier
+        poison(kvt)
+        torch.cuda.synchronize()
+        warm = kvt.cache(b)
+        out = generate(model, b, warm)
+        assert warm.hit_tokens == 96 and warm.hit_tiers == (kind,) * 3
+        assert warm.arrived == list(range(model.config.num_hidden_layers))
+        assert torch.equal(out, generate(model, b))
+        warm.finish(out)
+    for t in tiers:
+        t.close()
+
+
+@pytest.mark.parametrize("split", [32, 64])
+def test_gpu_split_tokens_identical(split):
+    from kvtier.integrations.hf_split import split_cache
+
+    model = build(llama)
+    a, b = (x.cuda() for x in prompts(model, n_prefix=100))
+    with KVTier.for_model(model, chunk_tokens=32, block_size=8, num_blocks=64,
+                          engine_options=dict(sanitize=True)) as kvt:  # fmt: skip
+        cold = kvt.cache(a)
+        cold.finish(generate(model, a, cold)).wait(30)
+        poison(kvt)
+        cache = split_cache(kvt, model, b, split)
+        out = generate(model, b, cache)
+        assert cache.front == split and cache.front + cache.hit_tokens == 96
+        assert torch.equal(out, generate(model, b))
+        cache.finish(out)
