@@ -10,7 +10,7 @@
 #          save_beside_matmul, store (Redis from the carried wheel + binary), handoff, contention
 #   models: host_jitter.py, kvtier calibrate, suites ttft (calibrated) + submit_overhead
 #   models-hf: suite hf, `kvtier demo` on the GPU (+ Redis when carried)
-#   ttft-probe: every GPU test, profile_ttft.py (8K, 32K), suite ttft on the host tier only
+#   ttft-probe: every GPU test ($GPU_TESTS: those), profile_ttft.py (8K, 32K), suite ttft on the host tier
 #   multi: (2+ GPUs) handoff/probe GPU tests, memcheck/racecheck of a handoff, probe --all-gpus,
 #          suites handoff + contention, `kvtier path` with the measured sharing
 set -uo pipefail
@@ -69,10 +69,11 @@ if [ "$mode" = engine-store ]; then
 fi
 if [ "$mode" = ttft-probe ]; then
   echo "== GPU tests"
-  timeout 240 $py -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors tests 2>&1 \
+  # GPU_TESTS: pytest arguments instead (e.g. only the files a change touched)
+  timeout 240 $py -m pytest -q -p no:cacheprovider --continue-on-collection-errors ${GPU_TESTS:--m gpu tests} 2>&1 \
     | tail -30 | tee "$out/pytest-gpu.log"
   echo "== profile_ttft"
-  timeout 200 $py benchmarks/profile_ttft.py --profile 2>&1 | tee "$out/profile_ttft.txt" | grep -v "^ *aten::\|^---\|USDT"
+  timeout 200 $py benchmarks/profile_ttft.py ${PROFILE_ARGS:---profile} 2>&1 | tee "$out/profile_ttft.txt" | grep -v "^ *aten::\|^---\|USDT"
   echo "== bench ttft (host)"
   KVTIER_TTFT_TIERS=host timeout 200 $py -m kvtier bench --out "$out" --suite ttft 2>&1 | tee "$out/bench.log" | tail -25
   exit 0

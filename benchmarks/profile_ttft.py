@@ -81,7 +81,9 @@ def one(kvt, model, ids, n, events: dict):
         for layer in range(kvt.kv.num_layers):
             ev = cache.load.jobs[-1].layer_events[layer]
             read = events.get(layer)
-            layers.append((start.elapsed_ms(ev), start.elapsed_ms(read) if read is not None else float("nan")))
+            layers.append(
+                (start.elapsed_ms(ev), start.elapsed_ms(read) if read is not None else float("nan"))
+            )
     h = cache.finish(out)
     if h is not None:
         h.wait(60)
@@ -124,7 +126,8 @@ def main() -> None:
     for n in a.tokens:
         g = torch.Generator().manual_seed(n)
         ids = torch.randint(1, model.config.vocab_size, (1, n + a.new), generator=g).to(dev)
-        kvt = KVTier.for_model(model, num_blocks=blocks, block_size=bs, pool_bytes=int(1.25 * n * kv_tok) + (64 << 20),
+        pool = int(1.25 * n * kv_tok) + (64 << 20)
+        kvt = KVTier.for_model(model, num_blocks=blocks, block_size=bs, pool_bytes=pool,
                                model_id=f"profile/{a.shape}", chunk_tokens=chunk)  # fmt: skip
         try:
             cold = kvt.cache(ids)
@@ -147,7 +150,8 @@ def main() -> None:
             copy_ms = n * kv_tok / (rate * 1e9) * 1e3
             print(f"\n== {n} tokens, {n * kv_tok / 2**30:.2f} GiB of KV (hit {med['hit_tokens']:.0f} tokens)")
             print(f"recompute {statistics.median(rec):8.1f} ms   (generate, no cache)")
-            print(f"forward   {statistics.median(fwd[1:]):8.1f} ms   (generate over a DynamicCache holding the prefix)")
+            fw = statistics.median(fwd[1:])
+            print(f"forward   {fw:8.1f} ms   (generate over a DynamicCache holding the prefix)")
             print(f"copy      {copy_ms:8.1f} ms   (the KV at {rate:.1f} GB/s)")
             print(f"lookup    {med['lookup']:8.2f} ms")
             print(f"cache()   {med['cache']:8.2f} ms   (lookup + store.load: every copy submitted)")
@@ -166,7 +170,11 @@ def main() -> None:
                 acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
                 with profile(activities=acts) as prof:
                     one(kvt, model, ids, n, events)
-                print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=22, max_name_column_width=48))
+                print(
+                    prof.key_averages().table(
+                        sort_by="cpu_time_total", row_limit=22, max_name_column_width=48
+                    )
+                )
         finally:
             kvt.close()
     hf.KVTierCache._arrive = orig

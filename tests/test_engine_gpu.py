@@ -10,7 +10,7 @@ import torch
 from kvtier.engine import TransferEngine
 from kvtier.engine.batch import available as batch_available
 from kvtier.pool import PinnedPool
-from kvtier.reference import bits_equal, gather_ref, poison_, random_cache
+from kvtier.reference import bits_equal, gather_ref, poison_blocks_, random_cache
 
 pytestmark = pytest.mark.gpu
 PATHS = ["staged", "kernel", "batch"]
@@ -41,8 +41,7 @@ def test_round_trip(fmt, path):
     dev, kv, pool, eng = make(fmt)
     src, dst, ntok = [9, 2, 40, 7, 0, 33, 5], [1, 3, 4, 6, 8, 10, 11], 6 * 16 + 5
     want = gather_ref(kv, src, ntok)
-    for x in kv.layers:
-        poison_(x[:, dst])
+    poison_blocks_(kv, dst)  # the load must overwrite them
     save = eng.save(src, after=dev.current_stream().record(), num_tokens=ntok, path=path)
     assert save.wait()
     assert bits_equal(save.slot.view(kv.dtype, kv.chunk_shape(7)).cuda(), want)
@@ -93,8 +92,7 @@ def test_per_layer_events_in_order_with_their_bytes():
     assert save.wait()
     want = save.slot.view(kv.dtype, kv.chunk_shape(8)).cuda()
     dst = list(range(20, 28))
-    for x in kv.layers:
-        poison_(x[:, dst])
+    poison_blocks_(kv, dst)  # the load must overwrite them
     torch.cuda.synchronize()  # the poison (compute stream) must land before the load writes
     load = eng.load(save.slot, dst, per_layer=True)
     assert load.path == "kernel"  # auto: nothing computes beside, per-layer asked

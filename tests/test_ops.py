@@ -127,9 +127,9 @@ def test_tile_shape(seg):
 
 def test_plan_picks_wide_units_where_aligned(kv):
     aligned = torch.empty(kv.chunk_nbytes(1) + 16, dtype=torch.uint8, device=DEV)
-    plan = kv_copy._plan(kv, aligned.data_ptr())
+    plan = kv_copy.plan_for(kv, aligned.data_ptr())
     assert plan.unit == torch.int32 and plan.vec == 4  # 16-byte vectors
-    plan = kv_copy._plan(kv, aligned[2:].data_ptr())
+    plan = kv_copy.plan_for(kv, aligned[2:].data_ptr())
     assert plan.unit == torch.int16 and plan.vec == 1
 
 

@@ -66,6 +66,8 @@ def test_quick_cpu_rows_predictions_tokens_and_checks(monkeypatch, tmp_path):
             assert p["p9"] == "n/a" and p["p9_why"] and p["p9_ratio"] >= 1
         if p["mode"] == "load" and p["tier"] == "host":
             assert p["p8"] == "n/a" and "dry run" in p["p8_why"] and p["p8_speedup"] > 0
+            assert p["forward_floor_ms"] > 0 and "forward alone" in p["p8_why"]
+            assert p["p8_bound"] == pytest.approx(p["p8_speedup"] * r.median_ms / p["forward_floor_ms"])
         if p["mode"] == "choice":
             assert p["best_measured"] in ("load", "recompute", "split") and p["regret_pct"] >= -100
     remote = [r for r in rows if r.params["tier"] == "remote"]
@@ -78,7 +80,8 @@ def test_quick_cpu_rows_predictions_tokens_and_checks(monkeypatch, tmp_path):
     json.dumps(doc)  # JSON-able params
     md = markdown(doc).splitlines()
     assert len([x for x in md if x.startswith("| 2") or x.startswith("| 5")]) == len(rows)
-    assert any("512 split remote" in x and "would be" in x for x in md)  # the P9 why, per split row
+    # the P9 why, per split row (which branch depends on this machine's timings)
+    assert any("512 split remote" in x and ("would be" in x or "does not apply" in x) for x in md)
 
 
 def test_wrong_kv_makes_rows_incorrect(monkeypatch, tmp_path):

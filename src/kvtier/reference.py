@@ -131,6 +131,13 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def poison_blocks_(kv: PagedKV, block_ids) -> None:
+    """Poison blocks `block_ids` of every layer in place (any layout): what a copy that missed
+    them would leave. (`poison_(x[:, ids])` would poison a copy made by the indexing.)"""
+    chunk = torch.empty(kv.chunk_shape(len(block_ids)), dtype=kv.dtype, device=kv.device)
+    scatter_ref(kv, block_ids, poison_(chunk))
+
+
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """torch.equal on the raw bits (NaN payloads and fp8 included)."""
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_as_bits(a), _as_bits(b))

@@ -32,6 +32,7 @@ from kvtier.engine import batch
 from kvtier.engine.graphs import StagedGraphs, graph_key
 from kvtier.engine.paths import Path
 from kvtier.ops.checks import checked_block_ids
+from kvtier.ops.slots import scatter_slots, slot_sources
 from kvtier.pool import Slot
 
 if TYPE_CHECKING:
@@ -134,6 +135,22 @@ class CudaMover:
                 if layer < kv.num_layers - 1:
                     events.append(stream.record(f"{label}:layer{layer}"))  # layer `layer` has landed
             return events
+
+    def load_slots(self, ids, counts, num_tokens, slots, stream: Stream, label: str) -> list[Event]:
+        """Layer-major load of several slots (`engine/load_slots.py`): one UVA launch per layer
+        for all of them (ops/slots.py); return the events of layers 0..L-2."""
+        kv, raw = self.kv, stream.raw
+        with torch.cuda.stream(raw):
+            bid = checked_block_ids(kv, ids, True, num_tokens)  # one H2D; the engine checked them
+            src = slot_sources(kv, bid, [s.tensor for s in slots])  # + one H2D of the slot table
+            events = []
+            for layer in range(kv.num_layers):
+                scatter_slots(kv, src, max_ctas=self.uva_ctas, layers=(layer, 1))
+                if layer < kv.num_layers - 1:
+                    events.append(
+                        stream.record(f"{label}:layer{layer}")
+                    )  # layer `layer` of every slot landed
+        return events
 
     def _mark(self, phase: str) -> None:
         if self.trace is not None:

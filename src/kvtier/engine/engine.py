@@ -198,6 +198,18 @@ class TransferEngine:
         tr.end()
         return job
 
+    def load_path(self, per_layer: bool = False) -> Path:
+        """The path a load job with no `path=` of its own takes (`paths.py`)."""
+        return self._path("load", None, per_layer)
+
+    def load_slots(self, slots, block_ids, *, num_tokens: int | None = None) -> list[LoadJob]:
+        """Copy READY slots `slots` (each a chunk of whole blocks) into `block_ids` (slot by slot,
+        in order) layer-major: layer l of every slot lands before layer l + 1 of any, one launch
+        per layer (kernel path). One LoadJob per slot, sharing layer events and e_load."""
+        from kvtier.engine.load_slots import load_slots
+
+        return load_slots(self, slots, block_ids, num_tokens=num_tokens)
+
     # ---- what the serving engine tells us --------------------------------------------------
     def compute_read(self, blocks, event: Event, waited=()) -> None:
         """Compute reads `blocks` until `event`; a later load into them waits for it."""

@@ -93,6 +93,30 @@ class SimMover:
                 events.append(stream.record(f"{label}:layer{layer}"))  # layer `layer` has landed
         return events
 
+    def load_slots(self, ids, counts, num_tokens, slots, stream: Stream, label: str) -> list[Event]:
+        """Layer-major load of several slots (`engine/load_slots.py`): per layer one "kernel"
+        scattering that layer of every slot; return the events of layers 0..L-2."""
+        from kvtier.reference import scatter_ref
+
+        kv, parts, at = self.kv, [], 0
+        for s, c in zip(slots, counts, strict=True):
+            last = at + c == len(ids)
+            tokens = num_tokens - at * kv.block_size if num_tokens is not None and last else None
+            parts.append((ids[at : at + c], s.tensor.view(kv.dtype).view(kv.chunk_shape(c)), tokens))
+            at += c
+        events = []
+        for layer in range(kv.num_layers):
+            one = layer_kv(kv, layer)
+
+            def copy(one=one, layer=layer) -> None:  # runs when the stream reaches it
+                for i, chunk, tokens in parts:
+                    scatter_ref(one, i, chunk[:, layer : layer + 1], tokens)
+
+            self.dev.launch(copy, stream)
+            if layer < kv.num_layers - 1:
+                events.append(stream.record(f"{label}:layer{layer}"))  # layer `layer` of every slot landed
+        return events
+
     def synchronize(self) -> None:
         pass  # all work is on the engine's streams
 

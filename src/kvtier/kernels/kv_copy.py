@@ -15,6 +15,12 @@ one segment per head (O = heads, I = dim); tokens are `I` units apart inside a s
 
     paged piece (l, kv, block b):  paged + VEC * (layer_off[l] + kv * kv_stride + b * block_stride)
     chunk piece (i, l, kv):        chunk + ((i * num_layers + l) * KV + kv) * O * BS * I
+    with TABLE (several chunks):   chunk + VEC * chunk_off[i] + (l * KV + kv) * O * BS * I
+
+TABLE: the blocks of one call come from several chunks anywhere in memory (the pinned slots of a
+request's chunks, one launch per layer for all of them): block i's pieces start `chunk_off[i]`
+VEC-units from `chunk` (an offset, not a pointer: it may point into another allocation, which
+UVA addresses like any other).
 
 A call may copy a range of layers (`layer0`, `n_layers`; all of them by default): the chunk
 keeps its full block-major shape and only that layer range's pieces are touched.
@@ -36,6 +42,7 @@ def kv_copy_kernel(
     layer_off,  # *int64 [num_layers]: VEC-units from `paged` to layer l's (kv 0, block 0)
     block_ids,  # *int32 [n_blocks]: block ids, checked in range by the wrapper
     chunk,  # *unit: contiguous chunk (n_blocks, num_layers, KV, O, BS, I), GPU or pinned host
+    chunk_off,  # *int64 [n_blocks]: with TABLE, VEC-units from `chunk` to block i (else unused)
     n_blocks,  # blocks in this call (>= 1)
     last_valid,  # valid tokens in the last block of this call, 1..BS
     num_layers,  # layers in the cache (and in each block of the chunk)
@@ -51,6 +58,7 @@ def kv_copy_kernel(
     ROWS: tl.constexpr,  # rows per tile (power of 2)
     VEC: tl.constexpr,  # alignment of every row start and token boundary, in units
     GATHER: tl.constexpr,  # True: paged -> chunk; False: chunk -> paged
+    TABLE: tl.constexpr,  # True: block i of the chunk side starts at chunk_off[i] (several chunks)
 ):
     SEG: tl.constexpr = BS * I
     NCT: tl.constexpr = (SEG + COLS - 1) // COLS  # row slices per segment
@@ -75,7 +83,11 @@ def kv_copy_kernel(
         src_row = (loff + (lk % KV).to(tl.int64) * kv_stride + blk * block_stride) * VEC
         src_row += o.to(tl.int64) * SEG
         # Segment in the chunk, which always holds every layer of a block (block-major).
-        dst_row = (((i.to(tl.int64) * num_layers + layer) * KV + lk % KV) * O + o) * SEG
+        if TABLE:
+            base = tl.load(chunk_off + i, mask=row_ok, other=0) * VEC
+            dst_row = base + (((layer * KV + lk % KV) * O + o) * SEG).to(tl.int64)
+        else:
+            dst_row = (((i.to(tl.int64) * num_layers + layer) * KV + lk % KV) * O + o) * SEG
         nvalid = tl.where(i == n_blocks - 1, last_valid * I, SEG)
         c = (ct * COLS)[:, None] + cols[None, :]  # unit offset inside the segment
         valid = row_ok[:, None] & (c < nvalid[:, None])

@@ -149,13 +149,17 @@ def launch(
     gather: bool,
     max_ctas,
     layers: tuple[int, int] | None = None,
+    table: tuple[torch.Tensor, int] | None = None,
 ):
-    """Launch on the current stream; arguments already validated. layers: (first, count) or all."""
+    """Launch on the current stream; arguments already validated. layers: (first, count) or all.
+    table: (chunk_off, align) of a call over several chunks (`ops/slots.py`): block i's pieces
+    start chunk_off[i] VEC-units from `chunk`; align divides every chunk address involved."""
     layer0, n_layers = layers if layers is not None else (0, kv.num_layers)
     n = ids_dev.numel()
     if n == 0:
         return
-    plan = _plan(kv, math.gcd(chunk.data_ptr(), chunk.untyped_storage().data_ptr()))
+    align = math.gcd(chunk.data_ptr(), chunk.untyped_storage().data_ptr())
+    plan = plan_for(kv, align if table is None else table[1])
     nct = triton.cdiv(kv.block_size * plan.inner, plan.cols)
     n_rows = n * n_layers * kv.num_kv * plan.o * nct
     if n_rows + plan.rows >= 2**31:
@@ -178,6 +182,7 @@ def launch(
             plan.layer_off,
             ids_dev,
             chunk_arg,
+            ids_dev if table is None else table[0],  # unused without TABLE
             n,
             last_valid,
             kv.num_layers,
@@ -193,12 +198,13 @@ def launch(
             ROWS=plan.rows,
             VEC=plan.vec,
             GATHER=gather,
+            TABLE=table is not None,
             num_warps=NUM_WARPS,
         )
 
 
-def _plan(kv: PagedKV, chunk_align: int) -> _Plan:
-    """chunk_align: a number every chunk address the kernel sees is a multiple of."""
+def plan_for(kv: PagedKV, chunk_align: int) -> _Plan:
+    """The launch plan; chunk_align: a number every chunk address the kernel sees is a multiple of."""
     g = gcd_bytes(kv)
     while chunk_align % g:
         g //= 2

@@ -113,9 +113,11 @@ class LoadHandle:
         for s, j in last.items():
             if s is not None:
                 j.wait_layer(layer, stream)  # attention must not read a block before its bytes land
+        seen = {id(j.layer_events[layer]) for j in last.values()}
         for j in self.jobs:
             ev = j.layer_events[layer]
-            if ev.stream is not None and last[ev.stream] is not j:
+            if ev.stream is not None and id(ev) not in seen:  # jobs of one load_slots share events
+                seen.add(id(ev))
                 j.engine._note_wait(stream, ev)  # ordered before the waited event of its stream
 
     def done(self) -> bool:

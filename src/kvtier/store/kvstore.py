@@ -11,8 +11,10 @@ KV of another model, dtype, layout or TP rank never matches.
   thread; write-back pushes it only when the host evicts it.
 - ``load``: chunk by chunk from 0: a host hit is pinned; a lower-tier hit is read into a pool
   slot (``get_into``), its header checked against this cache's shape/dtype/layout, and
-  promoted into the host; then an engine load job. The first chunk no tier delivers ends the
-  load: ``handle.tokens`` is what will arrive; the caller recomputes the rest.
+  promoted into the host; then the copies: per layer across every chunk (`engine.load_slots`,
+  one launch per layer) where loads take the kernel path, else an engine load job per chunk.
+  The first chunk no tier delivers ends the load: ``handle.tokens`` is what will arrive; the
+  caller recomputes the rest.
 - ``prefetch``: the same walk in the background, promoting without loading.
 
 Failures of tiers (errors, timeouts, full, bad checksum or header) are misses, counted and
@@ -28,6 +30,7 @@ import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from kvtier.engine.paths import Path
 from kvtier.lifecycle import LifecycleError, SlotState
 from kvtier.pool import PoolExhausted
 
@@ -173,21 +176,40 @@ class KVStore:
             handle.jobs.append(job)
             tiers.append(got.tier)
 
-        # One job per chunk; only the last is copied layer by layer (a launch and an event per
-        # layer), the others whole (one launch): layer i of the prefix is ready once the last
-        # chunk's layer i landed, and the earlier chunks, queued before it, landed whole.
         # The walk ends at the first chunk no tier delivers: the rest of the prefix is useless.
-        pending = None
-        for i, got in enumerate(self._fetch.walk(keys[: len(ids) // self.fmt.blocks])):
-            if pending is not None:
+        got_all = []
+        try:
+            for got in self._fetch.walk(keys[: len(ids) // self.fmt.blocks]):
+                got_all.append(got)
+        except BaseException:
+            for got in got_all:
+                self._completed(None, got.entry, got.kind)  # fetched, never submitted
+            raise
+        if per_layer and len(got_all) > 1 and self.engine.load_path(per_layer=True) is Path.KERNEL:
+            # Layer-major over every chunk (one launch per layer): layer 0 of the whole prefix lands
+            # first, so attention of layer 0 starts after 1/L of the bytes, not after all of them.
+            try:
+                slots = [got.entry.slot for got in got_all]
+                jobs = self.engine.load_slots(slots, ids[: len(got_all) * self.fmt.blocks])
+            except BaseException:
+                for got in got_all:
+                    self._completed(None, got.entry, got.kind)  # nothing was submitted from the slots
+                raise
+            for job, got in zip(jobs, got_all, strict=True):
+                self._track(job, got.entry, got.kind)
+                handle.jobs.append(job)
+                tiers.append(got.tier)
+        else:
+            # One job per chunk; only the last is copied layer by layer (a launch and an event per
+            # layer), the others whole (one launch): layer i of the prefix is ready once the last
+            # chunk's layer i landed, and the earlier chunks, queued before it, landed whole.
+            for i, got in enumerate(got_all):
                 try:
-                    submit(*pending, False)
+                    submit(i, got, per_layer and i == len(got_all) - 1)
                 except BaseException:
-                    self._completed(None, got.entry, got.kind)  # fetched, never submitted
+                    for later in got_all[i + 1 :]:
+                        self._completed(None, later.entry, later.kind)  # fetched, never submitted
                     raise
-            pending = (i, got)
-        if pending is not None:
-            submit(*pending, per_layer)
         handle.tokens, handle.tiers = len(handle.jobs) * self.fmt.tokens, tuple(tiers)
         chunks = Counter(f"load_chunks_{t}" for t in tiers)
         self._count(loads=1, load_tokens=handle.tokens, _call=("load", t0), **chunks)

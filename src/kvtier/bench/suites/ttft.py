@@ -11,6 +11,9 @@ without --quick: 512, 1024). Per n and tier, after one cold request saved the pr
   split      `split_cache` at the planner's split point s: [0, s) recomputed while [s, n) loads
   choice     `plan_request` (timed too), then the option it chose
 
+and, for the P8 check of the host load row, the floor: the same generate over a DynamicCache that
+already holds the prefix (no transfer; params forward_floor_ms, p8_bound = recompute / floor).
+
 Tiers: host (the pinned pool); disk (`DiskTier` in a temp dir under $KVTIER_BENCH_DIR, O_DIRECT
 where the filesystem allows, else its files dropped from the page cache before each run); remote
 (`ThrottledTier` over a `MemoryTier`, reads at $KVTIER_TTFT_REMOTE_GBPS, default 2 GB/s; CPU:
@@ -130,6 +133,8 @@ def _tier_rows(rig: Rig, kvt, tier: str, n: int):
 
     plan = plan_request(kvt, rig.model, ids, rig.gpu, rig.ceilings, **rig.plan_opts)
     measured = {"recompute": rig.recompute[n][0].median_ms}
+    if tier == "host":
+        measured["floor"] = _floor(rig, n)
     rows = {}
     for mode in MODES:
         case = f"{rig.label(n)} {mode} {tier}"
@@ -154,6 +159,24 @@ def _tier_rows(rig: Rig, kvt, tier: str, n: int):
         rows[mode] = rig.ctx.row(case, rig.kv_bytes(n), t, ceiling, correct=tokens_ok and source_ok, **p)
     checks(rig, n, tier, rows, measured)
     yield from rows.values()
+
+
+def _floor(rig: Rig, n: int) -> float:
+    """Median ms of the same generate over a DynamicCache already holding the n-token prefix (made
+    untimed): the first token with no transfer at all, the least any load through generate takes."""
+    from transformers import DynamicCache
+
+    def once(ids):
+        cache = DynamicCache()
+        with torch.no_grad():
+            rig.model(ids[:, :n], past_key_values=cache, use_cache=True)
+        if rig.on_gpu:
+            torch.cuda.synchronize()  # the prefix's KV exists before the clock starts
+        t0 = time.perf_counter()
+        out, t1, _ = first_token(rig.model, ids, cache, rig.new_out)
+        return out, t1 - t0, {}
+
+    return _runs(rig, f"{rig.label(n)} forward floor", once, rig.prompt(n))[0].median_ms
 
 
 def _expected(info: dict, mode: str, tier: str, n: int, chunk: int) -> list[str]:

@@ -288,6 +288,11 @@ def checks(rig: Rig, n: int, tier: str, rows: dict, ms: dict) -> None:
         sp = ms["recompute"] / ms["load"]
         why = f"recompute {ms['recompute']:.1f} ms / load {ms['load']:.1f} ms = {sp:.1f}x (target >= 8x)"
         status = "pass" if sp >= P8_SPEEDUP else "miss"
+        bound = ms["recompute"] / ms["floor"] if ms.get("floor") else None
+        if bound is not None:
+            why += (f"; the forward alone over KV already on the GPU takes {ms['floor']:.1f} ms, so no load "
+                    f"through generate can beat {bound:.1f}x")  # fmt: skip
+            rows["load"].params.update(forward_floor_ms=ms["floor"], p8_bound=bound)
         if dry or n < 8192:
             why, status = f"{dry or 'a prefix under 8K'}, not P8's case: would be {status}: {why}", "n/a"
         rows["load"].params.update(p8=status, p8_speedup=sp, p8_why=why)

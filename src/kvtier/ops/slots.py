@@ -1,0 +1,93 @@
+"""Scatter from several chunks at once: the pinned slots of one request's chunks into its blocks,
+one launch per call (a per-layer load: one launch per layer for every chunk of the request).
+
+    src = slot_sources(kv, block_ids, [slot_a.tensor, slot_b.tensor], num_tokens=None)
+    for layer in range(kv.num_layers):
+        scatter_slots(kv, src, layers=(layer, 1), max_ctas=32)   # then record layer's event
+
+`slot_sources` checks everything once and puts the ids and a table of where each block sits in
+its chunk on the device (one small copy each); `scatter_slots` only launches. Chunk j holds
+`len(chunks[j])` blocks (its size says how many); block ids go chunk by chunk, in order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.layout import PagedKV, gcd_bytes
+from kvtier.ops.checks import (
+    BlockIds,
+    as_block_ids,
+    check_cache,
+    check_chunk,
+    check_layers,
+    check_max_ctas,
+)
+from kvtier.ops.kv_copy import launch, plan_for, use_ids
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SlotSources:
+    """Chunks and block ids checked for one cache. base: the lowest-addressed chunk; off: int64
+    [n] VEC-units from base to each block, on the cache's device; align: divides every address."""
+
+    ids: BlockIds
+    chunks: tuple[torch.Tensor, ...]  # kept alive: the kernel reads them until its stream is past it
+    base: torch.Tensor
+    off: torch.Tensor
+    align: int
+
+
+def slot_sources(
+    kv: PagedKV,
+    block_ids: BlockIds | torch.Tensor | Sequence[int],
+    chunks: Sequence[torch.Tensor],
+    *,
+    num_tokens: int | None = None,
+) -> SlotSources:
+    """Check `chunks` (each a chunk as `scatter` takes it, of any whole number of blocks) and
+    `block_ids` (distinct; as many as the chunks hold together; num_tokens: valid tokens of the
+    ids as a whole, as in `scatter`). Asynchronous copies to the device on the current stream."""
+    check_cache(kv)
+    if isinstance(chunks, torch.Tensor) or not isinstance(chunks, Sequence) or not chunks:
+        raise ValueError("chunks: expected a non-empty sequence of chunk tensors")
+    per_block = kv.chunk_nbytes(1)
+    counts = []
+    for j, t in enumerate(chunks):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"chunks[{j}]: expected a torch.Tensor, got {type(t).__name__}")
+        nb = t.numel() * t.element_size()
+        if nb == 0 or nb % per_block:
+            raise ValueError(f"chunks[{j}]: {nb} bytes is not a whole number of blocks of {per_block} B")
+        counts.append(nb // per_block)
+        check_chunk(kv, t, counts[-1], f"chunks[{j}]")
+    ids = as_block_ids(kv, block_ids, True, num_tokens)
+    if len(ids) != sum(counts):
+        raise ValueError(f"block_ids: {len(ids)} ids for chunks holding {sum(counts)} blocks")
+    g = gcd_bytes(kv)
+    align = math.gcd(g, *(x for t in chunks for x in (t.data_ptr(), t.untyped_storage().data_ptr())))
+    vec_b = plan_for(kv, align).vec * plan_for(kv, align).unit.itemsize  # bytes per VEC-unit
+    base = min(chunks, key=lambda t: t.data_ptr())
+    starts = torch.tensor([(t.data_ptr() - base.data_ptr()) // vec_b for t in chunks], dtype=torch.int64)
+    step = per_block // vec_b  # a block of the chunk format, in VEC-units (vec_b divides it: gcd)
+    within = torch.cat([torch.arange(c, dtype=torch.int64) * step for c in counts])
+    off = torch.repeat_interleave(starts, torch.tensor(counts)) + within
+    off = off.to(kv.device, non_blocking=True)  # pageable source: staged before the call returns
+    return SlotSources(ids, tuple(chunks), base, off, align)
+
+
+def scatter_slots(
+    kv: PagedKV, src: SlotSources, *, max_ctas: int | None = None, layers: tuple[int, int] | None = None
+) -> None:
+    """Copy every chunk of `src` into its blocks (layers: (first, count), default all): one
+    launch on the current stream, which must be the stream `slot_sources` ran on or after it."""
+    if not isinstance(src, SlotSources) or src.ids.kv is not kv:
+        raise ValueError("src: expected the SlotSources made by slot_sources for this cache")
+    check_max_ctas(max_ctas)
+    layers = check_layers(kv, layers)
+    launch(kv, use_ids(src.ids), src.base, src.ids.last_valid, gather=False, max_ctas=max_ctas,
+           layers=layers, table=(src.off, src.align))  # fmt: skip
