@@ -79,8 +79,10 @@ if [ "$mode" = ttft-probe ]; then
   exit 0
 fi
 if [ "$mode" = models ]; then
-  echo "== host jitter"
-  timeout 60 $py benchmarks/host_jitter.py 2>&1 | tee "$out/host_jitter.txt"
+  if [ "${JITTER:-1}" = 1 ]; then  # JITTER=0 skips it
+    echo "== host jitter"
+    timeout 60 $py benchmarks/host_jitter.py 2>&1 | tee "$out/host_jitter.txt"
+  fi
   echo "== calibrate"
   timeout 140 $py -m kvtier calibrate --save "$out/calibration.json" 2>&1 | tee "$out/calibrate.log" | tail -40
   echo "== bench ttft, submit_overhead"
