@@ -9,7 +9,7 @@
 #   engine-store: (carry .whl) engine GPU tests, profile_submit.py, suites submit_overhead, bidir,
 #          save_beside_matmul, store (Redis from the carried wheel + binary), handoff, contention
 #   models: host_jitter.py, kvtier calibrate, suites ttft (calibrated) + submit_overhead
-#   models-hf: suite hf, `kvtier demo` on the GPU (+ Redis when carried)
+#   models-hf: suite hf, `kvtier demo` on the GPU (+ Redis when carried); PROFILE=1: profile_ttft.py first
 #   ttft-probe: every GPU test ($GPU_TESTS: those), profile_ttft.py (8K, 32K), suite ttft on the host tier
 #   multi: (2+ GPUs) handoff/probe GPU tests, memcheck/racecheck of a handoff, probe --all-gpus,
 #          suites handoff + contention, `kvtier path` with the measured sharing
@@ -91,6 +91,10 @@ if [ "$mode" = models ]; then
   exit 0
 fi
 if [ "$mode" = models-hf ]; then
+  if [ "${PROFILE:-0}" = 1 ]; then  # where a host hit's first token goes on this box
+    echo "== profile_ttft"
+    timeout 150 $py benchmarks/profile_ttft.py 2>&1 | tee "$out/profile_ttft.txt"
+  fi
   if [ -n "${KVTIER_CALIBRATION:-}" ]; then  # the ttft suite again, with a committed calibration
     echo "== bench ttft"
     timeout 240 $py -m kvtier bench --out "$out/ttft" --suite ttft 2>&1 | tee "$out/bench-ttft.log" | tail -40
