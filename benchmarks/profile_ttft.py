@@ -65,11 +65,48 @@ def h2d_gbps(nbytes: int) -> float:
     return 5 * nbytes / (time.perf_counter() - t0) / 1e9
 
 
+CPU_MS: dict[str, float] = {}  # host ms per wrapped function, summed over one request
+
+
+def timed(owner, name: str, label: str) -> None:
+    """Wrap owner.name so its host time adds up in CPU_MS[label]."""
+    fn = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            CPU_MS[label] = CPU_MS.get(label, 0.0) + (time.perf_counter() - t0) * 1e3
+
+    setattr(owner, name, wrapper)
+
+
+def wrap_phases() -> None:
+    """The host-side phases of a hit: the store's lookup and load, the engine's submit, the mover's
+    launches, and the per-layer reads in attention (`_arrive`, its `wait_layer`)."""
+    from kvtier.engine import cuda_mover, engine
+    from kvtier.integrations import hf
+    from kvtier.ops import slots
+    from kvtier.store import handles, kvstore
+
+    timed(kvstore.KVStore, "lookup", "store.lookup")
+    timed(kvstore.KVStore, "load", "store.load")
+    timed(engine.TransferEngine, "load_slots", "engine.load_slots")
+    timed(cuda_mover.CudaMover, "load_slots", "mover.load_slots")
+    timed(cuda_mover, "slot_sources", "ops.slot_sources")
+    timed(cuda_mover, "scatter_slots", "ops.scatter_slots (all layers)")
+    timed(handles.LoadHandle, "wait_layer", "LoadHandle.wait_layer (all layers)")
+    timed(hf.KVTierCache, "_arrive", "KVTierCache._arrive (all layers)")
+    del slots
+
+
 def one(kvt, model, ids, n, events: dict):
     """A warm request; (phases in ms, per-layer landed / read ms)."""
     t0 = time.perf_counter()
     hit = kvt.store.lookup(ids[0, :-1].tolist())
     t_lookup = time.perf_counter()
+    CPU_MS.clear()
     cache = kvt.cache(ids)
     t_cache = time.perf_counter()
     out = generate(model, ids, cache)
@@ -89,6 +126,7 @@ def one(kvt, model, ids, n, events: dict):
         h.wait(60)
     ms = dict(lookup=(t_lookup - t0) * 1e3, cache=(t_cache - t_lookup) * 1e3, ttft=(t_first - t_lookup) * 1e3,
               landed=(landed or 0.0) * 1e3, hit_tokens=hit.tokens)  # fmt: skip
+    ms |= {f"cpu {k}": v for k, v in CPU_MS.items()}
     return ms, layers
 
 
@@ -121,6 +159,8 @@ def main() -> None:
         return out
 
     hf.KVTierCache._arrive = arrive
+    if dev == "cuda":
+        wrap_phases()
     rate = h2d_gbps(1 << 30)
     print(f"device {dev}, model {a.shape} {dtype}, pinned H2D {rate:.1f} GB/s, new tokens {a.new}")
     for n in a.tokens:
@@ -158,6 +198,8 @@ def main() -> None:
             print(f"landed    {med['landed']:8.1f} ms   (start -> last byte on the GPU)")
             print(f"ttft      {med['ttft']:8.1f} ms   (start -> first token; recompute / ttft = "
                   f"{statistics.median(rec) / med['ttft']:.1f}x)")  # fmt: skip
+            for k in sorted(k for k in med if k.startswith("cpu ")):
+                print(f"{k[4:]:38s} {med[k]:8.2f} ms of host time")
             layers = runs[-1][1]
             if layers:
                 pick = sorted({0, 1, 2, len(layers) // 2, len(layers) - 2, len(layers) - 1})
