@@ -11,6 +11,7 @@
 #   models: host_jitter.py, kvtier calibrate, suites ttft (calibrated) + submit_overhead
 #   models-hf: suite hf, `kvtier demo` on the GPU (+ Redis when carried); PROFILE=1: profile_ttft.py first
 #   ttft-probe: every GPU test ($GPU_TESTS: those), profile_ttft.py (8K, 32K), suite ttft on the host tier
+#   ttft-hf: GPU tests ($GPU_TESTS: those), profile_ttft.py (2K, 8K, 32K), suites ttft + hf ($KVTIER_CALIBRATION)
 #   multi: (2+ GPUs) handoff/probe GPU tests, memcheck/racecheck of a handoff, probe --all-gpus,
 #          suites handoff + contention, `kvtier path` with the measured sharing
 set -uo pipefail
@@ -76,6 +77,15 @@ if [ "$mode" = ttft-probe ]; then
   timeout 200 $py benchmarks/profile_ttft.py ${PROFILE_ARGS:---profile} 2>&1 | tee "$out/profile_ttft.txt" | grep -v "^ *aten::\|^---\|USDT"
   echo "== bench ttft (host)"
   KVTIER_TTFT_TIERS=host timeout 200 $py -m kvtier bench --out "$out" --suite ttft 2>&1 | tee "$out/bench.log" | tail -25
+  exit 0
+fi
+if [ "$mode" = ttft-hf ]; then
+  echo "== GPU tests"
+  timeout 200 $py -m pytest -q -p no:cacheprovider ${GPU_TESTS:--m gpu tests} 2>&1 | tail -15 | tee "$out/pytest-gpu.log"
+  echo "== profile_ttft"
+  timeout 120 $py benchmarks/profile_ttft.py --tokens 2048 8192 32768 2>&1 | tee "$out/profile_ttft.txt" | grep -v Warn
+  echo "== bench ttft, hf"
+  timeout 420 $py -m kvtier bench --out "$out" --suite ttft --suite hf 2>&1 | tee "$out/bench.log" | tail -50
   exit 0
 fi
 if [ "$mode" = models ]; then

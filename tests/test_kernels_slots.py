@@ -89,3 +89,16 @@ def test_slot_sources_checks_its_arguments():
         scatter_slots(kv, "not sources")
     with pytest.raises(ValueError, match="layers"):
         scatter_slots(kv, slot_sources(kv, [0, 1], [a]), layers=(2, 1))
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="streams exist on CUDA only")
+def test_scatter_slots_refuses_another_stream_and_reuses_its_launch():
+    kv = random_cache("vllm_flash", 2, 8, 4, 1, 64, torch.float32, DEV, seed=1)
+    src = slot_sources(kv, [0, 1], [host_chunk(kv, 2, 1)])
+    for layer in range(kv.num_layers):
+        scatter_slots(kv, src, layers=(layer, 1))
+    assert len(src.runs) == 1  # planned once, launched per layer
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other), pytest.raises(ValueError, match="stream slot_sources ran on"):
+        scatter_slots(kv, src, layers=(0, 1))
+    torch.cuda.synchronize()

@@ -142,7 +142,7 @@ class CudaMover:
         kv, raw = self.kv, stream.raw
         with torch.cuda.stream(raw):
             bid = checked_block_ids(kv, ids, True, num_tokens)  # one H2D; the engine checked them
-            src = slot_sources(kv, bid, [s.tensor for s in slots])  # + one H2D of the slot table
+            src = slot_sources(kv, bid, [s.tensor for s in slots], pool_slots=True)  # + one H2D of the table
             events = []
             for layer in range(kv.num_layers):
                 scatter_slots(kv, src, max_ctas=self.uva_ctas, layers=(layer, 1))

@@ -117,14 +117,18 @@ class KVTier:
         n - 1 tokens is loaded (asynchronously; at least one token is left for the model to run)."""
         tokens = _tokens(input_ids)
         t0 = time.perf_counter()
-        start = self.engine.load_stream.record("hf-load-start")  # times lookup + reads + copies
-        want = self.store.lookup(tokens[:-1]).tokens
-        blocks = self._alloc(want // self.kv.block_size)
-        load = self.store.load(tokens[:-1], blocks) if want else None
-        if load is not None and load.tokens < want:  # a chunk vanished since the lookup: fewer blocks
-            keep = load.tokens // self.kv.block_size
-            self._release(blocks[keep:])
-            blocks = blocks[:keep]
+        start = self.engine.load_stream.record("hf-load-start")  # times the reads + copies
+        # Blocks for every whole chunk of the first n - 1 tokens (no separate lookup: the load walks
+        # the tiers once and says how much it delivers); the blocks past the hit go back at once.
+        bpc = self.chunk_tokens // self.kv.block_size
+        most = (len(tokens) - 1) // self.chunk_tokens * bpc
+        blocks = self._alloc(min(most, len(self._free) // bpc * bpc))
+        load = self.store.load(tokens[:-1], blocks) if blocks else None
+        keep = load.tokens // self.kv.block_size if load is not None else 0
+        self._release(blocks[keep:])  # never part of a copy: free at once
+        blocks = blocks[:keep]
+        if load is not None and not load.jobs:
+            load = None  # nothing stored: a cold request
         return KVTierCache(self, blocks, load, t0, start)
 
     def _alloc(self, n: int) -> list[int]:
@@ -202,34 +206,37 @@ class KVTierCache(Cache):
 
     def _arrive(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V of the hit prefix, each ``(1, kv_heads, hit, head_dim)``."""
-        o, n = self.owner, self.hit_tokens
+        o = self.owner
         if like.shape[0] != 1:
             raise ValueError(
                 f"key_states: KVTierCache holds one request (batch 1), got batch {like.shape[0]}"
             )
-        out = torch.empty((2, 1, o.kv.num_heads, n, o.kv.head_dim), dtype=like.dtype, device=like.device)
         pages = o.kv.layers[layer]  # (2, num_blocks, block_size, heads, dim)
+        got: list[torch.Tensor] = []
 
-        def gather() -> None:  # (2, nb, bs, H, D) -> (2, 1, H, nb * bs, D)
+        def gather() -> None:  # (2, nb, bs, H, D) -> (2, 1, H, nb * bs, D), a view of one copy
             if self._ids_dev is None:
                 # Once per request, queued on this stream: torch.tensor(list, device=cuda) would
                 # wait for everything queued on it (a host sync per layer, no running ahead).
                 self._ids_dev = torch.as_tensor(self.blocks, dtype=torch.long).to(
                     o.kv.device, non_blocking=True
                 )
-            out.copy_(pages.index_select(1, self._ids_dev).flatten(1, 2).transpose(1, 2).unsqueeze(1))
+            g = pages.index_select(1, self._ids_dev)  # the blocks' bytes are read here, once
+            got.append(g.flatten(1, 2).transpose(1, 2).unsqueeze(1).to(like.dtype))
 
         # Attention of layer `layer` must not read its blocks before their bytes have landed:
         # the compute stream waits for that layer's event (later layers may still be in flight).
         self.load.wait_layer(layer, o.compute)
         o.device.launch(gather, o.compute)
-        ev = o.compute.record(f"hf-read-layer{layer}")
         self.arrived.append(layer)
-        if like.device.type == "cpu":
-            ev.synchronize()  # the host runs attention: submitted is not done, block until read
-        if len(self.arrived) == o.kv.num_layers:  # the stream has waited every layer, e_load included
-            o.engine.compute_read(self.blocks, ev)  # a later load into these blocks waits for the reads
-        return out[0], out[1]
+        last = len(self.arrived) == o.kv.num_layers
+        if last or like.device.type == "cpu":
+            ev = o.compute.record(f"hf-read-layer{layer}")  # marks this layer's read (and all before it)
+            if like.device.type == "cpu":
+                ev.synchronize()  # the host runs attention: submitted is not done, block until read
+            if last:  # the stream has waited every layer, e_load included
+                o.engine.compute_read(self.blocks, ev)  # a later load into these blocks waits for the reads
+        return got[0][0], got[0][1]
 
     def finish(self, sequences: torch.Tensor | None = None):
         """End the request: the KV of ``sequences`` (the prompt + generated ids; only the first

@@ -155,9 +155,26 @@ def launch(
     table: (chunk_off, align) of a call over several chunks (`ops/slots.py`): block i's pieces
     start chunk_off[i] VEC-units from `chunk`; align divides every chunk address involved."""
     layer0, n_layers = layers if layers is not None else (0, kv.num_layers)
+    if ids_dev.numel():
+        prepare(
+            kv, ids_dev, chunk, last_valid, gather=gather, max_ctas=max_ctas, n_layers=n_layers, table=table
+        )(layer0)
+
+
+def prepare(
+    kv: PagedKV,
+    ids_dev: torch.Tensor,
+    chunk: torch.Tensor,
+    last_valid: int,
+    *,
+    gather: bool,
+    max_ctas,
+    n_layers: int,
+    table: tuple[torch.Tensor, int] | None = None,
+):
+    """`launch`'s planning done once: returns run(layer0), which launches n_layers layers from
+    layer0 on the current stream (a per-layer load launches L times with the same arguments)."""
     n = ids_dev.numel()
-    if n == 0:
-        return
     align = math.gcd(chunk.data_ptr(), chunk.untyped_storage().data_ptr())
     plan = plan_for(kv, align if table is None else table[1])
     nct = triton.cdiv(kv.block_size * plan.inner, plan.cols)
@@ -176,31 +193,33 @@ def launch(
     chunk_arg = _alias(chunk, plan.unit)
     if not INTERPRETING and chunk.device.type == "cpu":
         chunk_arg = _HostPtr(chunk_arg)  # pinned: the kernel stores/loads through UVA
-    with torch.cuda.device(kv.device) if kv.device.type == "cuda" else nullcontext():
-        kv_copy_kernel[grid](
-            paged,
-            plan.layer_off,
-            ids_dev,
-            chunk_arg,
-            ids_dev if table is None else table[0],  # unused without TABLE
-            n,
-            last_valid,
-            kv.num_layers,
-            layer0,
-            n_layers,
-            plan.kv_stride,
-            plan.block_stride,
-            KV=kv.num_kv,
-            O=plan.o,
-            BS=kv.block_size,
-            I=plan.inner,
-            COLS=plan.cols,
-            ROWS=plan.rows,
-            VEC=plan.vec,
-            GATHER=gather,
-            TABLE=table is not None,
-            num_warps=NUM_WARPS,
-        )
+    head = (
+        paged,
+        plan.layer_off,
+        ids_dev,
+        chunk_arg,
+        ids_dev if table is None else table[0],
+    )  # 5th: unused without TABLE
+    consts = dict(KV=kv.num_kv, O=plan.o, BS=kv.block_size, I=plan.inner, COLS=plan.cols, ROWS=plan.rows,
+                  VEC=plan.vec, GATHER=gather, TABLE=table is not None, num_warps=NUM_WARPS)  # fmt: skip
+    kernel = kv_copy_kernel[grid]
+    on = kv.device if kv.device.type == "cuda" else None
+
+    def run(layer0: int) -> None:
+        with torch.cuda.device(on) if on is not None else nullcontext():
+            kernel(
+                *head,
+                n,
+                last_valid,
+                kv.num_layers,
+                layer0,
+                n_layers,
+                plan.kv_stride,
+                plan.block_stride,
+                **consts,
+            )
+
+    return run
 
 
 def plan_for(kv: PagedKV, chunk_align: int) -> _Plan:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,7 +27,7 @@ from kvtier.ops.checks import (
     check_layers,
     check_max_ctas,
 )
-from kvtier.ops.kv_copy import launch, plan_for, use_ids
+from kvtier.ops.kv_copy import plan_for, prepare, use_ids
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -40,6 +40,8 @@ class SlotSources:
     base: torch.Tensor
     off: torch.Tensor
     align: int
+    stream: object  # the CUDA stream the ids and offsets were made ready on (None off CUDA)
+    runs: dict = field(default_factory=dict)  # (n_layers, max_ctas) -> prepared launch
 
 
 def slot_sources(
@@ -48,10 +50,13 @@ def slot_sources(
     chunks: Sequence[torch.Tensor],
     *,
     num_tokens: int | None = None,
+    pool_slots: bool = False,
 ) -> SlotSources:
     """Check `chunks` (each a chunk as `scatter` takes it, of any whole number of blocks) and
     `block_ids` (distinct; as many as the chunks hold together; num_tokens: valid tokens of the
-    ids as a whole, as in `scatter`). Asynchronous copies to the device on the current stream."""
+    ids as a whole, as in `scatter`). Asynchronous copies to the device on the current stream,
+    the only stream `scatter_slots` may then run on. pool_slots: the chunks are slots of a
+    `PinnedPool` (pinned, contiguous uint8, sizes checked by the caller): only their sizes are read."""
     check_cache(kv)
     if isinstance(chunks, torch.Tensor) or not isinstance(chunks, Sequence) or not chunks:
         raise ValueError("chunks: expected a non-empty sequence of chunk tensors")
@@ -64,7 +69,8 @@ def slot_sources(
         if nb == 0 or nb % per_block:
             raise ValueError(f"chunks[{j}]: {nb} bytes is not a whole number of blocks of {per_block} B")
         counts.append(nb // per_block)
-        check_chunk(kv, t, counts[-1], f"chunks[{j}]")
+        if not pool_slots:
+            check_chunk(kv, t, counts[-1], f"chunks[{j}]")
     ids = as_block_ids(kv, block_ids, True, num_tokens)
     if len(ids) != sum(counts):
         raise ValueError(f"block_ids: {len(ids)} ids for chunks holding {sum(counts)} blocks")
@@ -77,7 +83,11 @@ def slot_sources(
     within = torch.cat([torch.arange(c, dtype=torch.int64) * step for c in counts])
     off = torch.repeat_interleave(starts, torch.tensor(counts)) + within
     off = off.to(kv.device, non_blocking=True)  # pageable source: staged before the call returns
-    return SlotSources(ids, tuple(chunks), base, off, align)
+    stream = None
+    if kv.device.type == "cuda":
+        stream = torch.cuda.current_stream(kv.device)
+        use_ids(ids)  # this stream reads the ids only once landed, and they live until it did
+    return SlotSources(ids, tuple(chunks), base, off, align, stream)
 
 
 def scatter_slots(
@@ -87,7 +97,15 @@ def scatter_slots(
     launch on the current stream, which must be the stream `slot_sources` ran on or after it."""
     if not isinstance(src, SlotSources) or src.ids.kv is not kv:
         raise ValueError("src: expected the SlotSources made by slot_sources for this cache")
+    if src.stream is not None and torch.cuda.current_stream(kv.device) != src.stream:
+        # The ids and offsets were made ready on src.stream only: another stream could read them early.
+        raise ValueError("src: scatter_slots must run on the stream slot_sources ran on")
     check_max_ctas(max_ctas)
-    layers = check_layers(kv, layers)
-    launch(kv, use_ids(src.ids), src.base, src.ids.last_valid, gather=False, max_ctas=max_ctas,
-           layers=layers, table=(src.off, src.align))  # fmt: skip
+    first, count = check_layers(kv, layers) or (0, kv.num_layers)
+    run = src.runs.get((count, max_ctas))
+    if run is None:
+        table = (src.off, src.align)
+        run = prepare(kv, src.ids.dev, src.base, src.ids.last_valid, gather=False, max_ctas=max_ctas,
+                      n_layers=count, table=table)  # fmt: skip
+        src.runs[count, max_ctas] = run
+    run(first)

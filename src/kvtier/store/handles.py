@@ -94,6 +94,9 @@ class LoadHandle:
     jobs: list = field(default_factory=list, repr=False)
     num_layers: int = field(default=0, repr=False)
     _on_done: Callable[[], object] | None = field(default=None, repr=False)
+    _layer_plan: list | None = field(
+        default=None, repr=False
+    )  # per layer (jobs to wait, (job, event) to note)
 
     @property
     def events(self) -> list[Event]:
@@ -104,21 +107,13 @@ class LoadHandle:
         (the host does not block). Call before attention of that layer reads the blocks."""
         if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
-        # One wait per copy stream, on its last job: a stream runs in order, so that job's layer
-        # event follows every earlier job's on the same stream (one wait per chunk cost ~4,000
-        # stream waits per 32K-token request). The earlier ones are noted for the sanitizer.
-        last: dict = {}
-        for j in self.jobs:
-            last[j.layer_events[layer].stream] = j
-        for s, j in last.items():
-            if s is not None:
-                j.wait_layer(layer, stream)  # attention must not read a block before its bytes land
-        seen = {id(j.layer_events[layer]) for j in last.values()}
-        for j in self.jobs:
-            ev = j.layer_events[layer]
-            if ev.stream is not None and id(ev) not in seen:  # jobs of one load_slots share events
-                seen.add(id(ev))
-                j.engine._note_wait(stream, ev)  # ordered before the waited event of its stream
+        if self._layer_plan is None:
+            self._layer_plan = [_plan_layer(self.jobs, i) for i in range(self.num_layers)]
+        waits, notes = self._layer_plan[layer]
+        for j in waits:
+            j.wait_layer(layer, stream)  # attention must not read a block before its bytes land
+        for j, ev in notes:
+            j.engine._note_wait(stream, ev)  # ordered before the waited event of its stream
 
     def done(self) -> bool:
         """True once every chunk has landed in its GPU blocks."""
@@ -133,3 +128,23 @@ class LoadHandle:
         if ok and self._on_done is not None:
             self._on_done()  # every e_load has completed: the slots' pins may drop
         return ok
+
+
+def _plan_layer(jobs: list, layer: int) -> tuple[list, list]:
+    """(jobs whose layer event a reader waits for, (job, event) it only notes) for one layer.
+
+    One wait per copy stream, on its last job: a stream runs in order, so that job's layer event
+    follows every earlier job's on the same stream (one wait per chunk cost ~4,000 stream waits per
+    32K-token request). The earlier events are noted for the sanitizer, each once (the jobs of one
+    `load_slots` share their events)."""
+    last: dict = {}
+    for j in jobs:
+        last[j.layer_events[layer].stream] = j
+    waits = [j for s, j in last.items() if s is not None]
+    seen, notes = {id(j.layer_events[layer]) for j in waits}, []
+    for j in jobs:
+        ev = j.layer_events[layer]
+        if ev.stream is not None and id(ev) not in seen:
+            seen.add(id(ev))
+            notes.append((j, ev))
+    return waits, notes

@@ -55,7 +55,8 @@ class Reaper:
             done = [it for it in self._inflight if it[0].event.query()]
             if not done:
                 return 0
-            self._inflight = [it for it in self._inflight if not any(it is d for d in done)]
+            gone = {id(d) for d in done}
+            self._inflight = [it for it in self._inflight if id(it) not in gone]
         first_error = None
         for job, entry, kind in done:
             try:  # every completed job is applied even if one fails: no pin may be left behind
