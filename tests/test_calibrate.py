@@ -115,6 +115,10 @@ def test_cli_quick_cpu_document(cli_run):
     assert all(math.isfinite(v) and v > 0 for v in doc["effective"].values())
     loaded = calibrate.load(save)
     assert loaded["fits"] == doc["fits"] and calibrate.effective_rates(loaded) == doc["effective"]
+    assert doc["forward_floor_ms"] > 0 and doc["forward_floor"] == {"tail_tokens": 16, "cached_tokens": 256}
+    from kvtier.bench.calibration_file import planner_inputs
+
+    assert planner_inputs(loaded, 100.0)["forward_floor_ms"] == doc["forward_floor_ms"]
 
 
 def test_cli_table_output(cli_run, tmp_path):
@@ -127,6 +131,7 @@ def test_cli_table_output(cli_run, tmp_path):
     assert r.exit_code == 0, r.output
     assert "predicted ms" in r.output and "error after" in r.output and "P10" in r.output
     assert "ceilings file" in r.output  # the figures came from the file, not a probe
+    assert "forward floor" in r.output
 
 
 @pytest.mark.parametrize(

@@ -201,3 +201,32 @@ def test_plan_cli_takes_a_calibration(tmp_path):
     assert bad.exit_code == 2 and "calibration" in bad.output
     missing = CliRunner().invoke(cli, [*base, "--calibration", str(tmp_path / "none.json")])
     assert missing.exit_code == 2 and "calibration" in missing.output
+
+
+def test_forward_floor_bounds_every_forward_and_turns_a_host_split_into_a_load():
+    """Each forward takes at least the floor: the short tail of a load is host-bound, a split pays
+    it twice — so on the host, where the copy is short, the split loses to the load."""
+    a = plan("llama-3-8b", "h200", "host", 8192, 64)
+    b = plan("llama-3-8b", "h200", "host", 8192, 64, forward_floor_ms=40.0)
+    assert a.options["load"].new_ms < 40.0 and b.options["load"].new_ms == 40.0
+    assert b.options["recompute"].ms == pytest.approx(a.options["recompute"].ms)  # long: above the floor
+    s = b.options["split"]
+    assert s.recompute_ms >= 40.0 and s.ms >= 80.0 and b.options["load"].ms < s.ms
+    assert a.choice == "split" and b.choice == "load"
+    for bad in (-1.0, float("inf"), False):
+        with pytest.raises(ValueError, match="forward_floor_ms"):
+            plan("llama-3-8b", "h200", "host", 8192, 64, forward_floor_ms=bad)
+
+
+def test_plan_cli_takes_the_calibration_floor(tmp_path):
+    import json
+    from pathlib import Path
+
+    path = _calibration(tmp_path)
+    doc = json.loads(Path(path).read_text()) | {"forward_floor_ms": 40.0}
+    Path(path).write_text(json.dumps(doc))
+    r = CliRunner().invoke(cli, ["plan", "--gpu", "h200", "--matched", "8192", "--new", "64", "--json",
+                                 "--calibration", path])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["forward_floor_ms"] == 40.0 and d["options"]["load"]["new_ms"] >= 40.0

@@ -147,6 +147,10 @@ def test_p8_is_not_applied_below_8k_or_off_the_gpu_and_p9_miss_says_why():
     ttft_rig.checks(rig, 512, "disk", rows, dict(recompute=30.0, load=20.0, split=25.0))
     assert rows["split"].params["p9"] == "n/a" and "would be miss" in rows["split"].params["p9_why"]
     assert "store.load" in rows["split"].params["p9_why"]  # a lower tier's read is not overlapped
+    rig, _ = fake_rig()
+    rows = fake_rows("split")
+    ttft_rig.checks(rig, 8192, "host", rows, dict(recompute=100.0, load=60.0, split=80.0, floor=35.0))
+    assert rows["split"].params["p9"] == "miss" and "cannot beat 70.0 ms" in rows["split"].params["p9_why"]
 
 
 def chunk(i: int, nbytes: int):

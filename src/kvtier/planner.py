@@ -148,6 +148,7 @@ def plan(
     gpudirect: bool = False,
     shared_by: int = 1,
     prefill_overhead_ms: float = 0.0,
+    forward_floor_ms: float = 0.0,
 ) -> Plan:
     """Predict recompute, load and the best chunk-aligned split for one request; choose the fastest.
 
@@ -158,6 +159,9 @@ def plan(
     object is used as given (`specs.get_gpu(key, ceilings)` applies the measured figures).
     prefill_overhead_ms: the fixed cost of one forward (launches, framework), added to each one the
     option runs — a split runs two (`kvtier calibrate` fits it: `fits.prefill.overhead_ms`).
+    forward_floor_ms: the least time one forward takes however little it computes (the host
+    launching an eager model: `kvtier calibrate` measures it, `forward_floor_ms`); each forward
+    is predicted at max(its prefill, this floor).
     """
     if isinstance(model, str):
         from kvtier.hfconfig import resolve_model
@@ -172,19 +176,17 @@ def plan(
         raise ValueError(f"matched_tokens: must be a multiple of chunk_tokens={chunk_tokens} >= 0, got {n!r}")
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency: must be within (0, 1], got {efficiency!r}")
-    if (
-        isinstance(prefill_overhead_ms, bool)
-        or not isinstance(prefill_overhead_ms, int | float)
-        or not (0 <= prefill_overhead_ms < float("inf"))
-    ):
-        raise ValueError(f"prefill_overhead_ms: must be a number >= 0, got {prefill_overhead_ms!r}")
+    for name, v in (("prefill_overhead_ms", prefill_overhead_ms), ("forward_floor_ms", forward_floor_ms)):
+        if isinstance(v, bool) or not isinstance(v, int | float) or not (0 <= v < float("inf")):
+            raise ValueError(f"{name}: must be a number >= 0, got {v!r}")
     p = tier_path(g, tier, ceilings, link, nic, gpudirect, shared_by)
     layers, m = model.layers, new_tokens
 
     def pre(tokens: int, prefix: int = 0) -> float:
         if not tokens:
             return 0.0
-        return prefill(model, g, tokens, prefix, dtype, kv_dtype, efficiency).ms + prefill_overhead_ms
+        ms = prefill(model, g, tokens, prefix, dtype, kv_dtype, efficiency).ms + prefill_overhead_ms
+        return max(ms, forward_floor_ms)
 
     new_ms = pre(m, n)
 

@@ -6,6 +6,9 @@
             GPU, so Python launch overhead is not in it) vs `roofline.decode_step`
   prefill   one transformers forward over N tokens (no cache, last token's logits) vs
             `roofline.prefill`
+  floor     (not fitted) transformers' `generate` of one token for a short tail over a short
+            cached prefix: the host-bound time of a forward that gives the GPU little to do — the
+            least any first token through `generate` takes (`forward_floor_ms`, for the planner)
 
 Predictions use probed ceilings (a `--ceilings` file, else measured now): device copy (HBM), bf16
 matmul rate, pinned H2D / D2H. The fit and the explanations of misses are `calibrate_fit`. Without
@@ -234,6 +237,34 @@ def prefill_points(model, gpu, spec, lengths, timer) -> list[Point]:
     return out
 
 
+FLOOR_PREFIX = 256  # cached tokens under the floor's tail: short, so the GPU has little to do
+
+
+def floor_ms(model, tail: int, timer) -> float:
+    """Median ms of `generate` (one new token) over a DynamicCache holding FLOOR_PREFIX tokens, with
+    `tail` prompt tokens after them, host clock, device synchronized (see the module docstring)."""
+    from transformers import DynamicCache
+
+    from kvtier.integrations.hf import cache_kwarg
+
+    gen = torch.Generator(device=model.device).manual_seed(2)
+    ids = torch.randint(
+        1, model.config.vocab_size, (1, FLOOR_PREFIX + tail), generator=gen, device=model.device
+    )
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(ids[:, :FLOOR_PREFIX], **{cache_kwarg(model): cache}, use_cache=True)
+
+    @torch.no_grad()
+    def first_token():
+        model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0, **{cache_kwarg(model): cache})
+        extra = cache.get_seq_length() - FLOOR_PREFIX
+        if extra > 0:
+            cache.crop(-extra)  # back to the prefix alone for the next run (negative: any version)
+
+    return timer.time(first_token, name=f"calibrate/floor/{tail}").median_ms
+
+
 def run(device: str = "auto", quick: bool = False, ceilings=None, reps: int | None = None) -> dict:
     """Measure every point, fit, and return the calibration document (see `save`)."""
     from kvtier.bench.env import utc_now
@@ -263,6 +294,8 @@ def run(device: str = "auto", quick: bool = False, ceilings=None, reps: int | No
     points = transfer_points(dev, gpu, cei, sizes, timer)
     points += decode_points(model, gpu, spec, shapes, timer)
     points += prefill_points(model, gpu, spec, lengths, timer)
+    floor_tail = 64 if kind == "gpu" else 16
+    floor = floor_ms(model, floor_tail, timer)
     assign_roles(points)
     fits = calibrate(points)
     kv_bytes = spec.kv_bytes_per_token(roofline_dtypes(model)[1])
@@ -275,6 +308,8 @@ def run(device: str = "auto", quick: bool = False, ceilings=None, reps: int | No
         "gpu_spec": {"name": gpu.name, "mem_bw_gbps": gpu.mem_bw_gbps, "bf16_tflops": gpu.bf16_tflops,
                      "pcie_gen": gpu.pcie_gen},
         "fits": {q: asdict(f) for q, f in fits.items()},
+        "forward_floor_ms": floor,
+        "forward_floor": {"tail_tokens": floor_tail, "cached_tokens": FLOOR_PREFIX},
         "points": [p.to_json() for p in points],
     }  # fmt: skip
     doc["effective"] = effective_rates(doc)

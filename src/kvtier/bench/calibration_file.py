@@ -51,12 +51,14 @@ def effective_rates(doc: dict) -> dict[str, float]:
 
 def planner_inputs(doc: dict, peak_tflops: float) -> dict[str, float]:
     """What `planner.plan` takes from a calibration: the fitted prefill rate as an efficiency of
-    `peak_tflops` (the bf16 rate the planner's GPU has), the fixed cost of a forward, and the
+    `peak_tflops` (the bf16 rate the planner's GPU has), the fixed cost of a forward, the least
+    time a forward through `generate` takes (0 in files made before it was measured), and the
     fitted H2D rate when the file has one."""
     rates = effective_rates(doc)
     out = {
         "efficiency": min(1.0, rates.get("prefill_tflops", peak_tflops) / peak_tflops),
         "prefill_overhead_ms": float(doc["fits"].get("prefill", {}).get("overhead_ms", 0.0)),
+        "forward_floor_ms": float(doc.get("forward_floor_ms") or 0.0),
     }
     if "h2d_gbps" in rates:
         out["h2d_gbps"] = rates["h2d_gbps"]

@@ -106,6 +106,13 @@ def _print(d: dict) -> None:
     con.print(f)
     eff = d["effective"]
     con.print(", ".join(f"{k} {v:,.3g}" for k, v in eff.items()) or "no effective rates")
+    if d.get("forward_floor_ms"):
+        ff = d["forward_floor"]
+        con.print(
+            f"forward floor {d['forward_floor_ms']:.3g} ms: generate's first token for a "
+            f"{ff['tail_tokens']}-token tail over {ff['cached_tokens']} cached tokens "
+            "(the planner's least time per forward)"
+        )
     p10 = d["p10"]
     con.print(
         f"P10 ({p10['scope']}): {p10['within_before']}/{p10['points']} points within 10% before calibration, "

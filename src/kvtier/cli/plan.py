@@ -86,7 +86,7 @@ def plan_cmd(
     from kvtier.specs import get_gpu
 
     measured = _ceilings(ceilings)
-    overhead = 0.0
+    overhead = floor = 0.0
     doc = _calibration(calibration, gpu) if calibration is not None else None
     if doc is not None and measured is None:  # the file's ceilings stand in for --ceilings
         measured = Ceilings(dict(doc["ceilings"]), gpu=doc.get("gpu"), gpu_key=doc.get("gpu_key"),
@@ -94,7 +94,7 @@ def plan_cmd(
     m, g = resolve_model(model), get_gpu(_gpu_key(gpu, measured), measured)
     if doc is not None:
         got = planner_inputs(doc, g.bf16_tflops)
-        efficiency, overhead = got["efficiency"], got["prefill_overhead_ms"]
+        efficiency, overhead, floor = got["efficiency"], got["prefill_overhead_ms"], got["forward_floor_ms"]
         if "h2d_gbps" in got:  # the fitted H2D rate for the PCIe hop
             measured = dataclasses.replace(
                 measured, figures=measured.figures | {"h2d_pinned_gbps": got["h2d_gbps"]}
@@ -112,9 +112,11 @@ def plan_cmd(
         kv_dtype=kv_dtype,
         nic=nic,
         prefill_overhead_ms=overhead,
+        forward_floor_ms=floor,
     )
     data = {"model": m.key, "gpu": g.key, "tier": tier, "efficiency": efficiency, "kv_dtype": kv_dtype}
     data |= {"ceilings": ceilings, "calibration": calibration, "prefill_overhead_ms": overhead}
+    data |= {"forward_floor_ms": floor}
     data |= {"gpu_measured": list(g.measured)} | p.to_json()
     _emit(data, as_json, _print)
 

@@ -49,12 +49,12 @@ class Rig:
         self.tiers = tiers_asked(os.environ.get("KVTIER_TTFT_TIERS"))
         self.remote_gbps = float(os.environ.get("KVTIER_TTFT_REMOTE_GBPS") or (2.0 if self.on_gpu else 0.05))
         figures = self._figures()
-        efficiency, overhead, self.calibration = self._calibration(figures)
+        efficiency, overhead, floor, self.calibration = self._calibration(figures)
         name = torch.cuda.get_device_name(ctx.device) if self.on_gpu else None
         self.ceilings = Ceilings(figures, gpu=name, source="kvtier bench ttft (this run)")
         self.gpu = calibrate.machine_gpu(ctx.device, self.ceilings)
         self.plan_opts = dict(efficiency=efficiency, dtype=wdt, kv_dtype=self.kv_dtype,
-                              prefill_overhead_ms=overhead)  # fmt: skip
+                              prefill_overhead_ms=overhead, forward_floor_ms=floor)  # fmt: skip
         self.disk_io = None
         self.recompute: dict[int, tuple] = {}  # n -> (Timing, outputs, infos)
         self.reference: dict[int, torch.Tensor] = {}  # n -> the recompute run's tokens
@@ -81,17 +81,17 @@ class Rig:
         f["redis_loopback_get_gbps"] = self.remote_gbps  # the planner's remote GET hop: the throttle
         return f
 
-    def _calibration(self, figures: dict) -> tuple[float, float, str]:
-        """(prefill efficiency, prefill fixed ms, what was used) from $KVTIER_CALIBRATION; figures
-        get its H2D rate."""
+    def _calibration(self, figures: dict) -> tuple[float, float, float, str]:
+        """(prefill efficiency, prefill fixed ms, forward floor ms, what was used) from
+        $KVTIER_CALIBRATION; figures get its H2D rate."""
         path = os.environ.get("KVTIER_CALIBRATION")
         if not path:
-            return 1.0, 0.0, "none"
+            return 1.0, 0.0, 0.0, "none"
         try:
             cal = calibrate.load(path)
         except ValueError as e:
             self.ctx.skip("calibration", f"{e}; the planner runs uncalibrated")
-            return 1.0, 0.0, f"unreadable: {path}"
+            return 1.0, 0.0, 0.0, f"unreadable: {path}"
         gpu = torch.cuda.get_device_name(self.ctx.device) if self.on_gpu else None
         here = (self.ctx.device.type, self.shape, gpu)
         if (cal.get("device"), cal.get("model", {}).get("shape"), gpu and cal.get("gpu")) != here:
@@ -99,11 +99,11 @@ class Rig:
                 f"{path} was made on {cal.get('device')} with {cal.get('model', {}).get('shape')}, not {here}"
             )
             self.ctx.skip("calibration", why + "; the planner runs uncalibrated")
-            return 1.0, 0.0, f"not used: {why}"
+            return 1.0, 0.0, 0.0, f"not used: {why}"
         got = planner_inputs(cal, figures["bf16_tflops"])
         if "h2d_gbps" in got:
             figures["h2d_pinned_gbps"] = got["h2d_gbps"]
-        return got["efficiency"], got["prefill_overhead_ms"], path
+        return got["efficiency"], got["prefill_overhead_ms"], got["forward_floor_ms"], path
 
     # ---- prompts, tiers, requests ------------------------------------------------------------
 
@@ -310,6 +310,9 @@ def checks(rig: Rig, n: int, tier: str, rows: dict, ms: dict) -> None:
         else:
             status = "pass" if split <= P9_FACTOR * lo else "miss"
             why = f"split {split:.1f} ms vs 0.9 x min(load, recompute) = {P9_FACTOR * lo:.1f} ms"
+            if status == "miss" and tier == "host" and ms.get("floor"):
+                why += (f"; a split runs two forwards and each takes at least the forward floor "
+                        f"({ms['floor']:.1f} ms), so it cannot beat {2 * ms['floor']:.1f} ms")  # fmt: skip
             if status == "miss" and tier != "host":
                 why += (f"; split_cache reads [s, n) from {tier} inside store.load before the forward over "
                         "[0, s) starts: only the H2D copies overlap the recompute, the planner assumes "
