@@ -10,7 +10,7 @@ Load (slot -> GPU blocks), on `load_stream`:
 One code path holds the protocol (waits, events, tracker moves); the bytes move through a
 per-device mover (`movers.py`). Submission takes one lock, so the order of work on the
 streams is the order the trackers see. Nothing is ever released on a timeout or because a
-call returned: only `poll`/`wait` apply completions, and they look at events.
+call returned: only `poll`/`wait` (`completion.py`) apply completions, and they look at events.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import threading
 import time
 
 from kvtier.device.base import Device, Event, Stream
+from kvtier.engine.completion import Completion
 from kvtier.engine.ids import IdCheck
 from kvtier.engine.jobs import NO_TRACE, LoadJob, SaveJob, SubmitTrace, _Job
 from kvtier.engine.movers import make_mover
@@ -30,7 +31,7 @@ from kvtier.lifecycle import Access, BlockTracker, LifecycleError, SlotState, Sl
 from kvtier.pool import PinnedPool, Slot
 
 
-class TransferEngine:
+class TransferEngine(Completion):
     """Moves paged KV blocks between `kv` (GPU) and slots of `pool` (pinned host).
 
     Args:
@@ -47,6 +48,7 @@ class TransferEngine:
             1.1-3 ms eager). Ignored on SimDevice. max_graphs: size of that LRU cache.
 
     `trace`: a `SubmitTrace` timing the phases of each submit (KVTIER_SUBMIT_TRACE=1), or None.
+    Completion (poll / wait / release) comes from `Completion` (`completion.py`).
     """
 
     def __init__(
@@ -221,57 +223,7 @@ class TransferEngine:
         _ids, bset = self._check_ids.check(blocks, False)
         self.blocks.compute_write(bset, event, waited=self._waited(event, waited))
 
-    # ---- completion --------------------------------------------------------------------------
-    def poll(self) -> int:
-        """Settle every job whose event has completed; return how many were settled."""
-        with self._lock:
-            # A stream runs in order: past its first incomplete job, none of its later ones can have
-            # completed, so each poll queries the completed jobs and one more per stream, not all.
-            done, blocked = [], set()
-            for j in self._jobs:
-                stream = j.event.stream
-                if stream is not None and stream in blocked:
-                    continue
-                if j.event.query():
-                    done.append(j)
-                elif stream is not None:
-                    blocked.add(stream)
-            for j in done:
-                self._settle(j)
-            self.slots.poll()  # retired slots whose events completed go back to the pool
-        return len(done)
-
-    def wait(self, job: _Job, timeout: float | None = None) -> bool:
-        """Block until `job` completed and settle it; False on timeout: nothing is released."""
-        if not job.event.synchronize(timeout):
-            return False  # in flight: the slot stays FILLING/READING, the blocks stay pending
-        self._settle(job)
-        return True
-
-    def _settle(self, job: _Job) -> None:
-        with self._lock:
-            if job.settled:
-                return
-            if not job.event.query():
-                raise RuntimeError(f"internal: settling {job.event.label} before it completed")
-            if isinstance(job, SaveJob):
-                if not job.slot_released:
-                    self.slots.fill_done(job.slot)  # e_save completed: the slot holds the data
-            else:
-                self.slots.end_read(job.slot, job.event)  # e_load completed: the copy read it all
-            job.settled = True
-            self._jobs.remove(job)
-
-    def release(self, slot: Slot) -> None:
-        """The owner drops `slot`; it returns to the pool once no copy into/out of it is pending."""
-        with self._lock:
-            self.poll()
-            for j in self._jobs:
-                if j.slot is slot and isinstance(j, SaveJob):
-                    j.slot_released = True  # the retired slot turns READY by itself on completion
-            # retire, not release: a copy may still be in flight (never free on a timeout).
-            self.slots.retire(slot)
-
+    # ---- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
         """Wait for every job, settle them, drop the staging buffers. The pool stays open."""
         if self._closed:

@@ -9,12 +9,12 @@ KV of another model, dtype, layout or TP rank never matches.
 - ``save``: one engine save job per chunk not held yet, into a pool slot that becomes a host
   entry once its event completed. Write-through pushes each saved chunk down from the writer
   thread; write-back pushes it only when the host evicts it.
-- ``load``: chunk by chunk from 0: a host hit is pinned; a lower-tier hit is read into a pool
-  slot (``get_into``), its header checked against this cache's shape/dtype/layout, and
-  promoted into the host; then the copies: per layer across every chunk (`engine.load_slots`,
-  one launch per layer) where loads take the kernel path, else an engine load job per chunk.
-  The first chunk no tier delivers ends the load: ``handle.tokens`` is what will arrive; the
-  caller recomputes the rest.
+- ``load``: chunk by chunk from ``first_chunk``: a host hit is pinned; a lower-tier hit is
+  read into a pool slot (``get_into``), its header checked against this cache's
+  shape/dtype/layout, and promoted into the host; then the copies: per layer across every
+  chunk (`engine.load_slots`, one launch per layer) where loads take the kernel path, else an
+  engine load job per chunk. The first chunk no tier delivers ends the load: ``handle.tokens``
+  is what will arrive; the caller recomputes the rest. The walk and the copies: `load.py`.
 - ``prefetch``: the same walk in the background, promoting without loading.
 
 Failures of tiers (errors, timeouts, full, bad checksum or header) are misses, counted and
@@ -30,7 +30,6 @@ import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from kvtier.engine.paths import Path
 from kvtier.lifecycle import LifecycleError, SlotState
 from kvtier.pool import PoolExhausted
 
@@ -156,64 +155,9 @@ class KVStore:
 
         first_chunk: start there (the caller recomputes the chunks before); chunk first_chunk + i
         goes into ``block_ids[i*bpc:(i+1)*bpc]`` and ``handle.tokens`` counts from there."""
-        t0 = self._check_open()
-        keys = self._keys(tokens)
-        if type(first_chunk) is not int or not 0 <= first_chunk <= len(keys):  # a bool is no index
-            raise ValueError(f"first_chunk: must be an int within [0, {len(keys)}], got {first_chunk!r}")
-        keys = keys[first_chunk:]
-        ids = self._ids(block_ids, need=0, unique=True)
-        self._reap()
-        handle = LoadHandle(num_layers=self.kv.num_layers, _on_done=self._reap)
-        tiers: list[str] = []
+        from .load import load
 
-        def submit(i: int, got, layered: bool) -> None:
-            try:
-                job = self.engine.load(got.entry.slot, self._chunk(ids, i), per_layer=layered)
-            except BaseException:
-                self._completed(None, got.entry, got.kind)  # nothing was submitted from the slot
-                raise
-            self._track(job, got.entry, got.kind)
-            handle.jobs.append(job)
-            tiers.append(got.tier)
-
-        # The walk ends at the first chunk no tier delivers: the rest of the prefix is useless.
-        got_all = []
-        try:
-            for got in self._fetch.walk(keys[: len(ids) // self.fmt.blocks]):
-                got_all.append(got)
-        except BaseException:
-            for got in got_all:
-                self._completed(None, got.entry, got.kind)  # fetched, never submitted
-            raise
-        if per_layer and len(got_all) > 1 and self.engine.load_path(per_layer=True) is Path.KERNEL:
-            # Layer-major over every chunk (one launch per layer): layer 0 of the whole prefix lands
-            # first, so attention of layer 0 starts after 1/L of the bytes, not after all of them.
-            try:
-                slots = [got.entry.slot for got in got_all]
-                jobs = self.engine.load_slots(slots, ids[: len(got_all) * self.fmt.blocks])
-            except BaseException:
-                for got in got_all:
-                    self._completed(None, got.entry, got.kind)  # nothing was submitted from the slots
-                raise
-            for job, got in zip(jobs, got_all, strict=True):
-                self._track(job, got.entry, got.kind)
-                handle.jobs.append(job)
-                tiers.append(got.tier)
-        else:
-            # One job per chunk; only the last is copied layer by layer (a launch and an event per
-            # layer), the others whole (one launch): layer i of the prefix is ready once the last
-            # chunk's layer i landed, and the earlier chunks, queued before it, landed whole.
-            for i, got in enumerate(got_all):
-                try:
-                    submit(i, got, per_layer and i == len(got_all) - 1)
-                except BaseException:
-                    for later in got_all[i + 1 :]:
-                        self._completed(None, later.entry, later.kind)  # fetched, never submitted
-                    raise
-        handle.tokens, handle.tiers = len(handle.jobs) * self.fmt.tokens, tuple(tiers)
-        chunks = Counter(f"load_chunks_{t}" for t in tiers)
-        self._count(loads=1, load_tokens=handle.tokens, _call=("load", t0), **chunks)
-        return handle
+        return load(self, tokens, block_ids, per_layer=per_layer, first_chunk=first_chunk)
 
     def prefetch(self, tokens) -> Future:
         """Bring the chunks of ``tokens`` from lower tiers into the host, in the background.

@@ -1,0 +1,75 @@
+"""The completion side of `TransferEngine`: jobs settle here, and only here.
+
+A job is settled once its event has completed — never on a timeout, never because a call
+returned: a save's slot turns READY, a load's read of its slot ends. `release` only retires a
+slot; the slot tracker frees it once no copy into/out of it is pending.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from kvtier.engine.jobs import SaveJob, _Job
+
+if TYPE_CHECKING:
+    from kvtier.lifecycle import SlotTracker
+    from kvtier.pool import Slot
+
+
+class Completion:
+    """Mixed into `TransferEngine`, which owns the state below (set in its `__init__`)."""
+
+    _lock: threading.RLock
+    _jobs: list[_Job]  # submitted, not settled
+    slots: SlotTracker
+
+    def poll(self) -> int:
+        """Settle every job whose event has completed; return how many were settled."""
+        with self._lock:
+            # A stream runs in order: past its first incomplete job, none of its later ones can have
+            # completed, so each poll queries the completed jobs and one more per stream, not all.
+            done, blocked = [], set()
+            for j in self._jobs:
+                stream = j.event.stream
+                if stream is not None and stream in blocked:
+                    continue
+                if j.event.query():
+                    done.append(j)
+                elif stream is not None:
+                    blocked.add(stream)
+            for j in done:
+                self._settle(j)
+            self.slots.poll()  # retired slots whose events completed go back to the pool
+        return len(done)
+
+    def wait(self, job: _Job, timeout: float | None = None) -> bool:
+        """Block until `job` completed and settle it; False on timeout: nothing is released."""
+        if not job.event.synchronize(timeout):
+            return False  # in flight: the slot stays FILLING/READING, the blocks stay pending
+        self._settle(job)
+        return True
+
+    def _settle(self, job: _Job) -> None:
+        with self._lock:
+            if job.settled:
+                return
+            if not job.event.query():
+                raise RuntimeError(f"internal: settling {job.event.label} before it completed")
+            if isinstance(job, SaveJob):
+                if not job.slot_released:
+                    self.slots.fill_done(job.slot)  # e_save completed: the slot holds the data
+            else:
+                self.slots.end_read(job.slot, job.event)  # e_load completed: the copy read it all
+            job.settled = True
+            self._jobs.remove(job)
+
+    def release(self, slot: Slot) -> None:
+        """The owner drops `slot`; it returns to the pool once no copy into/out of it is pending."""
+        with self._lock:
+            self.poll()
+            for j in self._jobs:
+                if j.slot is slot and isinstance(j, SaveJob):
+                    j.slot_released = True  # the retired slot turns READY by itself on completion
+            # retire, not release: a copy may still be in flight (never free on a timeout).
+            self.slots.retire(slot)
