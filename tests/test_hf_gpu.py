@@ -68,3 +68,27 @@ def test_gpu_split_tokens_identical(split):
         assert cache.front == split and cache.front + cache.hit_tokens == 96
         assert torch.equal(out, generate(model, b))
         cache.finish(out)
+
+
+@pytest.mark.parametrize("arch", [llama, qwen2])
+def test_gpu_lean_first_token_equals_the_model_cold_and_from_a_poisoned_hit(arch):
+    from kvtier.integrations.lean import LeanRunner
+
+    model = build(arch)
+    lean = LeanRunner(model)
+    a, b = (x.cuda() for x in prompts(model, n_prefix=100))
+    with torch.no_grad():
+        want = model(b).logits[0, -1].float()
+    tok, logits = lean.first_token(b)
+    assert torch.allclose(logits, want, atol=1e-3, rtol=1e-3) and tok == int(want.argmax())
+    with KVTier.for_model(model, chunk_tokens=32, block_size=16, num_blocks=64,
+                          engine_options=dict(sanitize=True)) as kvt:  # fmt: skip
+        cold = kvt.cache(a)
+        cold.finish(generate(model, a, cold)).wait(30)
+        poison(kvt)
+        torch.cuda.synchronize()
+        cache = kvt.cache(b)
+        tok, logits = lean.first_token(b, cache)
+        assert cache.hit_tokens == 96
+        cache.finish(None)
+    assert torch.allclose(logits, want, atol=1e-3, rtol=1e-3) and tok == int(want.argmax())

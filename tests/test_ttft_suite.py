@@ -40,13 +40,15 @@ def test_quick_cpu_rows_predictions_tokens_and_checks(monkeypatch, tmp_path):
     assert SUITES["ttft"].needs_gpu is False
     cases = [r.case for r in rows]
     want = [f"{n} recompute" for n in (256, 512)]
-    want += [
-        f"{n} {m} {t}"
-        for t in ("host", "disk", "remote")
-        for n in (256, 512)
-        for m in ("load", "split", "choice")
-    ]
+    for t in ("host", "disk", "remote"):
+        for n in (256, 512):
+            want += [f"{n} {m} {t}" for m in ("load", "split", "choice")]
+            want += [f"{n} lean recompute", f"{n} lean load host"] if t == "host" else []
     assert cases == want, cases
+    lean = [r for r in rows if r.params["mode"].startswith("lean")]
+    assert len(lean) == 4 and all(r.correct and r.params["first_token_matches_recompute"] for r in lean)
+    for r in (r for r in lean if r.params["mode"] == "lean load"):
+        assert r.params["p8_lean"] == "n/a" and "dry run" in r.params["p8_lean_why"] and r.params["source_ok"]
     for r in rows:
         p = r.params
         assert r.correct is True and p.get("tokens_identical") is not False, (r.case, p)
@@ -55,7 +57,7 @@ def test_quick_cpu_rows_predictions_tokens_and_checks(monkeypatch, tmp_path):
         assert p["error_pct"] == pytest.approx((p["predicted_ms"] / r.median_ms - 1) * 100)
         assert r.ceiling == ("disk_read" if p["tier"] == "disk" else "host_memcpy")
         assert p["first_token_margin_std"] >= ttft_rig.MARGIN
-        if p["mode"] == "recompute":
+        if p["mode"] in ("recompute", "lean recompute", "lean load"):  # lean rows: checked below
             continue
         assert p["plan_choice"] in ("load", "recompute", "split") and p["plan_split_tokens"] % 64 == 0
         if p["mode"] in ("load", "split"):  # every chunk came from the tier under test
@@ -97,8 +99,11 @@ def test_wrong_kv_makes_rows_incorrect(monkeypatch, tmp_path):
     monkeypatch.setattr(KVTierCache, "_arrive", garbled)
     ctx, rows = run_suite(monkeypatch, tmp_path)
     for r in rows:
+        if r.params["mode"] == "lean load":  # the lean forward reads through _arrive too
+            assert r.correct is False and r.params["first_token_matches_recompute"] is False, r.case
+            continue
         loaded = r.params["mode"] in ("load", "split") or r.params.get("chunks_by_source") not in (None, "-")
-        if r.params["mode"] == "recompute" or not loaded:
+        if r.params["mode"] in ("recompute", "lean recompute") or not loaded:
             assert r.correct is True, r.case
         else:
             assert r.correct is False and r.params["tokens_identical"] is False, r.case

@@ -1,0 +1,76 @@
+"""LeanRunner (integrations/lean.py): kvtier's own first-token forward over a transformers model's
+weights equals the model's own forward (fp32, Llama / Qwen2 / Mistral shapes), cold and with the
+prefix loaded from kvtier's blocks — also when the loads land late into poisoned blocks."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from kvtier.device import SimDevice  # noqa: E402
+from kvtier.integrations.hf import KVTier  # noqa: E402
+from kvtier.integrations.lean import LeanRunner  # noqa: E402
+from test_hf_cache import build, generate, llama, mistral, prompts, qwen2  # noqa: E402
+
+
+def reference_logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits[0, -1].float()
+
+
+@pytest.mark.parametrize("arch", [llama, qwen2, mistral])
+def test_lean_first_token_equals_the_model_cold_and_from_a_hit(arch):
+    model = build(arch)
+    lean = LeanRunner(model)
+    a, b = prompts(model, n_prefix=100)
+    tok, logits = lean.first_token(b)
+    want = reference_logits(model, b)
+    assert torch.allclose(logits, want, atol=1e-4, rtol=1e-4) and tok == int(want.argmax())
+    dev = SimDevice(copy_delay=(0.0, 0.002), launch_delay=(0.0, 0.002), seed=7)
+    with KVTier.for_model(model, device=dev, chunk_tokens=32, block_size=16, num_blocks=64,
+                          engine_options=dict(sanitize=True)) as kvt:  # fmt: skip
+        cold = kvt.cache(a)
+        cold.finish(generate(model, a, cold)).wait(10)
+        cache = kvt.cache(b)
+        assert cache.hit_tokens == 96
+        tok, logits = lean.first_token(b, cache)
+        assert cache.arrived == list(range(model.config.num_hidden_layers))
+        cache.finish(None)
+    dev.close()
+    assert torch.allclose(logits, want, atol=1e-4, rtol=1e-4) and tok == int(want.argmax())
+
+
+def test_lean_reads_each_layer_only_after_it_landed():
+    model = build(llama)
+    lean = LeanRunner(model)
+    a, b = prompts(model, n_prefix=70)
+    dev = SimDevice(launch_delay=0.0, seed=8)
+    kvt = KVTier.for_model(model, device=dev, chunk_tokens=32, block_size=16, num_blocks=64)
+    cold = kvt.cache(a)
+    cold.finish(generate(model, a, cold)).wait(10)
+    for x in kvt.kv.layers:
+        x.fill_(float("nan"))  # what a read before the load landed would see
+    dev.launch_delay = 0.1  # each layer of the load lands 0.1 s after the previous one
+    cache = kvt.cache(b)
+    dev.launch_delay = 0.0  # the reads themselves run at once: only the waits can hold them back
+    tok, logits = lean.first_token(b, cache)
+    cache.finish(None)
+    kvt.close()
+    dev.close()
+    assert not logits.isnan().any()
+    assert torch.allclose(logits, reference_logits(model, b), atol=1e-4, rtol=1e-4)
+
+
+def test_lean_refuses_what_it_cannot_run():
+    model = build(llama)
+    with pytest.raises(ValueError, match="model"):
+        LeanRunner(torch.nn.Linear(2, 2))
+    lean = LeanRunner(model)
+    with pytest.raises(ValueError, match="input_ids"):
+        lean.first_token(torch.ones(2, 5, dtype=torch.long))
+
+    class Full:
+        hit_tokens = 5
+
+    with pytest.raises(ValueError, match="at least one must run"):
+        lean.first_token(torch.ones(1, 5, dtype=torch.long), Full())
