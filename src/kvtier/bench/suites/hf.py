@@ -163,15 +163,8 @@ def _checks(model, kvt, ids: torch.Tensor, prefix: int, gen, key: str) -> tuple[
     )
     tier = "+".join(sorted(set(hit.cache.hit_tiers))) or "-"
     _kvtier_done(hit)
-    return (ref, logits), dict(
-        cold_ok=cold_ok,
-        saved_chunks=saved,
-        kv_bit_exact=kv_exact,
-        same_order=same_order,
-        tier=tier,
-        same_order_noise=so_noise,
-        reference_noise=ref_noise,
-    )
+    k = dict(cold_ok=cold_ok, saved_chunks=saved, kv_bit_exact=kv_exact, tier=tier, same_order=same_order)
+    return (ref, logits), k | dict(same_order_noise=so_noise, reference_noise=ref_noise)
 
 
 def _request(ctx: Context, plan: Plan, model, kvt, prefix: int, offload, why: str, common: dict):
