@@ -146,10 +146,8 @@ class CudaMover:
             events = []
             for layer in range(kv.num_layers):
                 scatter_slots(kv, src, max_ctas=self.uva_ctas, layers=(layer, 1))
-                if layer < kv.num_layers - 1:
-                    events.append(
-                        stream.record(f"{label}:layer{layer}")
-                    )  # layer `layer` of every slot landed
+                if layer < kv.num_layers - 1:  # the event: layer `layer` of every slot has landed
+                    events.append(stream.record(f"{label}:layer{layer}"))
         return events
 
     def _mark(self, phase: str) -> None:

@@ -76,7 +76,8 @@ def slot_sources(
         raise ValueError(f"block_ids: {len(ids)} ids for chunks holding {sum(counts)} blocks")
     g = gcd_bytes(kv)
     align = math.gcd(g, *(x for t in chunks for x in (t.data_ptr(), t.untyped_storage().data_ptr())))
-    vec_b = plan_for(kv, align).vec * plan_for(kv, align).unit.itemsize  # bytes per VEC-unit
+    plan = plan_for(kv, align)
+    vec_b = plan.vec * plan.unit.itemsize  # bytes per VEC-unit
     base = min(chunks, key=lambda t: t.data_ptr())
     starts = torch.tensor([(t.data_ptr() - base.data_ptr()) // vec_b for t in chunks], dtype=torch.int64)
     step = per_block // vec_b  # a block of the chunk format, in VEC-units (vec_b divides it: gcd)
