@@ -8,7 +8,7 @@
 #   engine-all: GPU tests + engine-bench
 #   engine-store: (carry .whl) engine GPU tests, profile_submit.py, suites submit_overhead, bidir,
 #          save_beside_matmul, store (Redis from the carried wheel + binary), handoff, contention
-#   models: host_jitter.py, kvtier calibrate, suites ttft (calibrated) + submit_overhead
+#   models: ($GPU_TESTS: those first) host_jitter.py, kvtier calibrate, suites ttft (calibrated) + submit_overhead
 #   models-hf: suite hf, `kvtier demo` on the GPU (+ Redis when carried); PROFILE=1: profile_ttft.py first
 #   ttft-probe: every GPU test ($GPU_TESTS: those), profile_ttft.py (8K, 32K), suite ttft on the host tier
 #   ttft-hf: GPU tests ($GPU_TESTS: those), profile_ttft.py (2K, 8K, 32K), suites ttft + hf ($KVTIER_CALIBRATION)
@@ -89,6 +89,10 @@ if [ "$mode" = ttft-hf ]; then
   exit 0
 fi
 if [ "$mode" = models ]; then
+  if [ -n "${GPU_TESTS:-}" ]; then  # pytest arguments: the GPU tests a change touched
+    echo "== GPU tests"
+    timeout 150 $py -m pytest -q -p no:cacheprovider $GPU_TESTS 2>&1 | tail -15 | tee "$out/pytest-gpu.log"
+  fi
   if [ "${JITTER:-1}" = 1 ]; then  # JITTER=0 skips it
     echo "== host jitter"
     timeout 60 $py benchmarks/host_jitter.py 2>&1 | tee "$out/host_jitter.txt"
