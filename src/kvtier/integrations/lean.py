@@ -42,11 +42,17 @@ class LeanRunner:
         self.model, self.inner, self.rope = model, inner, apply_rotary_pos_emb
         self.head_dim = attn.head_dim
 
-    @torch.no_grad()
     def first_token(self, input_ids: torch.Tensor, cache=None) -> tuple[int, torch.Tensor]:
         """The greedy first new token of ``input_ids`` ([1, n]) and its logits (fp32 [vocab]).
         cache: a `KVTierCache` from ``kvt.cache(input_ids)``: its hit_tokens come from kvtier's
         blocks (none: the whole prompt is computed)."""
+        logits = self.logits(input_ids, cache)
+        return int(logits.argmax()), logits  # int(): the host waits for the GPU's token
+
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor, cache=None) -> torch.Tensor:
+        """The last position's logits (fp32 [vocab]), queued on the current stream: returns once
+        the forward is launched, before the GPU has run it (`first_token` waits)."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids: expected [1, n] (batch 1), got {tuple(input_ids.shape)}")
         hit = 0 if cache is None else cache.hit_tokens
@@ -77,5 +83,4 @@ class LeanRunner:
                                                scale=att.scaling)  # fmt: skip
             x = x + att.o_proj(o.transpose(1, 2).reshape(1, m, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        logits = self.model.lm_head(self.inner.norm(x[:, -1:]))[0, -1].float()
-        return int(logits.argmax()), logits
+        return self.model.lm_head(self.inner.norm(x[:, -1:]))[0, -1].float()
