@@ -9,6 +9,7 @@
 #   engine-store: (carry .whl) engine GPU tests, profile_submit.py, suites submit_overhead, bidir,
 #          save_beside_matmul, store (Redis from the carried wheel + binary), handoff, contention
 #   models: ($GPU_TESTS: those first) host_jitter.py, kvtier calibrate, suites ttft (calibrated) + submit_overhead
+#   lean: GPU tests ($GPU_TESTS or the HF/lean ones), profile_lean.py (2K, 8K, 32K), suite ttft ($KVTIER_TTFT_TIERS, host)
 #   models-hf: suite hf, `kvtier demo` on the GPU (+ Redis when carried); PROFILE=1: profile_ttft.py first
 #   ttft-probe: every GPU test ($GPU_TESTS: those), profile_ttft.py (8K, 32K), suite ttft on the host tier
 #   ttft-hf: GPU tests ($GPU_TESTS: those), profile_ttft.py (2K, 8K, 32K), suites ttft + hf ($KVTIER_CALIBRATION)
@@ -86,6 +87,18 @@ if [ "$mode" = ttft-hf ]; then
   timeout 120 $py benchmarks/profile_ttft.py --tokens 2048 8192 32768 2>&1 | tee "$out/profile_ttft.txt" | grep -v Warn
   echo "== bench ttft, hf"
   timeout 420 $py -m kvtier bench --out "$out" --suite ttft --suite hf 2>&1 | tee "$out/bench.log" | tail -50
+  exit 0
+fi
+if [ "$mode" = lean ]; then
+  echo "== GPU tests"
+  timeout 150 $py -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/test_hf_gpu.py tests/test_hf_lean.py} 2>&1 \
+    | tail -15 | tee "$out/pytest-gpu.log"
+  echo "== profile_lean"
+  timeout 150 $py benchmarks/profile_lean.py --tokens 2048 8192 32768 ${PROFILE_ARGS:---no-profile} 2>&1 \
+    | grep -v "USDT\|Warn\|forward_call" | tee "$out/profile_lean.txt"
+  echo "== bench ttft ($KVTIER_TTFT_TIERS)"
+  KVTIER_TTFT_TIERS=${KVTIER_TTFT_TIERS:-host} timeout 240 $py -m kvtier bench --out "$out" --suite ttft 2>&1 \
+    | tee "$out/bench.log" | tail -30
   exit 0
 fi
 if [ "$mode" = models ]; then

@@ -4,8 +4,8 @@
 For each prefix n, medians over warm requests of
 
     recompute   LeanRunner over the whole prompt (no cache)
-    resident    LeanRunner over the tail with the prefix KV already on the GPU (no transfer):
-                the least a hit can cost through this forward
+    resident    LeanRunner over the tail with the prefix KV already on the GPU (no transfer),
+                eager (a hit on CUDA replays per-layer graphs instead: the first one captures)
     launch      host time to queue that resident forward (no GPU wait): the host's share
     copy        the KV bytes at this run's pinned H2D rate
     cache()     kvt.cache(ids): lookup + block allocation + every copy submitted
@@ -118,6 +118,8 @@ def main() -> None:
             for k in ("cache", "queued", "landed", "ttft"):
                 print(f"{k:9s} {med[k]:8.1f} ms")
             print(f"speedup   {rec / med['ttft']:8.1f} x   (recompute / ttft)")
+            print(f"graphs {lean.graphs}, captures {lean.captures} ({lean.capture_s * 1e3:.0f} ms in all), "
+                  f"gqa_flash {lean.gqa_flash}")  # fmt: skip
             for k in sorted(k for k in med if k.startswith("cpu ")):
                 print(f"{k[4:]:38s} {med[k]:8.2f} ms of host time")
             if not a.no_profile:
@@ -130,6 +132,7 @@ def main() -> None:
                                                 max_name_column_width=44)  # fmt: skip
                 print(tab)
         finally:
+            lean.pieces.clear()  # its graphs hold this KVTier's pages
             kvt.close()
 
 

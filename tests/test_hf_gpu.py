@@ -92,3 +92,53 @@ def test_gpu_lean_first_token_equals_the_model_cold_and_from_a_poisoned_hit(arch
         assert cache.hit_tokens == 96
         cache.finish(None)
     assert torch.allclose(logits, want, atol=1e-3, rtol=1e-3) and tok == int(want.argmax())
+
+
+@pytest.mark.parametrize("arch", [llama, qwen2])
+def test_gpu_lean_graphs_replay_equals_the_eager_forward_hit_after_hit(arch):
+    """Hits replayed through captured CUDA graphs read each hit's own blocks and tokens (two
+    prompts of one shape, blocks poisoned before each hit) and equal the eager forward bit for bit."""
+    from kvtier.integrations.lean import LeanRunner
+    from test_hf_lean import two_prompts
+
+    model = build(arch)
+    eager, graphed = LeanRunner(model, graphs=False), LeanRunner(model)
+    ps = [p.cuda() for p in two_prompts(model)]
+    with KVTier.for_model(model, chunk_tokens=32, block_size=16, num_blocks=64,
+                          engine_options=dict(sanitize=True)) as kvt:  # fmt: skip
+        for p in ps:
+            cold = kvt.cache(p)
+            cold.finish(generate(model, p[:, :-1], cold)).wait(30)
+        got = []
+        for p in ps * 3:  # the first hit captures, the next five replay
+            want = eager.first_token(p, c := kvt.cache(p))[1]
+            c.finish(None)
+            poison(kvt)
+            c = kvt.cache(p)
+            got.append(graphed.first_token(p, c)[1])
+            c.finish(None)
+            assert c.hit_tokens == 96 and torch.equal(got[-1], want)
+            with torch.no_grad():
+                ref = model(p).logits[0, -1].float()
+            assert torch.allclose(got[-1], ref, atol=1e-3, rtol=1e-3)
+    assert graphed.captures == 1 and graphed.pieces and not torch.equal(got[0], got[1])
+    assert eager.gqa_flash == graphed.gqa_flash  # both took the same attention kernel
+
+
+def test_gpu_lean_gqa_flash_equals_the_expanded_heads():
+    """Flash attention over grouped K/V heads with the bottom-right causal diagonal (no mask, no
+    repeat) gives the attention of the expanded heads with the boolean mask."""
+    from kvtier.integrations.lean import LeanRunner
+
+    lean = LeanRunner(build(llama))
+    torch.manual_seed(3)
+    for m, n in ((1, 70), (13, 109), (64, 4160)):
+        q = torch.randn(1, 8, m, 64, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(1, 2, n, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        mask = lean.tail_mask(n - m, m, "cuda")
+        lean.gqa_flash = None
+        fast = lean.attend(q, k, v, mask, 0.125)
+        assert lean.gqa_flash, "flash over grouped heads is not available in this torch"
+        lean.gqa_flash = False
+        slow = lean.attend(q, k, v, mask, 0.125)
+        assert torch.allclose(fast.float(), slow.float(), atol=2e-2, rtol=2e-2), (m, n)

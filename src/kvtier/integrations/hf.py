@@ -174,6 +174,14 @@ class _Layer(DynamicLayer):
         return super().update(key_states, value_states, *args, **kwargs)
 
 
+def gather_blocks(kv, layer: int, ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) of blocks ``ids`` (on the device) of ``layer`` of paged ``kv``, each (1, H, len(ids) *
+    block_size, D): one copy of the blocks' bytes, queued on the current stream."""
+    g = kv.layers[layer].index_select(1, ids)  # (2, nb, bs, H, D): the blocks' bytes are read here, once
+    g = g.flatten(1, 2).transpose(1, 2).unsqueeze(1).to(dtype)  # (2, 1, H, nb * bs, D), views
+    return g[0], g[1]
+
+
 class KVTierCache(Cache):
     """The cache of one request (batch 1). hit_tokens: the prefix loaded from the store (whole
     chunks); hit_tiers: per loaded chunk, the tier it came from; t_start: perf_counter() when
@@ -206,37 +214,38 @@ class KVTierCache(Cache):
 
     def _arrive(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V of the hit prefix, each ``(1, kv_heads, hit, head_dim)``."""
-        o = self.owner
         if like.shape[0] != 1:
             raise ValueError(
                 f"key_states: KVTierCache holds one request (batch 1), got batch {like.shape[0]}"
             )
-        pages = o.kv.layers[layer]  # (2, num_blocks, block_size, heads, dim)
-        got: list[torch.Tensor] = []
+        got: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._read(layer, lambda: got.append(self._gather(layer, like.dtype)), host=like.device.type == "cpu")
+        return got[0]
 
-        def gather() -> None:  # (2, nb, bs, H, D) -> (2, 1, H, nb * bs, D), a view of one copy
-            if self._ids_dev is None:
-                # Once per request, queued on this stream: torch.tensor(list, device=cuda) would
-                # wait for everything queued on it (a host sync per layer, no running ahead).
-                self._ids_dev = torch.as_tensor(self.blocks, dtype=torch.long).to(
-                    o.kv.device, non_blocking=True
-                )
-            g = pages.index_select(1, self._ids_dev)  # the blocks' bytes are read here, once
-            got.append(g.flatten(1, 2).transpose(1, 2).unsqueeze(1).to(like.dtype))
+    def _gather(self, layer: int, dtype: torch.dtype):
+        """(K, V) of the hit's blocks of ``layer`` (`gather_blocks`), queued on the current stream."""
+        if self._ids_dev is None:
+            # Once per request, queued on this stream: torch.tensor(list, device=cuda) would
+            # wait for everything queued on it (a host sync per layer, no running ahead).
+            self._ids_dev = torch.as_tensor(self.blocks, dtype=torch.long).to(self.owner.kv.device, non_blocking=True)
+        return gather_blocks(self.owner.kv, layer, self._ids_dev, dtype)
 
-        # Attention of layer `layer` must not read its blocks before their bytes have landed:
+    def _read(self, layer: int, fn, host: bool = False) -> None:
+        """Run ``fn`` (a read of layer ``layer``'s blocks) on the compute stream once that layer
+        has landed. host: the caller uses fn's output on the host (block until it ran)."""
+        o = self.owner
+        # The read of layer `layer` must not see its blocks before their bytes have landed:
         # the compute stream waits for that layer's event (later layers may still be in flight).
         self.load.wait_layer(layer, o.compute)
-        o.device.launch(gather, o.compute)
+        o.device.launch(fn, o.compute)
         self.arrived.append(layer)
         last = len(self.arrived) == o.kv.num_layers
-        if last or like.device.type == "cpu":
+        if last or host:
             ev = o.compute.record(f"hf-read-layer{layer}")  # marks this layer's read (and all before it)
-            if like.device.type == "cpu":
+            if host:
                 ev.synchronize()  # the host runs attention: submitted is not done, block until read
             if last:  # the stream has waited every layer, e_load included
                 o.engine.compute_read(self.blocks, ev)  # a later load into these blocks waits for the reads
-        return got[0][0], got[0][1]
 
     def finish(self, sequences: torch.Tensor | None = None):
         """End the request: the KV of ``sequences`` (the prompt + generated ids; only the first

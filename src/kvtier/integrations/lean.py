@@ -15,18 +15,30 @@ costs the load and the tail's arithmetic, and a recompute the prefill's: like ag
     cache.finish(None)
 
 Batch 1, greedy, full attention (what `KVTier.for_model` accepts). With a cache, layer i reads
-the loaded prefix through `KVTierCache._arrive` — the wait on layer i's load event and the read
-that later loads into those blocks wait for — exactly as attention inside `generate` does.
+the loaded prefix after the wait on layer i's load event, and the reads are noted for later loads
+into those blocks (`KVTierCache._read`), exactly as attention inside `generate` does.
+
+A hit's forward on CUDA runs as CUDA graphs, one per layer (``graphs=True``, the default there):
+even eager launches alone cost 50-65 ms of host time on the H200's host (`profile_lean.py`), more
+than the copy of an 8K prefix. The host queues, per layer, the wait for its load event and the
+replay of its graph, so compute still starts layer i as soon as layer i has landed. The first hit
+of each (prefix, prompt length) shape runs eagerly and captures its graphs after; later hits of
+that shape replay them (`integrations/lean_graphs.py`). Attention over a prefix is flash attention
+with the causal diagonal at the bottom right over the grouped K/V heads where torch offers it
+(`gqa_flash`), else the heads expanded and a boolean mask.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 class LeanRunner:
-    def __init__(self, model) -> None:
+    def __init__(self, model, graphs: bool | None = None) -> None:
         inner = getattr(model, "model", None)
         parts = ("embed_tokens", "layers", "norm", "rotary_emb")
         if inner is None or not all(hasattr(inner, p) for p in parts) or not hasattr(model, "lm_head"):
@@ -41,6 +53,11 @@ class LeanRunner:
 
         self.model, self.inner, self.rope = model, inner, apply_rotary_pos_emb
         self.head_dim = attn.head_dim
+        dev = next(model.parameters()).device
+        self.graphs = dev.type == "cuda" if graphs is None else bool(graphs)
+        self.pieces: dict[tuple, object] = {}  # (KVTier, hit, n, blocks) -> Pieces (clear() frees them)
+        self.captures, self.capture_s = 0, 0.0  # shapes captured as CUDA graphs so far, seconds spent
+        self.gqa_flash: bool | None = None  # None: not tried yet
 
     def first_token(self, input_ids: torch.Tensor, cache=None) -> tuple[int, torch.Tensor]:
         """The greedy first new token of ``input_ids`` ([1, n]) and its logits (fp32 [vocab]).
@@ -59,28 +76,79 @@ class LeanRunner:
         n = input_ids.shape[1]
         if not 0 <= hit < n:
             raise ValueError(f"cache: holds {hit} tokens of a {n}-token prompt; at least one must run")
-        m, dev = n - hit, input_ids.device
-        pos = torch.arange(hit, n, device=dev)[None]
-        x = self.inner.embed_tokens(input_ids[:, hit:])
+        if hit and self.graphs and hasattr(cache, "_read"):
+            return self._graphed(input_ids, cache)
+        m = n - hit
+        x, cos, sin = self.embed(input_ids[:, hit:], torch.arange(hit, n, device=input_ids.device)[None])
+        mask = self.tail_mask(hit, m, input_ids.device)
+        for i in range(len(self.inner.layers)):
+            prefix = (lambda i=i, like=x: cache._arrive(i, like)) if hit else None  # noqa: E731
+            x = self.layer(i, x, cos, sin, prefix, mask)
+        return self.head(x)
+
+    def embed(self, ids: torch.Tensor, pos: torch.Tensor):
+        x = self.inner.embed_tokens(ids)
         cos, sin = self.inner.rotary_emb(x, pos)
-        mask = None
-        if hit:  # the tail's queries see the whole prefix and the tail up to themselves
-            mask = torch.arange(n, device=dev)[None, :] <= pos[0, :, None]
-        for i, layer in enumerate(self.inner.layers):
-            att = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = att.q_proj(h).view(1, m, -1, self.head_dim).transpose(1, 2)
-            k = att.k_proj(h).view(1, m, -1, self.head_dim).transpose(1, 2)
-            v = att.v_proj(h).view(1, m, -1, self.head_dim).transpose(1, 2)
-            q, k = self.rope(q, k, cos, sin)
-            if hit:
-                pk, pv = cache._arrive(i, k)  # waits for layer i's load event, then reads its blocks
-                k, v = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
-            if k.shape[1] != q.shape[1]:  # grouped KV heads, expanded as transformers does (repeat_kv):
-                g = q.shape[1] // k.shape[1]  # SDPA's flash / efficient kernels then apply at any length
-                k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and m > 1,
-                                               scale=att.scaling)  # fmt: skip
-            x = x + att.o_proj(o.transpose(1, 2).reshape(1, m, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x, cos, sin
+
+    def tail_mask(self, hit: int, m: int, device) -> torch.Tensor | None:
+        """The tail's queries see the whole prefix and the tail up to themselves (None: no prefix)."""
+        if not hit:
+            return None
+        pos = torch.arange(hit, hit + m, device=device)
+        return torch.arange(hit + m, device=device)[None, :] <= pos[:, None]
+
+    def layer(self, i: int, x, cos, sin, prefix=None, mask=None) -> torch.Tensor:
+        """Decoder layer i over x [1, m, hidden]; prefix(): the (K, V) of the tokens before x."""
+        layer = self.inner.layers[i]
+        att, m = layer.self_attn, x.shape[1]
+        h = layer.input_layernorm(x)
+        q = att.q_proj(h).view(1, m, -1, self.head_dim).transpose(1, 2)
+        k = att.k_proj(h).view(1, m, -1, self.head_dim).transpose(1, 2)
+        v = att.v_proj(h).view(1, m, -1, self.head_dim).transpose(1, 2)
+        q, k = self.rope(q, k, cos, sin)
+        if prefix is not None:
+            pk, pv = prefix()  # a hit: waits for layer i's load event, then reads its blocks
+            k, v = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
+        o = self.attend(q, k, v, mask, att.scaling)
+        x = x + att.o_proj(o.transpose(1, 2).reshape(1, m, -1))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def attend(self, q, k, v, mask, scale) -> torch.Tensor:
+        m, n = q.shape[2], k.shape[2]
+        if mask is not None and q.is_cuda and self.gqa_flash is not False:
+            # Flash attention with the causal diagonal at the bottom right (the tail's queries
+            # end the keys) reads the grouped K/V heads as they are: no mask, no repeat.
+            try:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(m, n), scale=scale,
+                                                   enable_gqa=True)  # fmt: skip
+                self.gqa_flash = True
+                return o
+            except (RuntimeError, TypeError):
+                if self.gqa_flash:  # it ran before: this is a real error
+                    raise
+                self.gqa_flash = False  # this torch cannot: expand the heads and pass the mask
+        if k.shape[1] != q.shape[1]:  # grouped KV heads, expanded as transformers does (repeat_kv):
+            g = q.shape[1] // k.shape[1]  # SDPA's flash / efficient kernels then apply at any length
+            k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and m > 1,
+                                              scale=scale)  # fmt: skip
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.inner.norm(x[:, -1:]))[0, -1].float()
+
+    def _graphed(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
+        from kvtier.integrations.lean_graphs import Pieces
+
+        key = (cache.owner, cache.hit_tokens, input_ids.shape[1], len(cache.blocks))  # graphs hold its pages
+        pieces = self.pieces.get(key)
+        if pieces is None:  # a new shape: this hit runs its steps eagerly, then they are captured
+            pieces = Pieces(self, cache, input_ids)
+            out = pieces.run(cache, input_ids)
+            if input_ids.is_cuda:
+                t0 = time.perf_counter()
+                pieces.capture()
+                self.captures, self.capture_s = self.captures + 1, self.capture_s + time.perf_counter() - t0
+            self.pieces[key] = pieces
+            return out
+        return pieces.run(cache, input_ids)

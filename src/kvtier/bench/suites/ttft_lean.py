@@ -4,6 +4,8 @@ cost), so P8 is also shown like against like for a runner as lean as a serving e
 
     <n> lean recompute        LeanRunner over the whole prompt
     <n> lean load host        kvt.cache (the prefix loads layer-major) + LeanRunner over the tail
+                              (on CUDA: per-layer CUDA graphs, captured in the warm-up run;
+                              params graphs, captures, capture_ms, gqa_flash)
 
 Params as the other rows, predicted_ms from the planner without a forward floor (the lean forward
 has next to none), `p8_lean` = pass | miss | n/a on the load row (lean recompute / lean load).
@@ -54,7 +56,8 @@ def lean_rows(rig: Rig, kvt, n: int, runs):
         ok = all(tok == want for tok in toks) and source_ok
         params = rig.params(n, tier, mode, p.options[option].ms, t.median_ms) | {
             "path": f"{mode} (LeanRunner)", "first_token_matches_recompute": all(tok == want for tok in toks),
-            "source_ok": source_ok,
+            "source_ok": source_ok, "graphs": lean.graphs, "gqa_flash": lean.gqa_flash,
+            "captures": lean.captures, "capture_ms": lean.capture_s * 1e3,
         }  # fmt: skip
         if mode == "lean load":
             params |= _p8(rig, n, ms["lean recompute"], t.median_ms)
