@@ -96,7 +96,7 @@ if [ "$mode" = lean ]; then
   echo "== profile_lean"
   timeout 150 $py benchmarks/profile_lean.py --tokens 2048 8192 32768 ${PROFILE_ARGS:---no-profile} 2>&1 \
     | grep -v "USDT\|Warn\|forward_call" | tee "$out/profile_lean.txt"
-  echo "== bench ttft ($KVTIER_TTFT_TIERS)"
+  echo "== bench ttft (${KVTIER_TTFT_TIERS:-host})"
   KVTIER_TTFT_TIERS=${KVTIER_TTFT_TIERS:-host} timeout 240 $py -m kvtier bench --out "$out" --suite ttft 2>&1 \
     | tee "$out/bench.log" | tail -30
   exit 0
