@@ -142,3 +142,31 @@ def test_gpu_lean_gqa_flash_equals_the_expanded_heads():
         lean.gqa_flash = False
         slow = lean.attend(q, k, v, mask, 0.125)
         assert torch.allclose(fast.float(), slow.float(), atol=2e-2, rtol=2e-2), (m, n)
+
+
+@pytest.mark.parametrize("arch", [llama, qwen2])
+def test_gpu_lean_split_equals_the_model_eager_and_replayed(arch):
+    """split_first_token on CUDA: [0, s) computed while [s, n) loads into poisoned blocks; the
+    replayed graphs (front copied in per hit) equal the eager forward bit for bit, both the model."""
+    from kvtier.integrations.lean import LeanRunner
+
+    model = build(arch)
+    eager, graphed = LeanRunner(model, graphs=False), LeanRunner(model)
+    a, b = (x.cuda() for x in prompts(model, n_prefix=100))
+    with torch.no_grad():
+        want = model(b).logits[0, -1].float()
+    with KVTier.for_model(model, chunk_tokens=32, block_size=16, num_blocks=64,
+                          engine_options=dict(sanitize=True)) as kvt:  # fmt: skip
+        cold = kvt.cache(a)
+        cold.finish(generate(model, a, cold)).wait(30)
+        for s in (32, 64, 32, 64):
+            poison(kvt)
+            _, ref, c = eager.split_first_token(kvt, b, s)
+            c.finish(None)
+            poison(kvt)
+            tok, got, c = graphed.split_first_token(kvt, b, s)
+            assert (c.front, c.hit_tokens) == (s, 96 - s)
+            c.finish(None)
+            assert torch.equal(got, ref), s
+            assert torch.allclose(got, want, atol=1e-3, rtol=1e-3) and tok == int(want.argmax()), s
+    assert graphed.captures == 2

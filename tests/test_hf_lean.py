@@ -109,3 +109,46 @@ def test_lean_pieces_equal_the_eager_forward_hit_after_hit():
     dev.close()
     assert len(pieces.pieces) == 1 and pieces.captures == 0  # one shape; no capture on a CPU device
     assert not torch.equal(got[0], got[1])  # two prompts, two answers: the static inputs were rewritten
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_lean_split_equals_the_model_at_every_split_point(graphs):
+    """split_first_token: [0, s) computed by the runner while [s, n) loads into poisoned blocks
+    that land late; the tail over both gives the model's own logits, for s = 0, a middle chunk
+    boundary and the whole hit (nothing loaded)."""
+    model = build(llama)
+    lean = LeanRunner(model, graphs=graphs)
+    a, b = prompts(model, n_prefix=100)
+    want = reference_logits(model, b)
+    dev = SimDevice(copy_delay=(0.0, 0.002), launch_delay=0.0, seed=11)
+    with KVTier.for_model(model, device=dev, chunk_tokens=32, block_size=16, num_blocks=64,
+                          engine_options=dict(sanitize=True)) as kvt:  # fmt: skip
+        cold = kvt.cache(a)
+        cold.finish(generate(model, a, cold)).wait(10)
+        for s in (0, 32, 64, 32, 96):
+            for x in kvt.kv.layers:
+                x.fill_(float("nan"))  # what a read before the load landed would see
+            dev.launch_delay = 0.05  # each layer of the load lands 0.05 s after the previous one
+            tok, logits, cache = lean.split_first_token(kvt, b, s)
+            dev.launch_delay = 0.0
+            assert (cache.front, cache.hit_tokens) == (s, 96 - s)
+            cache.finish(None)
+            assert not logits.isnan().any(), s
+            assert torch.allclose(logits, want, atol=1e-4, rtol=1e-4) and tok == int(want.argmax()), s
+    dev.close()
+    if graphs:  # s = 0, 32, 64 each built its pieces once (32 twice); s = 96 loads nothing: eager
+        assert len(lean.pieces) == 3
+
+
+def test_lean_refuses_a_split_whose_front_the_model_computed():
+    from kvtier.integrations.hf_split import split_cache
+
+    model = build(llama)
+    a, b = prompts(model, n_prefix=100)
+    with KVTier.for_model(model, device=SimDevice(), chunk_tokens=32, block_size=16, num_blocks=64) as kvt:
+        cold = kvt.cache(a)
+        cold.finish(generate(model, a, cold)).wait(10)
+        cache = split_cache(kvt, model, b, 32)
+        with pytest.raises(ValueError, match="split_first_token"):
+            LeanRunner(model).first_token(b, cache)
+        cache.finish(None)

@@ -43,12 +43,19 @@ def test_quick_cpu_rows_predictions_tokens_and_checks(monkeypatch, tmp_path):
     for t in ("host", "disk", "remote"):
         for n in (256, 512):
             want += [f"{n} {m} {t}" for m in ("load", "split", "choice")]
-            want += [f"{n} lean recompute", f"{n} lean load host"] if t == "host" else []
+            want += [f"{n} lean recompute"] if t == "host" else []
+            want += [f"{n} lean load {t}", f"{n} lean split {t}"]
     assert cases == want, cases
     lean = [r for r in rows if r.params["mode"].startswith("lean")]
-    assert len(lean) == 4 and all(r.correct and r.params["first_token_matches_recompute"] for r in lean)
+    assert len(lean) == 14 and all(r.correct and r.params["first_token_matches_recompute"] for r in lean)
     for r in (r for r in lean if r.params["mode"] == "lean load"):
-        assert r.params["p8_lean"] == "n/a" and "dry run" in r.params["p8_lean_why"] and r.params["source_ok"]
+        assert r.params["source_ok"]
+        if r.params["tier"] == "host":
+            assert r.params["p8_lean"] == "n/a" and "dry run" in r.params["p8_lean_why"]
+    for r in (r for r in lean if r.params["mode"] == "lean split"):
+        p = r.params
+        assert p["source_ok"] and 0 < p["split_tokens"] < p["prefix_tokens"] and p["split_tokens"] % 64 == 0
+        assert p["p9_lean"] == "n/a" and p["p9_lean_why"] and p["p9_lean_ratio"] >= 1
     for r in rows:
         p = r.params
         assert r.correct is True and p.get("tokens_identical") is not False, (r.case, p)
@@ -57,7 +64,7 @@ def test_quick_cpu_rows_predictions_tokens_and_checks(monkeypatch, tmp_path):
         assert p["error_pct"] == pytest.approx((p["predicted_ms"] / r.median_ms - 1) * 100)
         assert r.ceiling == ("disk_read" if p["tier"] == "disk" else "host_memcpy")
         assert p["first_token_margin_std"] >= ttft_rig.MARGIN
-        if p["mode"] in ("recompute", "lean recompute", "lean load"):  # lean rows: checked below
+        if p["mode"] in ("recompute", "lean recompute", "lean load", "lean split"):  # lean rows: above
             continue
         assert p["plan_choice"] in ("load", "recompute", "split") and p["plan_split_tokens"] % 64 == 0
         if p["mode"] in ("load", "split"):  # every chunk came from the tier under test
@@ -99,8 +106,8 @@ def test_wrong_kv_makes_rows_incorrect(monkeypatch, tmp_path):
     monkeypatch.setattr(KVTierCache, "_arrive", garbled)
     ctx, rows = run_suite(monkeypatch, tmp_path)
     for r in rows:
-        if r.params["mode"] == "lean load":  # the lean forward reads through _arrive too
-            assert r.correct is False and r.params["first_token_matches_recompute"] is False, r.case
+        if r.params["mode"] in ("lean load", "lean split"):  # the lean forward reads through _arrive too
+            assert r.correct is False and r.params["logits_max_abs_diff"] > 1e-3, r.case
             continue
         loaded = r.params["mode"] in ("load", "split") or r.params.get("chunks_by_source") not in (None, "-")
         if r.params["mode"] in ("recompute", "lean recompute") or not loaded:
@@ -151,7 +158,7 @@ def test_p8_is_not_applied_below_8k_or_off_the_gpu_and_p9_miss_says_why():
     rows = fake_rows("split")
     ttft_rig.checks(rig, 512, "disk", rows, dict(recompute=30.0, load=20.0, split=25.0))
     assert rows["split"].params["p9"] == "n/a" and "would be miss" in rows["split"].params["p9_why"]
-    assert "store.load" in rows["split"].params["p9_why"]  # a lower tier's read is not overlapped
+    assert "second forward" in rows["split"].params["p9_why"]  # generate's tail pays the floor again
     rig, _ = fake_rig()
     rows = fake_rows("split")
     ttft_rig.checks(rig, 8192, "host", rows, dict(recompute=100.0, load=60.0, split=80.0, floor=35.0))

@@ -227,7 +227,9 @@ class KVTierCache(Cache):
         if self._ids_dev is None:
             # Once per request, queued on this stream: torch.tensor(list, device=cuda) would
             # wait for everything queued on it (a host sync per layer, no running ahead).
-            self._ids_dev = torch.as_tensor(self.blocks, dtype=torch.long).to(self.owner.kv.device, non_blocking=True)
+            self._ids_dev = torch.as_tensor(self.blocks, dtype=torch.long).to(
+                self.owner.kv.device, non_blocking=True
+            )
         return gather_blocks(self.owner.kv, layer, self._ids_dev, dtype)
 
     def _read(self, layer: int, fn, host: bool = False) -> None:

@@ -63,14 +63,17 @@ class SplitCache(KVTierCache):
 
     def __init__(self, owner: KVTier, blocks, load, t_start: float, start_event, front: int) -> None:
         self.front, self.recomputing = front, False
+        self.front_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # set by a `front` callable
         super().__init__(owner, blocks, load, t_start, start_event)
 
 
-def split_cache(kvt: KVTier, model, input_ids: torch.Tensor, split_tokens: int) -> SplitCache:
+def split_cache(kvt: KVTier, model, input_ids: torch.Tensor, split_tokens: int, front=None) -> SplitCache:
     """Look up ``input_ids`` ([1, n] or [n]), start loading the hit's chunks from ``split_tokens``
     on, and run ``model`` over tokens [0, split_tokens) meanwhile; returns the cache to pass to
     ``generate``. split_tokens: a multiple of the store's chunk (a chunk boundary), capped at the
-    hit (0: load all of it, like ``kvt.cache``; >= the hit: recompute all of it)."""
+    hit (0: load all of it, like ``kvt.cache``; >= the hit: recompute all of it).
+    front: instead of the model's forward, ``front(ids[:, :s])`` computes [0, s) and returns its
+    per-layer (K, V), kept as ``cache.front_kv`` (`LeanRunner.split_first_token`)."""
     ct, bs = kvt.chunk_tokens, kvt.kv.block_size
     if (
         isinstance(split_tokens, bool)
@@ -99,7 +102,10 @@ def split_cache(kvt: KVTier, model, input_ids: torch.Tensor, split_tokens: int) 
         reader.start()  # disk / remote reads and the copies overlap the forward over [0, s) below
     cache = SplitCache(kvt, blocks, None, t0, start, front=s)
     try:
-        if s:
+        if s and front is not None:
+            # Nothing here reads the loaded blocks (tokens < s never attend to positions >= s).
+            cache.front_kv = front(ids[:, :s])
+        elif s:
             # Nothing here reads the loaded blocks (tokens < s never attend to positions >= s).
             extra = (
                 {"logits_to_keep": 1}

@@ -31,6 +31,7 @@ with the causal diagonal at the bottom right over the grouped K/V heads where to
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +56,9 @@ class LeanRunner:
         self.head_dim = attn.head_dim
         dev = next(model.parameters()).device
         self.graphs = dev.type == "cuda" if graphs is None else bool(graphs)
-        self.pieces: dict[tuple, object] = {}  # (KVTier, hit, n, blocks) -> Pieces (clear() frees them)
+        self.pieces: dict[
+            tuple, object
+        ] = {}  # (KVTier, front, hit, n, blocks) -> Pieces (clear() frees them)
         self.captures, self.capture_s = 0, 0.0  # shapes captured as CUDA graphs so far, seconds spent
         self.gqa_flash: bool | None = None  # None: not tried yet
 
@@ -72,19 +75,56 @@ class LeanRunner:
         the forward is launched, before the GPU has run it (`first_token` waits)."""
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"input_ids: expected [1, n] (batch 1), got {tuple(input_ids.shape)}")
-        hit = 0 if cache is None else cache.hit_tokens
-        n = input_ids.shape[1]
+        loaded = 0 if cache is None else cache.hit_tokens
+        front = getattr(cache, "front_kv", None)  # a split's [0, s), computed by prefill_kv
+        if front is None and getattr(cache, "front", 0):
+            raise ValueError("cache: a split whose front the model computed: use split_first_token")
+        hit, n = loaded + (front[0][0].shape[2] if front else 0), input_ids.shape[1]
         if not 0 <= hit < n:
             raise ValueError(f"cache: holds {hit} tokens of a {n}-token prompt; at least one must run")
-        if hit and self.graphs and hasattr(cache, "_read"):
+        if loaded and self.graphs and hasattr(cache, "_read"):
             return self._graphed(input_ids, cache)
         m = n - hit
         x, cos, sin = self.embed(input_ids[:, hit:], torch.arange(hit, n, device=input_ids.device)[None])
         mask = self.tail_mask(hit, m, input_ids.device)
         for i in range(len(self.inner.layers)):
-            prefix = (lambda i=i, like=x: cache._arrive(i, like)) if hit else None  # noqa: E731
+            prefix = partial(self._prefix, cache, front, i, x) if hit else None
             x = self.layer(i, x, cos, sin, prefix, mask)
         return self.head(x)
+
+    @staticmethod
+    def _prefix(cache, front, i: int, like: torch.Tensor):
+        """Layer i's (K, V) before the tail: a split's front, then what was loaded."""
+        if cache.hit_tokens:
+            k, v = cache._arrive(i, like)  # a hit: waits for layer i's load event, then reads its blocks
+            if front is None:
+                return k, v
+            return torch.cat([front[i][0], k], 2), torch.cat([front[i][1], v], 2)
+        return front[i]
+
+    @torch.no_grad()
+    def prefill_kv(self, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, (K, V) of ``input_ids`` ([1, s], positions 0..s-1), queued on the current stream."""
+        x, cos, sin = self.embed(input_ids, torch.arange(input_ids.shape[1], device=input_ids.device)[None])
+        keep: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i in range(len(self.inner.layers)):
+            x = self.layer(i, x, cos, sin, keep=keep)
+        return keep
+
+    def split_first_token(self, kvt, input_ids: torch.Tensor, split_tokens: int):
+        """A split hit of ``input_ids`` ([1, n], on the model's device; `hf_split.split_cache`):
+        [0, s) computed here while [s, n) loads on a
+        thread, then the tail over both. Returns (token, logits, cache); ``cache.finish(None)``
+        gives the blocks back."""
+        from kvtier.integrations.hf_split import split_cache
+
+        cache = split_cache(kvt, self.model, input_ids, split_tokens, front=self.prefill_kv)
+        try:
+            tok, logits = self.first_token(input_ids, cache)
+        except BaseException:
+            cache.finish(None)  # the blocks go back; the loads land first
+            raise
+        return tok, logits, cache
 
     def embed(self, ids: torch.Tensor, pos: torch.Tensor):
         x = self.inner.embed_tokens(ids)
@@ -98,8 +138,9 @@ class LeanRunner:
         pos = torch.arange(hit, hit + m, device=device)
         return torch.arange(hit + m, device=device)[None, :] <= pos[:, None]
 
-    def layer(self, i: int, x, cos, sin, prefix=None, mask=None) -> torch.Tensor:
-        """Decoder layer i over x [1, m, hidden]; prefix(): the (K, V) of the tokens before x."""
+    def layer(self, i: int, x, cos, sin, prefix=None, mask=None, keep=None) -> torch.Tensor:
+        """Decoder layer i over x [1, m, hidden]; prefix(): the (K, V) of the tokens before x;
+        keep: a list to append x's own (K, V) to."""
         layer = self.inner.layers[i]
         att, m = layer.self_attn, x.shape[1]
         h = layer.input_layernorm(x)
@@ -107,6 +148,8 @@ class LeanRunner:
         k = att.k_proj(h).view(1, m, -1, self.head_dim).transpose(1, 2)
         v = att.v_proj(h).view(1, m, -1, self.head_dim).transpose(1, 2)
         q, k = self.rope(q, k, cos, sin)
+        if keep is not None:
+            keep.append((k, v))
         if prefix is not None:
             pk, pv = prefix()  # a hit: waits for layer i's load event, then reads its blocks
             k, v = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
@@ -140,7 +183,14 @@ class LeanRunner:
     def _graphed(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
         from kvtier.integrations.lean_graphs import Pieces
 
-        key = (cache.owner, cache.hit_tokens, input_ids.shape[1], len(cache.blocks))  # graphs hold its pages
+        front = cache.front_kv[0][0].shape[2] if getattr(cache, "front_kv", None) else 0
+        key = (
+            cache.owner,
+            front,
+            cache.hit_tokens,
+            input_ids.shape[1],
+            len(cache.blocks),
+        )  # graphs hold its pages
         pieces = self.pieces.get(key)
         if pieces is None:  # a new shape: this hit runs its steps eagerly, then they are captured
             pieces = Pieces(self, cache, input_ids)

@@ -5,7 +5,9 @@ Per hit the host queues on the compute stream: the copy of the tail's token ids 
 block ids into static inputs, the embedding's replay, then per layer the wait for that layer's
 load event and its replay (`KVTierCache._read`), then the head's replay: ~35 launches instead of
 ~1,200, and compute still starts layer i as soon as layer i has landed. Graphs are captured per
-(KVTier, prefix, prompt length, block count), since they hold the addresses of the KVTier's pages.
+(KVTier, split front, loaded prefix, prompt length, block count): they hold the addresses of the
+KVTier's pages. A split's front (`LeanRunner.split_first_token`) is copied into static buffers
+per hit, before each layer's replay.
 On a CPU device the same steps run through the same static inputs without capture (tested there).
 """
 
@@ -20,8 +22,12 @@ from kvtier.integrations.hf import gather_blocks
 
 class Pieces:
     def __init__(self, runner, cache, input_ids: torch.Tensor) -> None:
-        hit, n, dev = cache.hit_tokens, input_ids.shape[1], input_ids.device
+        front = getattr(cache, "front_kv", None)  # a split: [0, s) computed by the runner
+        hit = cache.hit_tokens + (front[0][0].shape[2] if front else 0)
+        n, dev = input_ids.shape[1], input_ids.device
         self.runner, self.owner, self.hit = runner, cache.owner, hit
+        # A split's front, copied in per hit (its tensors are the request's own, not static).
+        self.front = [(torch.empty_like(k), torch.empty_like(v)) for k, v in front] if front else None
         self.num_layers = len(runner.inner.layers)
         # Static inputs, rewritten per hit in stream order (after the previous hit's replays read them).
         self.ids = torch.zeros(1, n - hit, dtype=torch.long, device=dev)
@@ -38,8 +44,21 @@ class Pieces:
 
     def _layer(self, i: int) -> None:
         x = self.x[i]
-        prefix = partial(gather_blocks, self.owner.kv, i, self.blocks, x.dtype)
-        self.x[i + 1] = self.runner.layer(i, x, self.cos, self.sin, prefix, self.mask)
+        self.x[i + 1] = self.runner.layer(
+            i, x, self.cos, self.sin, partial(self._prefix, i, x.dtype), self.mask
+        )
+
+    def _prefix(self, i: int, dtype: torch.dtype):
+        k, v = gather_blocks(self.owner.kv, i, self.blocks, dtype)
+        if self.front is None:
+            return k, v
+        return torch.cat([self.front[i][0], k], 2), torch.cat([self.front[i][1], v], 2)
+
+    def _layer_step(self, front_kv, i: int) -> None:
+        if self.front is not None:  # queued after the front's forward on this stream
+            self.front[i][0].copy_(front_kv[i][0])
+            self.front[i][1].copy_(front_kv[i][1])
+        self._step(i + 1)
 
     def _head(self) -> None:
         self.out = self.runner.head(self.x[-1])
@@ -64,7 +83,9 @@ class Pieces:
 
         o.device.launch(embed, o.compute)
         for i in range(self.num_layers):
-            cache._read(i, partial(self._step, i + 1))  # waits for layer i's load event first
+            cache._read(
+                i, partial(self._layer_step, cache.front_kv if self.front else None, i)
+            )  # after its load
         out: list[torch.Tensor] = []
 
         def head() -> None:

@@ -11,8 +11,8 @@ without --quick: 512, 1024). Per n and tier, after one cold request saved the pr
   split      `split_cache` at the planner's split point s: [0, s) recomputed while [s, n) loads
   choice     `plan_request` (timed too), then the option it chose
 
-plus, on the host tier, the lean rows (`ttft_lean.py`: kvtier's own first-token forward, recompute
-and load, like against like without transformers' per-forward host cost), and, for the P8 check
+plus the lean rows (`ttft_lean.py`: kvtier's own first-token forward — recompute once per n, load
+and split per tier — like against like without transformers' per-forward host cost), and, for the P8 check
 of the host load row, the floor: the same generate over a DynamicCache that
 already holds the prefix (no transfer; params forward_floor_ms, p8_bound = recompute / floor).
 
@@ -136,7 +136,9 @@ def _tier_rows(rig: Rig, kvt, tier: str, n: int):
     plan = plan_request(kvt, rig.model, ids, rig.gpu, rig.ceilings, **rig.plan_opts)
     measured = {"recompute": rig.recompute[n][0].median_ms}
     if tier == "host":
-        measured["floor"] = _floor(rig, n)
+        measured["floor"] = rig.floor_ms[n] = _floor(rig, n)
+    elif n in rig.floor_ms:
+        measured["floor"] = rig.floor_ms[n]  # the why of a split's miss cites it
     rows = {}
     for mode in MODES:
         case = f"{rig.label(n)} {mode} {tier}"
@@ -161,10 +163,9 @@ def _tier_rows(rig: Rig, kvt, tier: str, n: int):
         rows[mode] = rig.ctx.row(case, rig.kv_bytes(n), t, ceiling, correct=tokens_ok and source_ok, **p)
     checks(rig, n, tier, rows, measured)
     yield from rows.values()
-    if tier == "host":
-        from kvtier.bench.suites.ttft_lean import lean_rows
+    from kvtier.bench.suites.ttft_lean import lean_rows
 
-        yield from lean_rows(rig, kvt, n, _runs)
+    yield from lean_rows(rig, kvt, tier, n, _runs)
 
 
 def _floor(rig: Rig, n: int) -> float:
@@ -207,13 +208,14 @@ def markdown(doc: dict) -> str:
             p.get("p8")
             or p.get("p8_lean")
             or p.get("p9")
+            or p.get("p9_lean")
             or (f"regret {p['regret_pct']:+.0f}%" if "regret_pct" in p else "")
         )
         plan = f"{p['plan_choice']} (s={p['plan_split_tokens']})" if "plan_choice" in p else "-"
         ms = f"{r['median_ms']:,.1f} | {p['predicted_ms']:,.1f} | {p['error_pct']:+.0f}%"
         s = p.get("split_tokens", p["prefix_tokens"])
         lines.append(f"| {r['case']} | {ms} | {s} | {plan} | {check} | {r['correct']} |")
-    keys = ("p8_why", "p8_lean_why", "p9_why")
+    keys = ("p8_why", "p8_lean_why", "p9_why", "p9_lean_why")
     whys = [f"- {r['case']}: {next(r['params'][k] for k in keys if k in r['params'])}" for r in doc["rows"]
             if r["suite"] == "ttft" and any(k in r["params"] for k in keys)]  # fmt: skip
     return "\n".join(lines + [""] + whys)

@@ -100,9 +100,10 @@ def checks(rig: Rig, n: int, tier: str, rows: dict, ms: dict) -> None:
                 why += (f"; a split runs two forwards and each takes at least the forward floor "
                         f"({ms['floor']:.1f} ms), so it cannot beat {2 * ms['floor']:.1f} ms")  # fmt: skip
             if status == "miss" and tier != "host":
-                why += (f"; split_cache reads [s, n) from {tier} inside store.load before the forward over "
-                        "[0, s) starts: only the H2D copies overlap the recompute, the planner assumes "
-                        "the tier read does too")  # fmt: skip
+                f = f" ({ms['floor']:.1f} ms on the host rows)" if ms.get("floor") else ""
+                why += ("; after [0, s) and the read of [s, n) from the tier (a thread beside it), generate "
+                        f"runs a second forward over the tail, whose fixed host cost (the forward floor{f}) "
+                        "the split pays on top")  # fmt: skip
             if dry:
                 why, status = f"{dry}, not P9's H200 case: would be {status}: {why}", "n/a"
         rows["split"].params.update(p9=status, p9_ratio=ratio, p9_why=why, p9_vs_best=split / lo)

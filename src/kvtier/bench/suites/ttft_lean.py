@@ -1,27 +1,30 @@
-"""The `ttft` suite's lean rows: a host hit and a recompute through `integrations.lean.LeanRunner`
-(kvtier's own first-token forward over the same weights, without transformers' per-forward host
-cost), so P8 is also shown like against like for a runner as lean as a serving engine's.
+"""The `ttft` suite's lean rows: the same requests through `integrations.lean.LeanRunner` (kvtier's
+own first-token forward over the same weights, without transformers' per-forward host cost), so
+P8 and P9 are also shown like against like for a runner as lean as a serving engine's.
 
-    <n> lean recompute        LeanRunner over the whole prompt
-    <n> lean load host        kvt.cache (the prefix loads layer-major) + LeanRunner over the tail
-                              (on CUDA: per-layer CUDA graphs, captured in the warm-up run;
-                              params graphs, captures, capture_ms, gqa_flash)
+    <n> lean recompute          LeanRunner over the whole prompt (once per n)
+    <n> lean load <tier>        kvt.cache (the prefix loads layer-major) + LeanRunner over the tail
+    <n> lean split <tier>       LeanRunner.split_first_token at the planner's s: [0, s) computed
+                                while [s, n) loads on a thread, then the tail over both
 
-Params as the other rows, predicted_ms from the planner without a forward floor (the lean forward
-has next to none), `p8_lean` = pass | miss | n/a on the load row (lean recompute / lean load).
-`correct`: the first token equals the transformers recompute run's (the prompt's top-2 margin
-keeps bf16 rounding from flipping it) and every loaded chunk came from the host.
+On CUDA a hit's tail runs as per-layer CUDA graphs, captured in the warm-up run (params graphs,
+captures, capture_ms, gqa_flash). predicted_ms: the planner without a forward floor (the lean
+forward has next to none). `p8_lean` = pass | miss | n/a on the host load row (lean recompute /
+lean load); `p9_lean` on the split rows (split <= 0.9 x min(lean load, lean recompute) where those
+are within 3x). `correct`: the first token equals the transformers recompute run's (the prompt's
+top-2 margin keeps bf16 rounding from flipping it) and every loaded chunk came from the tier; in
+fp32 (CPU) also its logits within 1e-3 of that run's.
 """
 
 from __future__ import annotations
 
 import time
 
-from kvtier.bench.suites.ttft_rig import P8_SPEEDUP, Rig
+from kvtier.bench.suites.ttft_rig import P8_SPEEDUP, P9_FACTOR, P9_WITHIN, Rig
 
 
-def lean_rows(rig: Rig, kvt, n: int, runs):
-    """Yield the two lean rows of prefix n (host tier); `runs` is the suite's `_runs`."""
+def lean_rows(rig: Rig, kvt, tier: str, n: int, runs):
+    """Yield the lean rows of prefix n from `tier`; `runs` is the suite's `_runs`."""
     from kvtier.integrations.lean import LeanRunner
     from kvtier.planner import plan
 
@@ -29,46 +32,88 @@ def lean_rows(rig: Rig, kvt, n: int, runs):
     ids = rig.prompt(n)
     want = int(rig.reference[n][0, ids.shape[1]])  # the transformers recompute's first new token
     opts = rig.plan_opts | {"forward_floor_ms": 0.0}
-    p = plan(rig.spec, rig.gpu, "host", n, rig.new, rig.ceilings, chunk_tokens=rig.chunk, **opts)
+    p = plan(rig.spec, rig.gpu, tier, n, rig.new, rig.ceilings, chunk_tokens=rig.chunk, **opts)
+    split = p.options["split"].recompute_tokens if "split" in p.options else None
 
     def recompute(ids):
         t0 = time.perf_counter()
-        tok, _ = lean.first_token(ids)  # int(): the host has the token, so the GPU made it
-        return tok, time.perf_counter() - t0, {"tiers": ()}
+        tok, logits = lean.first_token(ids)  # int(): the host has the token, so the GPU made it
+        return tok, time.perf_counter() - t0, {"tiers": (), "front": n, "logits": logits}
 
     def load(ids):
         t0 = time.perf_counter()
         cache = kvt.cache(ids)
-        tok, _ = lean.first_token(ids, cache)
+        tok, logits = lean.first_token(ids, cache)
         dt = time.perf_counter() - t0
         cache.finish(None)  # waits for the load, gives the blocks back; nothing new is saved
-        return tok, dt, {"tiers": cache.hit_tiers}
+        return tok, dt, {"tiers": cache.hit_tiers, "front": 0, "logits": logits}
 
-    ms = {}
-    for mode, fn, tier, option in (
-        ("lean recompute", recompute, "-", "recompute"),
-        ("lean load", load, "host", "load"),
-    ):
-        case = f"{rig.label(n)} {mode}" + (" host" if tier == "host" else "")
-        t, toks, infos = runs(rig, case, fn, ids)
-        ms[mode] = t.median_ms
-        source_ok = tier == "-" or all(list(i["tiers"]) == ["host"] * (n // rig.chunk) for i in infos)
-        ok = all(tok == want for tok in toks) and source_ok
-        params = rig.params(n, tier, mode, p.options[option].ms, t.median_ms) | {
+    def split_run(ids):
+        t0 = time.perf_counter()
+        tok, logits, cache = lean.split_first_token(kvt, ids, split)
+        dt = time.perf_counter() - t0
+        cache.finish(None)
+        return tok, dt, {"tiers": cache.hit_tiers, "front": cache.front, "logits": logits}
+
+    ms = rig.lean_ms.setdefault(n, {})
+    modes = [("lean load", load, "load"), ("lean split", split_run, "split")]
+    if "lean recompute" not in ms:
+        modes.insert(0, ("lean recompute", recompute, "recompute"))
+    for mode, fn, option in modes:
+        case = f"{rig.label(n)} {mode}" + ("" if option == "recompute" else f" {tier}")
+        if option == "split" and split is None:
+            rig.ctx.skip(case, f"no split: a hit of {n} tokens has no chunk boundary inside it")
+            continue
+        t, toks, infos = runs(
+            rig, case, fn, ids, before=None if option == "recompute" else rig.cold_host(kvt, tier)
+        )
+        ms[mode if option == "recompute" else f"{mode} {tier}"] = t.median_ms
+        source_ok = all(list(i["tiers"]) == [tier] * ((n - i["front"]) // rig.chunk) for i in infos)
+        diff = max(float((i["logits"] - rig.reference_logits[n]).abs().max()) for i in infos)
+        # fp32 (CPU): the logits too, not only one token of a tiny random model; bf16: the token
+        ok = all(tok == want for tok in toks) and source_ok and (rig.on_gpu or diff < 1e-3)
+        row_tier = "-" if option == "recompute" else tier
+        params = rig.params(n, row_tier, mode, p.options[option].ms, t.median_ms) | {
             "path": f"{mode} (LeanRunner)", "first_token_matches_recompute": all(tok == want for tok in toks),
-            "source_ok": source_ok, "graphs": lean.graphs, "gqa_flash": lean.gqa_flash,
-            "captures": lean.captures, "capture_ms": lean.capture_s * 1e3,
+            "source_ok": source_ok, "logits_max_abs_diff": diff, "graphs": lean.graphs,
+            "gqa_flash": lean.gqa_flash,
+            "captures": lean.captures, "capture_ms": lean.capture_s * 1e3, "plan_choice": p.choice,
+            "plan_split_tokens": p.split_tokens, "split_tokens": split if option == "split" else 0,
         }  # fmt: skip
-        if mode == "lean load":
+        if option == "load" and tier == "host":
             params |= _p8(rig, n, ms["lean recompute"], t.median_ms)
-        yield rig.ctx.row(case, rig.kv_bytes(n), t, rig.link, correct=ok, **params)
+        if option == "split":
+            params |= _p9(rig, n, ms["lean recompute"], ms[f"lean load {tier}"], t.median_ms)
+        yield rig.ctx.row(
+            case, rig.kv_bytes(n), t, "disk_read" if tier == "disk" else rig.link, correct=ok, **params
+        )
+    lean.pieces.clear()  # its graphs hold this KVTier's pages
+
+
+def _dry(rig: Rig) -> str | None:
+    return None if rig.on_gpu and rig.shape == "llama-3-8b" else f"dry run ({rig.shape} on {rig.ctx.device})"
 
 
 def _p8(rig: Rig, n: int, recompute_ms: float, load_ms: float) -> dict:
     sp = recompute_ms / load_ms
     why = f"lean recompute {recompute_ms:.1f} ms / lean load {load_ms:.1f} ms = {sp:.1f}x (target >= 8x)"
     status = "pass" if sp >= P8_SPEEDUP else "miss"
-    dry = None if rig.on_gpu and rig.shape == "llama-3-8b" else f"dry run ({rig.shape} on {rig.ctx.device})"
-    if dry or n < 8192:
+    if (dry := _dry(rig)) or n < 8192:
         why, status = f"{dry or 'a prefix under 8K'}, not P8's case: would be {status}: {why}", "n/a"
     return dict(p8_lean=status, p8_lean_speedup=sp, p8_lean_why=why)
+
+
+def _p9(rig: Rig, n: int, recompute_ms: float, load_ms: float, split_ms: float) -> dict:
+    lo, ratio = min(recompute_ms, load_ms), max(recompute_ms, load_ms) / min(recompute_ms, load_ms)
+    if ratio > P9_WITHIN:
+        why = (f"lean load {load_ms:.1f} ms and lean recompute {recompute_ms:.1f} ms are not within "
+               f"{P9_WITHIN:g}x ({ratio:.1f}x): P9 does not apply")  # fmt: skip
+        status = "n/a"
+    else:
+        status = "pass" if split_ms <= P9_FACTOR * lo else "miss"
+        why = (
+            f"lean split {split_ms:.1f} ms vs {P9_FACTOR:g} x min(load, recompute) = {P9_FACTOR * lo:.1f} ms"
+        )
+        if dry := _dry(rig):
+            why, status = f"{dry}, not P9's H200 case: would be {status}: {why}", "n/a"
+    return dict(p9_lean=status, p9_lean_ratio=ratio, p9_lean_why=why, p9_lean_vs_best=split_ms / lo)

@@ -63,6 +63,8 @@ class Rig:
                               prefill_overhead_ms=overhead, forward_floor_ms=floor)  # fmt: skip
         self.disk_io = None
         self.recompute: dict[int, tuple] = {}  # n -> (Timing, outputs, infos)
+        self.lean_ms: dict[int, dict[str, float]] = {}  # n -> lean row -> median ms (ttft_lean)
+        self.floor_ms: dict[int, float] = {}  # n -> the host rows' forward floor
         self.reference: dict[int, torch.Tensor] = {}  # n -> the recompute run's tokens
         self.reference_logits: dict[int, torch.Tensor] = {}  # n -> its first token's logits
         self._prompts: dict[int, torch.Tensor] = {}
