@@ -9,7 +9,7 @@ from kvtier.ceilings import Ceilings
 from kvtier.cli import cli
 from kvtier.cli import plan as _  # noqa: F401  (registers the command)
 from kvtier.models import get_model
-from kvtier.planner import overlap, plan, tier_path
+from kvtier.planner import overlap, plan, tier_path, transfer_parts
 from kvtier.roofline import prefill
 from kvtier.specs import get_gpu
 
@@ -44,15 +44,39 @@ def test_split_is_the_best_chunk_boundary_and_its_formula():
     assert p.choice == "split" and p.split_tokens % 256 == 0 and 0 < p.split_tokens < 8192
     c, path = pre(64, 8192), tier_path(G, "disk")
 
-    def at(s):
-        x = path.transfer_ms((8192 - s) * KV)
-        return max(pre(s) + c, overlap(x, c, 32))
+    def at(s):  # the disk read of [s, n), then its copies, layer by layer under the new tokens
+        nbytes = (8192 - s) * KV
+        read = nbytes / (path.hops[0].gbps * 1e9) * 1e3 + path.hops[0].latency_us / 1e3
+        copy = (
+            nbytes / (min(h.gbps for h in path.hops[1:]) * 1e9) * 1e3
+            + sum(h.latency_us for h in path.hops[1:]) / 1e3
+        )
+        return max(pre(s) + c, read + overlap(copy, c, 32))
 
     assert p.predicted_ms["split"] == pytest.approx(at(p.split_tokens))
     assert all(at(s) >= p.predicted_ms["split"] - 1e-9 for s in range(256, 8192, 256))
     assert p.ms == min(v for v in p.predicted_ms.values() if v is not None)
     # both sides are busy: neither a chunk more nor a chunk less of recompute helps
     assert at(p.split_tokens - 256) > p.ms and at(p.split_tokens + 256) > p.ms
+
+
+def test_a_lower_tier_is_read_before_its_copies_and_the_host_pipelines_whole():
+    disk, host = tier_path(G, "disk"), tier_path(G, "host")
+    nbytes = 8192 * KV
+    read, copy = transfer_parts(disk, 8192, KV)
+    assert read == pytest.approx(nbytes / (disk.hops[0].gbps * 1e9) * 1e3 + disk.hops[0].latency_us / 1e3)
+    rest = disk.hops[1:]  # host DRAM, PCIe, HBM: the copies
+    assert copy == pytest.approx(
+        nbytes / (min(h.gbps for h in rest) * 1e9) * 1e3 + sum(h.latency_us for h in rest) / 1e3
+    )
+    assert transfer_parts(host, 8192, KV) == (0.0, host.transfer_ms(nbytes))
+    assert transfer_parts(disk, 0, KV) == (0.0, 0.0)
+    o = plan("llama-3-8b", "h200", "disk", 8192, 64).options["load"]
+    # the new tokens' layers cannot start before the whole read is done: they pipeline with the copies
+    assert o.ms == pytest.approx(read + overlap(copy, o.new_ms, 32)) and o.load_ms == pytest.approx(
+        read + copy
+    )
+    assert o.ms > overlap(disk.transfer_ms(nbytes), o.new_ms, 32)  # slower than one pipelined transfer
 
 
 def test_no_hit_means_recompute_with_nothing_to_load():

@@ -14,7 +14,10 @@ transfer times (`path`: bytes / slowest hop + hop latencies), with probed ceilin
   stream loads [s, n); then the m new tokens run, layer i after layer i of the load:
   ``max(R_s + C, overlap(X_s, C))``. This is exact, not an approximation: attention of a token
   < s reads only keys < s, so computing [0, s) never needs the loaded KV of [s, n), and the KV
-  computed for [0, s) is the KV a full recompute would produce.
+  computed for [0, s) is the KV a full recompute would produce. From a lower tier X_s is its
+  read, then the copies: the store reads every chunk before the layer-major copies start, so
+  the new tokens' layers pipeline with the copies only: ``max(R_s + C, read_s + overlap(copy_s,
+  C))``, and so for load (`transfer_parts`).
 
 The load is assumed not to slow the compute running beside it (copy-engine path; PERF.md P5
 measured a 10% cost for the staged path's short gathers): calibrate before trusting a close call.
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 
 from kvtier.ceilings import Ceilings
 from kvtier.models import ModelSpec
-from kvtier.path import Hop, Path, build_path, load_ms
+from kvtier.path import Hop, Path, build_path
 from kvtier.roofline import prefill
 from kvtier.specs import GPU, Link, get_gpu, get_link, measured_host_link
 
@@ -191,8 +194,10 @@ def plan(
     new_ms = pre(m, n)
 
     def split_at(s: int, name: str) -> Option:
-        r, x = pre(s), load_ms(model, p, n - s, kv_dtype) if s < n else 0.0
-        return Option(name, s, n - s, r, x, new_ms, max(r + new_ms, overlap(x, new_ms, layers)))
+        r, (read, copy) = pre(s), transfer_parts(p, n - s, model.kv_bytes_per_token(kv_dtype))
+        return Option(
+            name, s, n - s, r, read + copy, new_ms, max(r + new_ms, read + overlap(copy, new_ms, layers))
+        )
 
     options = {"recompute": Option("recompute", n, 0, pre(n + m), 0.0, 0.0, pre(n + m))}
     if n:
@@ -215,6 +220,20 @@ def plan(
         kv_bytes_per_token=model.kv_bytes_per_token(kv_dtype),
         reasons=tuple(reasons),
     )
+
+
+def transfer_parts(p: Path, tokens: int, per_token: float) -> tuple[float, float]:
+    """(tier read ms, copy ms) of loading `tokens` along `p`. `KVStore.load` reads every chunk of a
+    lower tier into the host before the layer-major copies start (store/load.py), so only the
+    copies pipeline with the new tokens' layers; from the host (or with GPUDirect, one pipelined
+    transfer) all of it does."""
+    nbytes = tokens * per_token
+    if not tokens:
+        return 0.0, 0.0
+    if p.tier == "host" or p.gpudirect or len(p.hops) < 2:
+        return 0.0, p.transfer_ms(nbytes)
+    read, copy = Path(p.tier, p.direction, p.hops[:1]), Path(p.tier, p.direction, p.hops[1:])
+    return read.transfer_ms(nbytes), copy.transfer_ms(nbytes)
 
 
 def _reasons(options: dict[str, Option], choice: str, p: Path, per_token: float, n: int, m: int, chunk: int):

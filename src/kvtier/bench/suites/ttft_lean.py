@@ -78,7 +78,8 @@ def lean_rows(rig: Rig, kvt, tier: str, n: int, runs):
             "source_ok": source_ok, "logits_max_abs_diff": diff, "graphs": lean.graphs,
             "gqa_flash": lean.gqa_flash,
             "captures": lean.captures, "capture_ms": lean.capture_s * 1e3, "plan_choice": p.choice,
-            "plan_split_tokens": p.split_tokens, "split_tokens": split if option == "split" else 0,
+            "plan_split_tokens": p.split_tokens,
+            "split_tokens": {"split": split, "recompute": n}.get(option, 0),
         }  # fmt: skip
         if option == "load" and tier == "host":
             params |= _p8(rig, n, ms["lean recompute"], t.median_ms)
