@@ -8,7 +8,7 @@ tier:n:s, medians over warm runs (the host emptied before each) of
                   front queued (host), front done (GPU event), store.load start / end (reader
                   thread), split_cache returned, the last loaded byte landed, first token
 
-    PYTHONPATH=src python benchmarks/profile_split.py [--cases remote:2048:1280 disk:8192:5888]
+    PYTHONPATH=src python benchmarks/profile_split.py [--cases remote:2048:1280 disk:8192:5888] [--o-direct]
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--remote-gbps", type=float, default=2.0)
+    ap.add_argument("--o-direct", action="store_true", help="disk reads bypass the page cache (as the suite's)")
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -74,7 +75,7 @@ def main() -> None:
             tier, n, s = case.split(":")[0], *map(int, case.split(":")[1:])
             need = 2 * n * kv_tok + (64 << 20)
             tiers = (
-                [DiskTier(work / f"disk{n}", need)] if tier == "disk"
+                [DiskTier(work / f"disk{n}", need, o_direct=a.o_direct)] if tier == "disk"
                 else [ThrottledTier(MemoryTier(need, name="remote"), a.remote_gbps)]
             )  # fmt: skip
             kvt = KVTier.for_model(model, num_blocks=-(-(n + new + 1) // bs) + 8, block_size=bs,
