@@ -259,3 +259,15 @@ def test_tiers_asked_by_the_environment():
     for bad in ("tape", "host,tape", " , "):
         with pytest.raises(ValueError, match="KVTIER_TTFT_TIERS"):
             tiers_asked(bad)
+
+
+def test_a_lean_split_miss_says_which_half_bounds_it():
+    from kvtier.bench.suites.ttft_lean import _p9
+
+    rig, _ = fake_rig()
+    p = _p9(rig, 8192, recompute_ms=260.0, load_ms=750.0, split_ms=308.0, s=6144)
+    assert p["p9_lean"] == "miss" and p["p9_lean_ratio"] == pytest.approx(750 / 260)
+    assert "front ~195.0 ms" in p["p9_lean_why"] and "[s, n) ~187.5 ms" in p["p9_lean_why"]
+    assert "cannot beat 195.0 ms" in p["p9_lean_why"] and "113.0 ms above" in p["p9_lean_why"]
+    assert _p9(rig, 8192, 260.0, 750.0, 200.0, 6144)["p9_lean"] == "pass"
+    assert _p9(rig, 8192, 260.0, 900.0, 200.0, 6144)["p9_lean"] == "n/a"  # not within 3x

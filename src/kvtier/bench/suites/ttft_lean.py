@@ -84,7 +84,7 @@ def lean_rows(rig: Rig, kvt, tier: str, n: int, runs):
         if option == "load" and tier == "host":
             params |= _p8(rig, n, ms["lean recompute"], t.median_ms)
         if option == "split":
-            params |= _p9(rig, n, ms["lean recompute"], ms[f"lean load {tier}"], t.median_ms)
+            params |= _p9(rig, n, ms["lean recompute"], ms[f"lean load {tier}"], t.median_ms, split)
         yield rig.ctx.row(
             case, rig.kv_bytes(n), t, "disk_read" if tier == "disk" else rig.link, correct=ok, **params
         )
@@ -104,7 +104,7 @@ def _p8(rig: Rig, n: int, recompute_ms: float, load_ms: float) -> dict:
     return dict(p8_lean=status, p8_lean_speedup=sp, p8_lean_why=why)
 
 
-def _p9(rig: Rig, n: int, recompute_ms: float, load_ms: float, split_ms: float) -> dict:
+def _p9(rig: Rig, n: int, recompute_ms: float, load_ms: float, split_ms: float, s: int) -> dict:
     lo, ratio = min(recompute_ms, load_ms), max(recompute_ms, load_ms) / min(recompute_ms, load_ms)
     if ratio > P9_WITHIN:
         why = (f"lean load {load_ms:.1f} ms and lean recompute {recompute_ms:.1f} ms are not within "
@@ -115,6 +115,13 @@ def _p9(rig: Rig, n: int, recompute_ms: float, load_ms: float, split_ms: float) 
         why = (
             f"lean split {split_ms:.1f} ms vs {P9_FACTOR:g} x min(load, recompute) = {P9_FACTOR * lo:.1f} ms"
         )
+        if status == "miss":  # the two halves at this run's rates: which one bounds the split
+            front, back = recompute_ms * s / n, load_ms * (n - s) / n
+            bound = max(front, back)
+            why += (f"; at s={s} this run's rows give the front ~{front:.1f} ms (lean recompute x s/n) "
+                    f"and [s, n) ~{back:.1f} ms (lean load x (n-s)/n): the split cannot beat {bound:.1f} ms "
+                    f"+ the tail's forward; the {split_ms - bound:.1f} ms above that bound are the tail and "
+                    "the halves slowing each other (benchmarks/profile_split.py times them)")  # fmt: skip
         if dry := _dry(rig):
             why, status = f"{dry}, not P9's H200 case: would be {status}: {why}", "n/a"
     return dict(p9_lean=status, p9_lean_ratio=ratio, p9_lean_why=why, p9_lean_vs_best=split_ms / lo)
