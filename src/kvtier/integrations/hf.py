@@ -215,9 +215,7 @@ class KVTierCache(Cache):
     def _arrive(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V of the hit prefix, each ``(1, kv_heads, hit, head_dim)``."""
         if like.shape[0] != 1:
-            raise ValueError(
-                f"key_states: KVTierCache holds one request (batch 1), got batch {like.shape[0]}"
-            )
+            raise ValueError(f"key_states: KVTierCache holds one request (batch 1), not {like.shape[0]}")
         got: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._read(layer, lambda: got.append(self._gather(layer, like.dtype)), host=like.device.type == "cpu")
         return got[0]
@@ -227,9 +225,8 @@ class KVTierCache(Cache):
         if self._ids_dev is None:
             # Once per request, queued on this stream: torch.tensor(list, device=cuda) would
             # wait for everything queued on it (a host sync per layer, no running ahead).
-            self._ids_dev = torch.as_tensor(self.blocks, dtype=torch.long).to(
-                self.owner.kv.device, non_blocking=True
-            )
+            ids = torch.as_tensor(self.blocks, dtype=torch.long)
+            self._ids_dev = ids.to(self.owner.kv.device, non_blocking=True)
         return gather_blocks(self.owner.kv, layer, self._ids_dev, dtype)
 
     def _read(self, layer: int, fn, host: bool = False) -> None:
