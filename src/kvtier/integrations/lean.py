@@ -56,9 +56,7 @@ class LeanRunner:
         self.head_dim = attn.head_dim
         dev = next(model.parameters()).device
         self.graphs = dev.type == "cuda" if graphs is None else bool(graphs)
-        self.pieces: dict[
-            tuple, object
-        ] = {}  # (KVTier, front, hit, n, blocks) -> Pieces (clear() frees them)
+        self.pieces: dict[tuple, object] = {}  # (KVTier, front, hit, n, blocks) -> Pieces; clear() frees
         self.captures, self.capture_s = 0, 0.0  # shapes captured as CUDA graphs so far, seconds spent
         self.gqa_flash: bool | None = None  # None: not tried yet
 
@@ -79,7 +77,7 @@ class LeanRunner:
         front = getattr(cache, "front_kv", None)  # a split's [0, s), computed by prefill_kv
         if front is None and getattr(cache, "front", 0):
             raise ValueError("cache: a split whose front the model computed: use split_first_token")
-        hit, n = loaded + (front[0][0].shape[2] if front else 0), input_ids.shape[1]
+        hit, n = loaded + front_tokens(cache), input_ids.shape[1]
         if not 0 <= hit < n:
             raise ValueError(f"cache: holds {hit} tokens of a {n}-token prompt; at least one must run")
         if loaded and self.graphs and hasattr(cache, "_read"):
@@ -113,9 +111,8 @@ class LeanRunner:
 
     def split_first_token(self, kvt, input_ids: torch.Tensor, split_tokens: int):
         """A split hit of ``input_ids`` ([1, n], on the model's device; `hf_split.split_cache`):
-        [0, s) computed here while [s, n) loads on a
-        thread, then the tail over both. Returns (token, logits, cache); ``cache.finish(None)``
-        gives the blocks back."""
+        [0, s) computed here while [s, n) loads on a thread, then the tail over both.
+        Returns (token, logits, cache); ``cache.finish(None)`` gives the blocks back."""
         from kvtier.integrations.hf_split import split_cache
 
         cache = split_cache(kvt, self.model, input_ids, split_tokens, front=self.prefill_kv)
@@ -183,14 +180,7 @@ class LeanRunner:
     def _graphed(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
         from kvtier.integrations.lean_graphs import Pieces
 
-        front = cache.front_kv[0][0].shape[2] if getattr(cache, "front_kv", None) else 0
-        key = (
-            cache.owner,
-            front,
-            cache.hit_tokens,
-            input_ids.shape[1],
-            len(cache.blocks),
-        )  # graphs hold its pages
+        key = (cache.owner, front_tokens(cache), cache.hit_tokens, input_ids.shape[1], len(cache.blocks))
         pieces = self.pieces.get(key)
         if pieces is None:  # a new shape: this hit runs its steps eagerly, then they are captured
             pieces = Pieces(self, cache, input_ids)
@@ -202,3 +192,9 @@ class LeanRunner:
             self.pieces[key] = pieces
             return out
         return pieces.run(cache, input_ids)
+
+
+def front_tokens(cache) -> int:
+    """Tokens of a split's front computed by `LeanRunner.prefill_kv` (0: none)."""
+    front = getattr(cache, "front_kv", None)
+    return front[0][0].shape[2] if front else 0

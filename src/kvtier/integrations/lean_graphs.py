@@ -18,12 +18,13 @@ from functools import partial
 import torch
 
 from kvtier.integrations.hf import gather_blocks
+from kvtier.integrations.lean import front_tokens
 
 
 class Pieces:
     def __init__(self, runner, cache, input_ids: torch.Tensor) -> None:
         front = getattr(cache, "front_kv", None)  # a split: [0, s) computed by the runner
-        hit = cache.hit_tokens + (front[0][0].shape[2] if front else 0)
+        hit = cache.hit_tokens + front_tokens(cache)
         n, dev = input_ids.shape[1], input_ids.device
         self.runner, self.owner, self.hit = runner, cache.owner, hit
         # A split's front, copied in per hit (its tensors are the request's own, not static).
