@@ -13,6 +13,7 @@
 #   models-hf: suite hf, `kvtier demo` on the GPU (+ Redis when carried); PROFILE=1: profile_ttft.py first
 #   ttft-probe: every GPU test ($GPU_TESTS: those), profile_ttft.py (8K, 32K), suite ttft on the host tier
 #   ttft-hf: GPU tests ($GPU_TESTS: those), profile_ttft.py (2K, 8K, 32K), suites ttft + hf ($KVTIER_CALIBRATION)
+#   p6: host_jitter.py, profile_submit.py cold / hot / hot with cProfile, suites bidir + submit_overhead
 #   multi: (2+ GPUs) handoff/probe GPU tests, memcheck/racecheck of a handoff, probe --all-gpus,
 #          suites handoff + contention, `kvtier path` with the measured sharing
 set -uo pipefail
@@ -115,6 +116,27 @@ if [ "$mode" = models ]; then
   echo "== bench ttft, submit_overhead"
   KVTIER_CALIBRATION="$out/calibration.json" timeout 360 $py -m kvtier bench --out "$out" --suite ttft \
     --suite submit_overhead 2>&1 | tee "$out/bench.log" | tail -60
+  exit 0
+fi
+if [ "$mode" = p6 ]; then
+  if [ -n "${GPU_TESTS:-}" ]; then  # pytest arguments: the GPU tests a change touched
+    echo "== GPU tests"
+    timeout 150 $py -m pytest -q -p no:cacheprovider $GPU_TESTS 2>&1 | tail -15 | tee "$out/pytest-gpu.log"
+  fi
+  echo "== host jitter"
+  timeout 60 $py benchmarks/host_jitter.py 2>&1 | tee "$out/host_jitter.txt"
+  for how in cold hot; do
+    echo "== profile_submit ($how)"
+    timeout 120 $py benchmarks/profile_submit.py $([ $how = hot ] && echo --hot) --modes same alternate eager \
+      --json "$out/profile_submit-$how.json" > "$out/profile_submit-$how.txt" 2>&1
+    tail -8 "$out/profile_submit-$how.txt"
+  done
+  echo "== profile_submit (hot, cProfile of bs16 alternate)"
+  timeout 100 $py benchmarks/profile_submit.py --hot --cprofile --modes alternate --cases bs16 \
+    > "$out/profile_submit-hot-cprofile.txt" 2>&1
+  echo "== bench ${P6_SUITES:-bidir submit_overhead}"
+  timeout 360 $py -m kvtier bench --out "$out" $(for s in ${P6_SUITES:-bidir submit_overhead}; do echo --suite $s; done) \
+    2>&1 | tee "$out/bench.log" | tail -40
   exit 0
 fi
 if [ "$mode" = models-hf ]; then

@@ -3,7 +3,7 @@ block count), phase by phase (`kvtier.engine.jobs.SubmitTrace`), on the CUDA dev
 one, else a dry run on a SimDevice whose streams run each item at once (the engine's own Python --
 ids, slot, tracker, events -- without worker threads; the sim's "mover" is its CPU copy, no graph).
 
-    PYTHONPATH=src python benchmarks/profile_submit.py [--reps 20] [--json out.json] [--cprofile]
+    PYTHONPATH=src python benchmarks/profile_submit.py [--reps 20] [--hot] [--json out.json] [--cprofile]
 
 Cases: 1 GiB of Llama-3-8B KV (32 layers, 8 KV heads, head_dim 128, bf16) in 16-token blocks (512
 blocks of 2 MiB) and in 1-token blocks (8192 blocks of 128 KiB). Modes, each on a fresh engine
@@ -13,10 +13,15 @@ over one shared pool of four 1 GiB slots, path "staged":
   alt-exec2  alternate with two execs per graph (graphs.slot_execs = 2): none moved once both exist
   alt-torch  alternate, replayed through torch (copy_, CUDAGraph.replay) instead of runtime calls
   eager      graphs off
-Per mode: median submit_us (perf_counter around save()/load(), as the submit_overhead suite) and
-median us per phase; the graph stats; and a check that the last saves wrote exactly the bytes of
-the reference slot into freshly poisoned slots, and the last loads wrote src's KV into poisoned
-dst blocks. Expected on an H200: 30-80 s in all (the first jobs compile the Triton kernels).
+Cold (default): each timed job is submitted after the host waited for the one before, as the
+submit_overhead suite times them. --hot: each timed job follows an untimed one of the same kind,
+submitted just before it (loads into other blocks), as a serving loop submits back to back.
+Per mode: median submit_us (perf_counter around save()/load(), as the submit_overhead suite), the
+median thread CPU time of the same call (cpu_us: time.thread_time; less than submit_us when the
+thread was descheduled), and median us per phase; the graph stats; and a check that the last
+saves wrote exactly the bytes of the reference slot into freshly poisoned slots, and the last
+loads wrote src's KV into poisoned dst blocks. Expected on an H200: 30-80 s in all (the first
+jobs compile the Triton kernels).
 """
 
 from __future__ import annotations
@@ -74,13 +79,14 @@ class InlineSim(SimDevice):
 def make_cache(device, bs: int, n: int, gpu: bool):
     layers, heads, dim = (32, 8, 128) if gpu else (2, 1, 8)
     g = torch.Generator(device=device).manual_seed(bs)
-    shape = (2, 2 * n, bs, heads, dim)
+    shape = (2, 3 * n, bs, heads, dim)  # src, dst, and the hot mode's other dst
     return layout.vllm_flash(
         [torch.randn(shape, dtype=torch.bfloat16, device=device, generator=g) for _ in range(layers)]
     )
 
 
-def run_mode(dev, kv, pool, src, dst, mode: str, reps: int, prof=None) -> dict:
+def run_mode(dev, kv, pool, src, dst, mode: str, reps: int, prof=None, dst2=None) -> dict:
+    """One mode; with `dst2` (hot) each timed job follows an untimed one submitted just before."""
     gpu = dev.name != "sim"
     eng = TransferEngine(dev, kv, pool, path="staged", graphs=mode != "eager")
     g = getattr(eng.mover, "graphs", None)
@@ -99,6 +105,7 @@ def run_mode(dev, kv, pool, src, dst, mode: str, reps: int, prof=None) -> dict:
     warm, held, ok, tr = 3, None, {"saves": 0, "loads": 0}, SubmitTrace()
     total = warm + reps + 4  # four untimed jobs at the end check the bytes
     us = {"save": [], "load": []}
+    cpu = {"save": [], "load": []}
     for i in range(total):
         timed, check = warm <= i < warm + reps, i >= total - 2
         if i == warm:
@@ -107,11 +114,17 @@ def run_mode(dev, kv, pool, src, dst, mode: str, reps: int, prof=None) -> dict:
             eng.trace = None
         if check:
             poison_dst(eng, kv, dst, compute, gpu)
+        pre = eng.save(src, after=None) if dst2 is not None else None  # hot: the submit just before
         if timed and prof is not None:
             prof.enable()
+        c0 = time.thread_time_ns()
         job = eng.save(src, after=None)
+        c_save = time.thread_time_ns() - c0
         if timed and prof is not None:
             prof.disable()
+        if pre is not None:
+            assert eng.wait(pre)  # its slot is released only after its copy completed
+            eng.release(pre.slot)
         assert eng.wait(job)
         if check:
             ok["saves"] += bool(torch.equal(job.slot.tensor, ref))
@@ -123,11 +136,16 @@ def run_mode(dev, kv, pool, src, dst, mode: str, reps: int, prof=None) -> dict:
             held = job.slot
         else:
             eng.release(job.slot)
+        pre = eng.load(srcs[(i + 1) % len(srcs)], dst2) if dst2 is not None else None  # hot: just before
         if timed and prof is not None:
             prof.enable()
+        c0 = time.thread_time_ns()
         lj = eng.load(srcs[i % len(srcs)], dst)
+        c_load = time.thread_time_ns() - c0
         if timed and prof is not None:
             prof.disable()
+        if pre is not None:
+            assert eng.wait(pre)  # its source slot's read ends only after e_load
         assert eng.wait(lj)  # the check below reads the blocks only after e_load
         if check:
             ok["loads"] += all(torch.equal(x[:, dst], x[:, src]) for x in kv.layers)
@@ -135,11 +153,21 @@ def run_mode(dev, kv, pool, src, dst, mode: str, reps: int, prof=None) -> dict:
         if timed:
             us["save"].append(job.submit_s * 1e6)
             us["load"].append(lj.submit_s * 1e6)
-    out = {"mode": mode, "checked": ok, "graph_stats": vars(g.stats).copy() if g is not None else None}
+            cpu["save"].append(c_save / 1e3)
+            cpu["load"].append(c_load / 1e3)
+    out = {
+        "mode": mode,
+        "hot": dst2 is not None,
+        "checked": ok,
+        "graph_stats": vars(g.stats).copy() if g is not None else None,
+    }
     if g is not None:  # nodes per captured graph (save, load): what one cudaGraphLaunch submits
         out["graph_nodes"] = [getattr(e.nodes, "num_nodes", None) for e in g.cache._d.values()]
     for job in ("save", "load"):
-        out[job] = {"submit_us": statistics.median(us[job]), "phases_us": tr.medians(job)}
+        out[job] = {
+            "submit_us": statistics.median(us[job]), "cpu_us": statistics.median(cpu[job]),
+            "phases_us": tr.medians(job),
+        }  # fmt: skip
     for s in [*srcs, held]:
         if s is not None:
             eng.release(s)
@@ -164,7 +192,8 @@ def show(case: str, r: dict) -> None:
     for job in ("save", "load"):
         ph = r[job]["phases_us"]
         cols = " ".join(f"{k}={ph[k]:.1f}" for k in PHASES if ph.get(k))
-        print(f"{case:5s} {r['mode']:10s} {job}: submit_us={r[job]['submit_us']:7.1f} | {cols}")
+        head = f"submit_us={r[job]['submit_us']:7.1f} cpu_us={r[job]['cpu_us']:7.1f}"
+        print(f"{case:5s} {r['mode']:10s} {job}: {head} | {cols}")
     gs = r["graph_stats"]
     if gs:
         print(f"{'':17s}graph stats {gs}, nodes per graph {r.get('graph_nodes')}")
@@ -176,6 +205,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--modes", nargs="*", default=None)
     ap.add_argument("--cases", nargs="*", default=list(CASES))
+    ap.add_argument("--hot", action="store_true", help="each timed job right after an untimed one")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--cprofile", action="store_true", help="cProfile the timed submits of bs16 alternate")
     args = ap.parse_args()
@@ -200,13 +230,13 @@ def main() -> int:
         if pool is None or pool.chunk_bytes != nbytes:
             if pool is not None:
                 pool.close()
-            pool = PinnedPool(dev, 4 * nbytes, chunk_bytes=nbytes)  # one slot per chunk
-        perm = torch.randperm(2 * n, generator=torch.Generator().manual_seed(n))
-        src, dst = perm[:n].clone(), perm[n:].clone()
+            pool = PinnedPool(dev, 5 * nbytes, chunk_bytes=nbytes)  # one slot per chunk
+        perm = torch.randperm(3 * n, generator=torch.Generator().manual_seed(n))
+        src, dst, dst2 = perm[:n].clone(), perm[n : 2 * n].clone(), perm[2 * n :].clone()
         print(f"== {case}: {n} blocks of {bs} tokens, {nbytes / 2**30:.2f} GiB per job")
         for mode in modes:
             prof = cProfile.Profile() if args.cprofile and case == "bs16" and mode == "alternate" else None
-            r = run_mode(dev, kv, pool, src, dst, mode, args.reps, prof)
+            r = run_mode(dev, kv, pool, src, dst, mode, args.reps, prof, dst2 if args.hot else None)
             r.update(case=case, blocks=n, block_size=bs, nbytes=nbytes, device=dev.name)
             results.append(r)
             show(case, r)
@@ -217,7 +247,8 @@ def main() -> int:
             torch.cuda.empty_cache()
     if pool is not None:
         pool.close()
-    print("\nsubmit_us medians (save / load); P6: <= 100 us, flat in block count")
+    how = "hot: each right after another" if args.hot else "cold: each after waiting for the one before"
+    print(f"\nsubmit_us medians (save / load), {how}; P6: <= 100 us, flat in block count")
     for r in results:
         sv, ld = r["save"]["submit_us"], r["load"]["submit_us"]
         print(f"  {r['case']:5s} {r['mode']:10s} {sv:7.1f} / {ld:7.1f}")
