@@ -16,6 +16,7 @@ over one shared pool of four 1 GiB slots, path "staged":
 Cold (default): each timed job is submitted after the host waited for the one before, as the
 submit_overhead suite times them. --hot: each timed job follows an untimed one of the same kind,
 submitted just before it (loads into other blocks), as a serving loop submits back to back.
+--spin-ms: the host spins that long right before each timed job (its clock and caches warm).
 Per mode: median submit_us (perf_counter around save()/load(), as the submit_overhead suite), the
 median thread CPU time of the same call (cpu_us: time.thread_time; less than submit_us when the
 thread was descheduled), and median us per phase; the graph stats; and a check that the last
@@ -85,8 +86,16 @@ def make_cache(device, bs: int, n: int, gpu: bool):
     )
 
 
-def run_mode(dev, kv, pool, src, dst, mode: str, reps: int, prof=None, dst2=None) -> dict:
-    """One mode; with `dst2` (hot) each timed job follows an untimed one submitted just before."""
+def spin(ms: float) -> None:
+    """Keep this core busy for `ms` (its clock up, caches filled), as a host doing other work."""
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
+
+
+def run_mode(dev, kv, pool, src, dst, mode: str, reps: int, prof=None, dst2=None, spin_ms=0.0) -> dict:
+    """One mode; with `dst2` (hot) each timed job follows an untimed one submitted just before;
+    `spin_ms`: the host spins that long right before each timed submit."""
     gpu = dev.name != "sim"
     eng = TransferEngine(dev, kv, pool, path="staged", graphs=mode != "eager")
     g = getattr(eng.mover, "graphs", None)
@@ -115,6 +124,8 @@ def run_mode(dev, kv, pool, src, dst, mode: str, reps: int, prof=None, dst2=None
         if check:
             poison_dst(eng, kv, dst, compute, gpu)
         pre = eng.save(src, after=None) if dst2 is not None else None  # hot: the submit just before
+        if timed and spin_ms:
+            spin(spin_ms)
         if timed and prof is not None:
             prof.enable()
         c0 = time.thread_time_ns()
@@ -137,6 +148,8 @@ def run_mode(dev, kv, pool, src, dst, mode: str, reps: int, prof=None, dst2=None
         else:
             eng.release(job.slot)
         pre = eng.load(srcs[(i + 1) % len(srcs)], dst2) if dst2 is not None else None  # hot: just before
+        if timed and spin_ms:
+            spin(spin_ms)
         if timed and prof is not None:
             prof.enable()
         c0 = time.thread_time_ns()
@@ -206,6 +219,9 @@ def main() -> int:
     ap.add_argument("--modes", nargs="*", default=None)
     ap.add_argument("--cases", nargs="*", default=list(CASES))
     ap.add_argument("--hot", action="store_true", help="each timed job right after an untimed one")
+    ap.add_argument(
+        "--spin-ms", type=float, default=0.0, help="spin the host this long before each timed job"
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--cprofile", action="store_true", help="cProfile the timed submits of bs16 alternate")
     args = ap.parse_args()
@@ -236,7 +252,9 @@ def main() -> int:
         print(f"== {case}: {n} blocks of {bs} tokens, {nbytes / 2**30:.2f} GiB per job")
         for mode in modes:
             prof = cProfile.Profile() if args.cprofile and case == "bs16" and mode == "alternate" else None
-            r = run_mode(dev, kv, pool, src, dst, mode, args.reps, prof, dst2 if args.hot else None)
+            r = run_mode(
+                dev, kv, pool, src, dst, mode, args.reps, prof, dst2 if args.hot else None, args.spin_ms
+            )
             r.update(case=case, blocks=n, block_size=bs, nbytes=nbytes, device=dev.name)
             results.append(r)
             show(case, r)
@@ -248,6 +266,7 @@ def main() -> int:
     if pool is not None:
         pool.close()
     how = "hot: each right after another" if args.hot else "cold: each after waiting for the one before"
+    how += f", after {args.spin_ms:g} ms of host spin" if args.spin_ms else ""
     print(f"\nsubmit_us medians (save / load), {how}; P6: <= 100 us, flat in block count")
     for r in results:
         sv, ld = r["save"]["submit_us"], r["load"]["submit_us"]
