@@ -13,7 +13,8 @@
 #   models-hf: suite hf, `kvtier demo` on the GPU (+ Redis when carried); PROFILE=1: profile_ttft.py first
 #   ttft-probe: every GPU test ($GPU_TESTS: those), profile_ttft.py (8K, 32K), suite ttft on the host tier
 #   ttft-hf: GPU tests ($GPU_TESTS: those), profile_ttft.py (2K, 8K, 32K), suites ttft + hf ($KVTIER_CALIBRATION)
-#   p6: host_jitter.py, profile_submit.py cold / hot / hot with cProfile, suites bidir + submit_overhead
+#   p6: ($GPU_TESTS) host_jitter.py, profile_submit.py cold / hot (CPROFILE=1: + cProfile), PROBE_CE=1:
+#       probe_ce_gather.py; suites $P6_SUITES (default bidir submit_overhead)
 #   multi: (2+ GPUs) handoff/probe GPU tests, memcheck/racecheck of a handoff, probe --all-gpus,
 #          suites handoff + contention, `kvtier path` with the measured sharing
 set -uo pipefail
@@ -127,13 +128,19 @@ if [ "$mode" = p6 ]; then
   timeout 60 $py benchmarks/host_jitter.py 2>&1 | tee "$out/host_jitter.txt"
   for how in cold hot; do
     echo "== profile_submit ($how)"
-    timeout 120 $py benchmarks/profile_submit.py $([ $how = hot ] && echo --hot) --modes same alternate eager \
-      --json "$out/profile_submit-$how.json" > "$out/profile_submit-$how.txt" 2>&1
+    timeout 120 $py benchmarks/profile_submit.py $([ $how = hot ] && echo --hot) --modes ${PROFILE_MODES:-same alternate eager} \
+      > "$out/profile_submit-$how.txt" 2>&1
     tail -8 "$out/profile_submit-$how.txt"
   done
-  echo "== profile_submit (hot, cProfile of bs16 alternate)"
-  timeout 100 $py benchmarks/profile_submit.py --hot --cprofile --modes alternate --cases bs16 \
-    > "$out/profile_submit-hot-cprofile.txt" 2>&1
+  if [ "${CPROFILE:-0}" = 1 ]; then
+    echo "== profile_submit (hot, cProfile of bs16 alternate)"
+    timeout 100 $py benchmarks/profile_submit.py --hot --cprofile --modes alternate --cases bs16 \
+      > "$out/profile_submit-hot-cprofile.txt" 2>&1
+  fi
+  if [ "${PROBE_CE:-0}" = 1 ]; then
+    echo "== probe_ce_gather"
+    timeout 150 $py benchmarks/probe_ce_gather.py 2>&1 | tee "$out/probe_ce_gather.txt"
+  fi
   echo "== bench ${P6_SUITES:-bidir submit_overhead}"
   timeout 360 $py -m kvtier bench --out "$out" $(for s in ${P6_SUITES:-bidir submit_overhead}; do echo --suite $s; done) \
     2>&1 | tee "$out/bench.log" | tail -40

@@ -46,7 +46,8 @@ class PoolExhausted(RuntimeError):
 class Slot:
     """One allocation: `nbytes` bytes at `offset` in chunk `chunk`; compared by identity.
 
-    `tensor` is a 1-D uint8 view of exactly `nbytes` bytes of the slab.
+    `ptr` is the address of its first byte; `tensor` a 1-D uint8 view of exactly `nbytes` bytes
+    of the slab, made on first use (a job replayed from a CUDA graph needs only `ptr`).
     """
 
     id: int  # unique per allocation: a stale handle never shares it with the new owner
@@ -54,7 +55,15 @@ class Slot:
     offset: int
     nbytes: int
     span: int  # nbytes rounded up to the pool's alignment
-    tensor: torch.Tensor = field(repr=False)
+    base: torch.Tensor = field(repr=False)  # the chunk the slot lies in
+    ptr: int = field(repr=False)
+    _tensor: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            self._tensor = self.base[self.offset : self.offset + self.nbytes]
+        return self._tensor
 
     @property
     def name(self) -> str:
@@ -131,6 +140,7 @@ class PinnedPool:
         self._in_flight: set[Slot] = set()
         self._in_flight_bytes = 0
         self.chunks = self._allocate_slab()
+        self._ptrs = [c.data_ptr() for c in self.chunks]
         self._max_request = max(c.numel() for c in self.chunks)
         for i, c in enumerate(self.chunks):
             self._add_free(i * chunk_bytes, c.numel())
@@ -163,7 +173,7 @@ class PinnedPool:
         if size > span:
             self._add_free(start + span, size - span)
         chunk, off = divmod(start, self.chunk_bytes)
-        slot = Slot(next(self._ids), chunk, off, nbytes, span, self.chunks[chunk][off : off + nbytes])
+        slot = Slot(next(self._ids), chunk, off, nbytes, span, self.chunks[chunk], self._ptrs[chunk] + off)
         self._live[start] = slot
         self._used += span
         self._waste += span - nbytes

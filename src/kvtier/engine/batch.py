@@ -108,6 +108,16 @@ def copy(kv: PagedKV, ids: BlockIds, slot: Slot, stream: torch.cuda.Stream, *, s
     if stream.cuda_stream == 0:
         raise ValueError("path 'batch': cudaMemcpyBatchAsync refuses the legacy default stream")
     dsts, srcs, sizes = prepare(kv, ids.cpu, ids.last_valid, slot.tensor, save=save)
+    launch(dsts, srcs, sizes, stream, kv.device)
+
+
+def launch(
+    dsts: torch.Tensor, srcs: torch.Tensor, sizes: torch.Tensor, stream: torch.cuda.Stream, device
+) -> None:
+    """One cudaMemcpyBatchAsync of the copies (int64 CPU address / size tensors) on `stream`."""
+    lib, ver, why = _runtime()
+    if lib is None:
+        raise ValueError(f"path 'batch' unavailable: {why}")
     attr = _MemcpyAttributes(
         _SRC_ACCESS_ORDER_STREAM, _MemLocation(0, 0), _MemLocation(0, 0), _FLAG_PREFER_OVERLAP
     )
@@ -126,7 +136,7 @@ def copy(kv: PagedKV, ids: BlockIds, slot: Slot, stream: torch.cuda.Stream, *, s
     if ver < 13000:
         args.append(ctypes.byref(fail))  # 12.8 / 12.9: size_t *failIdx before the stream
     args.append(ctypes.c_void_p(stream.cuda_stream))
-    with torch.cuda.device(kv.device):
+    with torch.cuda.device(device):
         err = lib.cudaMemcpyBatchAsync(*args)
     if err != 0:
         lib.cudaGetLastError()  # consume the error so later, unrelated calls are not blamed

@@ -67,7 +67,7 @@ class CudaMover:
                 self._save_staging = ops.make_staging(kv, self.chunk_blocks)
                 self._staging_key["save"] = tuple(t.data_ptr() for t in self._save_staging)
             key = self._key("save", ids, num_tokens, slot)
-            if key is not None and self.graphs.replay(key, ids, raw, slot.tensor.data_ptr()):
+            if key is not None and self.graphs.replay(key, ids, raw, slot.ptr):
                 return
             self._mark("graph_miss")
             # Eager (also the warm-up of a capture). The last DMA is on `raw`: e_save follows it.
@@ -102,7 +102,7 @@ class CudaMover:
                 self._load_staging = ops.make_staging(kv, self.chunk_blocks)
                 self._staging_key["load"] = tuple(t.data_ptr() for t in self._load_staging)
             key = self._key("load", ids, num_tokens, slot)
-            if key is not None and self.graphs.replay(key, ids, raw, slot.tensor.data_ptr()):
+            if key is not None and self.graphs.replay(key, ids, raw, slot.ptr):
                 return []  # the graph joined its scatters into `raw`: e_load follows them
             self._mark("graph_miss")
             last = ops.load_staged(

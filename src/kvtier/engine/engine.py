@@ -172,7 +172,8 @@ class TransferEngine(Completion):
         if slot.nbytes != nbytes:
             raise ValueError(f"slot: holds {slot.nbytes} B, {len(ids)} blocks need {nbytes} B")
         p = self._path("load", path, per_layer)
-        self.poll()  # a save into this slot that has completed becomes READY now
+        if self.slots.state(slot) is SlotState.FILLING:
+            self.poll()  # a save into this slot that has completed becomes READY now
         tr.mark("poll")
         with self._lock:
             state = self.slots.state(slot)

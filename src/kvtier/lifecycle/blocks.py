@@ -69,6 +69,11 @@ class _Pending:
     event: Event
 
 
+def _same(a: object, b: object) -> bool:
+    """Stream `a` is stream `b` (b None: no stream given, never the same); identity first, cheap."""
+    return b is not None and (a is b or a == b)
+
+
 class BlockTracker:
     """Pending accesses to the serving engine's GPU blocks. Thread-safe.
 
@@ -153,10 +158,10 @@ class BlockTracker:
         follow = MUST_FOLLOW[kind]
         with self._lock:
             self._prune(full=False)
-            cands = [
-                p for p in self._pending if p.kind in follow and (stream is None or p.event.stream != stream)
-            ]
-            return [p.event for p in self._overlapping(a, hi, cands) if not p.event.query()]
+            cands = [p for p in self._pending if p.kind in follow and not _same(p.event.stream, stream)]
+            if cands:  # completed ones first (a query each): the block masks cost O(blocks)
+                cands = [p for p in cands if not p.event.query()]
+            return [p.event for p in self._overlapping(a, hi, cands)]
 
     def register(self, kind: Access, blocks: Blocks, event: Event, waited: Sequence[Event] = ()) -> None:
         """Record that a `kind` access to `blocks` was submitted, followed by `event`.
@@ -174,7 +179,7 @@ class BlockTracker:
                     for p in self._pending
                     if p.kind in follow
                     and not any(p.event is w for w in waited)
-                    and p.event.stream != event.stream
+                    and not _same(p.event.stream, event.stream)
                 ]
                 for p in self._overlapping(a, hi, cands):
                     if p.event.query():
