@@ -8,9 +8,10 @@ ids, slot, tracker, events -- without worker threads; the sim's "mover" is its C
 Cases: 1 GiB of Llama-3-8B KV (32 layers, 8 KV heads, head_dim 128, bf16) in 16-token blocks (512
 blocks of 2 MiB) and in 1-token blocks (8192 blocks of 128 KiB). Modes, each on a fresh engine
 over one shared pool of four 1 GiB slots, path "staged":
-  same       every save into one slot, every load from one slot: no graph is moved
-  alternate  saves alternate between two slots, loads too: every replay first moves its graph
-  alt-exec2  alternate with two execs per graph (graphs.slot_execs = 2): none moved once both exist
+  same       every save into one slot, every load from one slot (--hot: two, the one before's too)
+  alternate  saves alternate between two slots, loads too (the engine keeps an exec per recent
+             slot, graph_execs = 4: none is moved once both exist)
+  alt-moved  alternate with one exec per graph (graph_execs = 1): every replay first moves it
   alt-torch  alternate, replayed through torch (copy_, CUDAGraph.replay) instead of runtime calls
   eager      graphs off
 Cold (default): each timed job is submitted after the host waited for the one before, as the
@@ -44,7 +45,7 @@ from kvtier.engine.jobs import SubmitTrace
 from kvtier.pool import PinnedPool
 
 CASES = {"bs16": (16, 512), "bs1": (1, 8192)}  # block size, blocks: 1 GiB each on the 8B shape
-GPU_MODES = ["same", "alternate", "alt-exec2", "alt-torch", "eager"]
+GPU_MODES = ["same", "alternate", "alt-moved", "alt-torch", "eager"]
 SIM_MODES = ["same", "alternate"]
 PHASES = ["ids", "slot", "poll", "tracker_wait", "graph_lookup", "retarget", "ids_fill", "ids_h2d",
           "launch", "graph_miss", "eager", "capture", "mover", "event", "tracker_begin", "other"]  # fmt: skip
@@ -99,8 +100,8 @@ def run_mode(dev, kv, pool, src, dst, mode: str, reps: int, prof=None, dst2=None
     gpu = dev.name != "sim"
     eng = TransferEngine(dev, kv, pool, path="staged", graphs=mode != "eager")
     g = getattr(eng.mover, "graphs", None)
-    if g is not None and mode == "alt-exec2":
-        g.slot_execs = 2
+    if g is not None and mode in ("alt-moved", "alt-torch"):
+        g.slot_execs = 1  # torch's replay launches only its own exec
     if g is not None and mode == "alt-torch":
         g.direct = False
     alternate = mode.startswith("alt")

@@ -279,3 +279,23 @@ def test_auto_path_rule():
     assert choose_path("load", piece_nbytes=small, per_layer=False, compute_beside=False) is Path.STAGED
     assert choose_path("save", piece_nbytes=small, batch_ok=True) is Path.STAGED  # never for small pieces
     assert choose_path("save", piece_nbytes=8 << 20, batch_ok=True) is Path.BATCH
+
+
+def test_auto_path_decided_once_per_direction_and_overridable():
+    dev, kv, pool, eng = rig()
+    try:
+        calls = []
+        real = eng.mover.check_path
+        eng.mover.check_path = lambda p: (calls.append(p), real(p))[1]
+        assert eng.load_path(per_layer=True) is eng.load_path(per_layer=True) is Path.STAGED
+        assert eng.load_path() is Path.STAGED
+        assert len(calls) == 2  # (load, per_layer) and (load, not per_layer): once each
+        save = eng.save([0, 1, 2], after=None, path="kernel")  # a job's path= still wins
+        assert save.path == "kernel" and save.wait()
+        with pytest.raises(ValueError, match="path"):
+            eng.save([3, 4, 5], after=None, path="sideways")
+        eng.release(save.slot)
+    finally:
+        eng.close()
+        pool.close()
+        dev.close()

@@ -199,7 +199,10 @@ def test_graphs_option_is_ignored_on_sim(graphs):
     dev.close()
 
 
-@pytest.mark.parametrize("kw", [{"graphs": 1}, {"graphs": None}, {"max_graphs": 0}, {"max_graphs": True}])
+@pytest.mark.parametrize(
+    "kw",
+    [{"graphs": 1}, {"graphs": None}, {"max_graphs": 0}, {"max_graphs": True}, {"graph_execs": 0}, {"graph_execs": 2.0}],
+)
 def test_graphs_options_checked(kw):
     dev = SimDevice()
     kv = random_cache("vllm_flash", 2, 8, 4, 2, 8, torch.bfloat16, seed=1)

@@ -52,7 +52,7 @@ class CudaMover:
         self.gather_stream = torch.cuda.Stream(device=self.kv.device)  # staged saves' short gathers
         self.scatter_stream = torch.cuda.Stream(device=self.kv.device)  # staged loads' scatters
         self.batch_available = batch.available()
-        self.graphs = StagedGraphs(self.kv, engine.max_graphs) if engine.graphs else None
+        self.graphs = StagedGraphs(self.kv, engine.max_graphs, engine.graph_execs) if engine.graphs else None
         self.trace = None  # a jobs.SubmitTrace, set through engine.trace
         self._staging_key: dict[str, tuple[int, ...]] = {}  # direction -> staging addresses (graph key)
 
