@@ -252,6 +252,21 @@ def test_block_state_and_same_stream_order(dev):
     assert blocks.state(1) == "IDLE" and blocks.pending() == 0
 
 
+def test_completed_candidates_are_queried_once_then_dropped(dev):
+    blocks = BlockTracker(sanitize=True)
+    e_load, land = dev.pending_event("copy")
+    blocks.begin_load([1, 2], e_load)
+    blocks.compute_write([7], done_event(dev))  # completed already, but no prune has run yet
+    assert blocks.waits_for(Access.SAVE, [1, 7]) == [e_load]  # only the load still orders a save
+    land()
+    queries = []
+    real = e_load.query
+    e_load.query = lambda: queries.append(1) or real()
+    assert blocks.waits_for(Access.SAVE, [1]) == []
+    assert blocks.waits_for(Access.SAVE, [1]) == []
+    assert len(queries) == 1  # found complete once, then gone from the pending list
+
+
 def test_blocks_accept_tensors_and_reject_bad_input(dev):
     blocks = BlockTracker(sanitize=True)
     blocks.compute_write(torch.tensor([1, 2, 3]), done_event(dev))

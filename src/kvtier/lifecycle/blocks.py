@@ -160,7 +160,10 @@ class BlockTracker:
             self._prune(full=False)
             cands = [p for p in self._pending if p.kind in follow and not _same(p.event.stream, stream)]
             if cands:  # completed ones first (a query each): the block masks cost O(blocks)
-                cands = [p for p in cands if not p.event.query()]
+                done = {id(p) for p in cands if p.event.query()}
+                if done:  # completed: they order nothing any more, and are not queried again
+                    cands = [p for p in cands if id(p) not in done]
+                    self._pending = [p for p in self._pending if id(p) not in done]
             return [p.event for p in self._overlapping(a, hi, cands)]
 
     def register(self, kind: Access, blocks: Blocks, event: Event, waited: Sequence[Event] = ()) -> None:
