@@ -201,7 +201,14 @@ def test_graphs_option_is_ignored_on_sim(graphs):
 
 @pytest.mark.parametrize(
     "kw",
-    [{"graphs": 1}, {"graphs": None}, {"max_graphs": 0}, {"max_graphs": True}, {"graph_execs": 0}, {"graph_execs": 2.0}],
+    [
+        {"graphs": 1},
+        {"graphs": None},
+        {"max_graphs": 0},
+        {"max_graphs": True},
+        {"graph_execs": 0},
+        {"graph_execs": 2.0},
+    ],
 )
 def test_graphs_options_checked(kw):
     dev = SimDevice()
