@@ -57,6 +57,27 @@ def test_submit_overhead_dry_pass_on_sim():
         assert 0 < p["submit_us_min"] <= p["submit_us"] <= p["submit_us_max"]
         assert p["job_submit_us"] > 0 and p["flat_ratio"] >= 1
         assert p["engine_path"] in ("staged", "kernel")
+        assert p["host_ref_hot_us"] > 0 and p["host_ref_after_wait_us"] > 0  # the host's yardstick
+
+
+def test_host_reference_checks_and_times():
+    from kvtier.bench.hostref import host_reference
+
+    r = host_reference(64, wait_s=0.001, reps=2, gpu=False)
+    assert r["ids"] == 64 and r["hot_us"] > 0 and r["after_sleep_us"] > 0 and r["after_gpu_wait_us"] is None
+    for bad in ({"n_ids": 0}, {"n_ids": True}, {"wait_s": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            host_reference(**bad)
+
+
+def test_summary_names_the_host_yardstick():
+    from kvtier.bench.summary import _engine_figure
+
+    p = {"submit_us": 412.0, "submit_hot_us": 130.0, "blocks": 512, "host_ref_hot_us": 4.3}
+    p["host_ref_after_wait_us"] = 167.0
+    assert _engine_figure({"params": p}) == (
+        "submit 412 us, 130 us hot for 512 blocks (host: 512-id check 4.3 / 167 us)"
+    )
 
 
 def test_save_loop_keeps_jobs_queued_and_reraises():

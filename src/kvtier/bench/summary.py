@@ -97,7 +97,10 @@ def _engine_figure(r: dict) -> str:
         return f"matmul time {p['slowdown_pct']:+.1f}% (alone spread {p.get('alone_spread_pct', 0):.1f}%)"
     if "submit_us" in p:
         hot = f", {p['submit_hot_us']:,.0f} us hot" if p.get("submit_hot_us") is not None else ""
-        return f"submit {p['submit_us']:,.0f} us{hot} for {p.get('blocks', '?')} blocks"
+        ref = ""
+        if p.get("host_ref_hot_us") is not None:  # the host's own first step, hot / after a wait
+            ref = f" (host: 512-id check {p['host_ref_hot_us']:.1f} / {p['host_ref_after_wait_us']:.0f} us)"
+        return f"submit {p['submit_us']:,.0f} us{hot} for {p.get('blocks', '?')} blocks{ref}"
     if "us_per_chunk" in p:
         return f"{p['us_per_chunk']:.2f} us per chunk, {p['us_per_prompt']:,.0f} us per prompt"
     if "vs_path" in p:

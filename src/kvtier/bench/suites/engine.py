@@ -5,7 +5,9 @@
   save_beside_matmul  bf16 8192^3 matmuls on their own stream, alone vs beside a save looping on
                       the engine's copy stream, per path (P5: the matmul loses <= 3%)
   submit_overhead     CPU time to submit one save / load job, 1 GiB, block sizes 1..256 tokens
-                      (8192..32 blocks) and 4 GiB of 16-token blocks (P6: <= 100 us, flat)
+                      (8192..32 blocks) and 4 GiB of 16-token blocks (P6: <= 100 us, flat);
+                      each row also holds this host's yardstick (`hostref.py`: a 512-id check,
+                      hot and right after a wait)
 
 Shape: Llama-3-8B KV (32 layers, 8 KV heads, head_dim 128, bf16), vLLM flash layout, random ids
 (`kv.Work`). Jobs are timed with device events from before the submit to after the job's event,
@@ -21,6 +23,7 @@ import time
 
 import torch
 
+from kvtier.bench.hostref import host_reference
 from kvtier.bench.stats import summarize
 from kvtier.bench.suite import Context, GiB, MiB, SkipSuite, register
 from kvtier.bench.suites.kv import Work
@@ -161,6 +164,7 @@ def submit_overhead(ctx: Context):
         raise SkipSuite("needs a CUDA GPU (with --quick, a dry pass runs on the simulator)")
     reps = 5 if ctx.quick else 20
     rows = []
+    ref = host_reference(512, reps=3 if ctx.quick else 10, gpu=ctx.on_gpu)  # this host, hot vs after a wait
     if ctx.on_gpu:
         dev = _gpu(ctx)
         w = Work(ctx, 16 * MiB if ctx.quick else GiB, layers=2 if ctx.quick else 32)
@@ -193,6 +197,9 @@ def submit_overhead(ctx: Context):
         us = [r.params["submit_us"] for r in mine]
         for r in mine:
             r.params["flat_ratio"] = max(us) / min(us)
+    wait = ref["after_gpu_wait_us"] if ref["after_gpu_wait_us"] is not None else ref["after_sleep_us"]
+    for r in rows:  # the yardstick: the same host's first submit step, hot and right after a wait
+        r.params |= {"host_ref_hot_us": ref["hot_us"], "host_ref_after_wait_us": wait}
     yield from rows
 
 
