@@ -17,7 +17,8 @@ over one shared pool of four 1 GiB slots, path "staged":
 Cold (default): each timed job is submitted after the host waited for the one before, as the
 submit_overhead suite times them. --hot: each timed job follows an untimed one of the same kind,
 submitted just before it (loads into other blocks), as a serving loop submits back to back.
---spin-ms: the host spins that long right before each timed job (its clock and caches warm).
+--spin-ms: the host runs that long of mixed Python / numpy / torch CPU work right before each
+timed job, as a serving loop's scheduler step between submits.
 Per mode: median submit_us (perf_counter around save()/load(), as the submit_overhead suite), the
 median thread CPU time of the same call (cpu_us: time.thread_time; less than submit_us when the
 thread was descheduled), and median us per phase; the graph stats; and a check that the last
@@ -36,6 +37,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 from kvtier import layout
@@ -88,10 +90,15 @@ def make_cache(device, bs: int, n: int, gpu: bool):
 
 
 def spin(ms: float) -> None:
-    """Keep this core busy for `ms` (its clock up, caches filled), as a host doing other work."""
+    """Keep this core busy for `ms` as a serving loop's scheduler step would: Python objects,
+    small numpy and torch CPU ops (a stand-in, not any engine's code)."""
     end = time.perf_counter() + ms / 1e3
+    a, seqs = np.arange(512), {}
     while time.perf_counter() < end:
-        pass
+        for i in range(64):
+            seqs[i] = [i, i + 1, (i * 7) % 512]
+        b = a[a % 3 == 0].sum() + len(seqs)
+        torch.as_tensor(a[:64]).add_(int(b) & 7)
 
 
 def run_mode(dev, kv, pool, src, dst, mode: str, reps: int, prof=None, dst2=None, spin_ms=0.0) -> dict:
@@ -221,7 +228,10 @@ def main() -> int:
     ap.add_argument("--cases", nargs="*", default=list(CASES))
     ap.add_argument("--hot", action="store_true", help="each timed job right after an untimed one")
     ap.add_argument(
-        "--spin-ms", type=float, default=0.0, help="spin the host this long before each timed job"
+        "--spin-ms",
+        type=float,
+        default=0.0,
+        help="host work (a scheduler step's stand-in) this long before each timed job",
     )
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--cprofile", action="store_true", help="cProfile the timed submits of bs16 alternate")
@@ -267,7 +277,7 @@ def main() -> int:
     if pool is not None:
         pool.close()
     how = "hot: each right after another" if args.hot else "cold: each after waiting for the one before"
-    how += f", after {args.spin_ms:g} ms of host spin" if args.spin_ms else ""
+    how += f", after {args.spin_ms:g} ms of host work" if args.spin_ms else ""
     print(f"\nsubmit_us medians (save / load), {how}; P6: <= 100 us, flat in block count")
     for r in results:
         sv, ld = r["save"]["submit_us"], r["load"]["submit_us"]
