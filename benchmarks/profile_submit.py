@@ -101,6 +101,32 @@ def spin(ms: float) -> None:
         torch.as_tensor(a[:64]).add_(int(b) & 7)
 
 
+def floor_us(spin_ms: float, reps: int) -> dict:
+    """The least a GPU submit can be in the same host state: one 2 KiB pinned H2D copy plus one
+    event record (two runtime calls through torch), timed after `spin_ms` of host work (or hot,
+    right after the same two calls)."""
+    src = torch.zeros(512, dtype=torch.int32).pin_memory()
+    dst = torch.empty(512, dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+
+    def calls():
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.Event().record(stream)
+
+    out = {}
+    for name, before in (("hot", calls), ("after_work", lambda: spin(spin_ms))):
+        us = []
+        for _ in range(reps):
+            before()
+            t0 = time.perf_counter()
+            calls()
+            us.append((time.perf_counter() - t0) * 1e6)
+            stream.synchronize()  # the source is reused: its copy must have read it
+        out[name] = statistics.median(us)
+    return out
+
+
 def run_mode(dev, kv, pool, src, dst, mode: str, reps: int, prof=None, dst2=None, spin_ms=0.0) -> dict:
     """One mode; with `dst2` (hot) each timed job follows an untimed one submitted just before;
     `spin_ms`: the host spins that long right before each timed submit."""
@@ -278,6 +304,10 @@ def main() -> int:
         pool.close()
     how = "hot: each right after another" if args.hot else "cold: each after waiting for the one before"
     how += f", after {args.spin_ms:g} ms of host work" if args.spin_ms else ""
+    if gpu:
+        f = floor_us(args.spin_ms or 3.0, args.reps)
+        print(f"floor (2 KiB pinned H2D + event record, torch): {f['hot']:.1f} us hot, "
+              f"{f['after_work']:.1f} us after {args.spin_ms or 3.0:g} ms of host work")  # fmt: skip
     print(f"\nsubmit_us medians (save / load), {how}; P6: <= 100 us, flat in block count")
     for r in results:
         sv, ld = r["save"]["submit_us"], r["load"]["submit_us"]
