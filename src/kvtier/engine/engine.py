@@ -41,7 +41,8 @@ class TransferEngine(Completion):
             on the H200 the staged save ran 98.7% of pinned D2H with 256 MiB chunks against 96.3%
             with 32-128 MiB ones, and CPU submit time grows with the number of chunks.
         uva_ctas: CTAs of the kernel path's persistent grid (default: a quarter of the SMs).
-        compute_beside: the model computes while jobs run (steers "auto" to copy-engine paths).
+        compute_beside: the model computes while jobs run (steers "auto" to copy-engine paths;
+            "auto" is decided once per direction from it and the cache: set it at construction).
         graphs: on CUDA, replay staged jobs from CUDA graphs captured once per direction / slot
             size / block count / last-block tokens and pointed at each job's slot before replay
             (`graphs.py`): fewer Python calls per job (H200: 0.5-0.6 ms per 1 GiB job against
