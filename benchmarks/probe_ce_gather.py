@@ -132,7 +132,7 @@ def main() -> int:
     dsts, srcs, sizes = batch.prepare(kv, ids, bs, out, save=True)
     prep_us = (time.perf_counter() - t0) * 1e6
     out.fill_(0xA5)  # poisoned: every byte must come from the copy
-    torch.cuda.synchronize()
+    torch.cuda.synchronize()  # the poison (default stream) lands before the copy on cstream writes
 
     def ce_gather():
         batch.launch(dsts, srcs, sizes, cstream, dev)
@@ -151,14 +151,14 @@ def main() -> int:
     # 2. Triton gather, same job
     bid = checked_block_ids(kv, ids, False, None)
     out.fill_(0xA5)
-    torch.cuda.synchronize()
+    torch.cuda.synchronize()  # the poison lands before the Triton gather writes
 
     def sm_gather():
         with torch.cuda.stream(cstream):
             ops.gather(kv, bid, out)
 
     sm_gather()
-    cstream.synchronize()
+    cstream.synchronize()  # the check reads `out` only after the gather landed
     ok_sm = torch.equal(out, ref)
     t = timed(sm_gather, args.reps, cstream)
     print(f"2. Triton gather GPU->GPU: {nbytes / min(t) / 1e9:.1f} GB/s; bytes equal gather_ref: {ok_sm}")
@@ -186,8 +186,8 @@ def main() -> int:
 
     host.fill_(0xA5)
     ce_staged()
-    cstream.synchronize()
-    dstream.synchronize()
+    cstream.synchronize()  # the check reads `host` only after every gather
+    dstream.synchronize()  # and every D2H landed
     ok_st = torch.equal(host, ref.cpu())
     t = timed(ce_staged, args.reps, cstream)
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
@@ -201,7 +201,7 @@ def main() -> int:
     with torch.cuda.stream(comp):
         for _ in range(30):
             a @ a  # sustained warm-up: clocks settle under load
-    comp.synchronize()
+    comp.synchronize()  # the warm-up ends before the first timed window
     for name, fn in [
         ("CE gather loop", ce_gather),
         ("Triton gather loop", sm_gather),
@@ -216,12 +216,12 @@ def main() -> int:
         with torch.cuda.graph(gr, stream=cstream):
             batch.launch(dsts, srcs, sizes, cstream, dev)
         out.fill_(0xA5)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize()  # the poison lands before the replay writes
         t0 = time.perf_counter()
         with torch.cuda.stream(cstream):
             gr.replay()
         rep_us = (time.perf_counter() - t0) * 1e6
-        cstream.synchronize()
+        cstream.synchronize()  # the check reads `out` only after the replay landed
         same = torch.equal(out, ref)
         print(f"5. CE gather captured in a CUDA graph: replay submit {rep_us:.0f} us, bytes equal: {same}")
     except Exception as e:  # noqa: BLE001 - the answer is the failure
