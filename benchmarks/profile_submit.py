@@ -37,10 +37,10 @@ import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 
 from kvtier import layout
+from kvtier.bench.hostref import host_work as spin
 from kvtier.device.sim import SimDevice, SimStream
 from kvtier.engine import TransferEngine
 from kvtier.engine.jobs import SubmitTrace
@@ -87,18 +87,6 @@ def make_cache(device, bs: int, n: int, gpu: bool):
     return layout.vllm_flash(
         [torch.randn(shape, dtype=torch.bfloat16, device=device, generator=g) for _ in range(layers)]
     )
-
-
-def spin(ms: float) -> None:
-    """Keep this core busy for `ms` as a serving loop's scheduler step would: Python objects,
-    small numpy and torch CPU ops (a stand-in, not any engine's code)."""
-    end = time.perf_counter() + ms / 1e3
-    a, seqs = np.arange(512), {}
-    while time.perf_counter() < end:
-        for i in range(64):
-            seqs[i] = [i, i + 1, (i * 7) % 512]
-        b = a[a % 3 == 0].sum() + len(seqs)
-        torch.as_tensor(a[:64]).add_(int(b) & 7)
 
 
 def floor_us(spin_ms: float, reps: int) -> dict:

@@ -58,6 +58,7 @@ def test_submit_overhead_dry_pass_on_sim():
         assert p["job_submit_us"] > 0 and p["flat_ratio"] >= 1
         assert p["engine_path"] in ("staged", "kernel")
         assert p["host_ref_hot_us"] > 0 and p["host_ref_after_wait_us"] > 0  # the host's yardstick
+        assert p["submit_busy_us"] > 0 and p["busy_ms"] > 0 and isinstance(p["meets_target_busy"], bool)
 
 
 def test_host_reference_checks_and_times():
@@ -74,9 +75,10 @@ def test_summary_names_the_host_yardstick():
     from kvtier.bench.summary import _engine_figure
 
     p = {"submit_us": 412.0, "submit_hot_us": 130.0, "blocks": 512, "host_ref_hot_us": 4.3}
-    p["host_ref_after_wait_us"] = 167.0
+    p |= {"host_ref_after_wait_us": 167.0, "submit_busy_us": 301.0, "busy_ms": 3.0}
     assert _engine_figure({"params": p}) == (
-        "submit 412 us, 130 us hot for 512 blocks (host: 512-id check 4.3 / 167 us)"
+        "submit 412 us, 130 us hot, 301 us after 3 ms of host work for 512 blocks"
+        " (host: 512-id check 4.3 / 167 us)"
     )
 
 

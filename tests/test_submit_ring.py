@@ -102,3 +102,44 @@ def test_a_failed_copy_leaves_the_buffer_free():
 def test_depth_checked(depth, max_depth):
     with pytest.raises(ValueError, match="depth"):
         HostRing(object, object, depth=depth, max_depth=max_depth)
+
+
+def test_a_buffer_guarded_by_the_jobs_event():
+    r, log, made = ring(depth=2, max_depth=4)
+    job = FakeEvent([])
+    i = r.take()
+    r.arm_with(i, job)  # the caller records the job's event after the copy
+    job.record("s")
+    assert not log  # the ring recorded nothing of its own
+    j = r.take()
+    r.arm_with(j, FakeEvent([]))  # never recorded (the submit failed after the copy): reads as free
+    k = r.take()
+    assert r.buffers[k] is not made[0]  # the job is still pending: its buffer is not handed out
+    job.done = True
+    r.arm(k, "s")
+    log[-1][1].done = True
+    assert r.buffers[r.take()] is made[0]  # the job completed: its buffer comes back
+
+
+def test_randomized_mix_of_own_and_job_events():
+    rng = random.Random(1)
+    r, log, _made = ring(depth=2, max_depth=8)
+    events, reader = [], {}
+    for _ in range(500):
+        for ev in events:
+            if not ev.done and rng.random() < 0.3:
+                ev.done = True  # copies and jobs complete in any order
+        i = r.take()
+        buf = r.buffers[i]
+        prev = reader.get(id(buf))
+        assert prev is None or prev.query(), "a buffer was handed out while a copy may still read it"
+        if rng.random() < 0.5:
+            r.arm(i, "s")
+            ev = log[-1][1]
+        else:
+            ev = FakeEvent([])
+            r.arm_with(i, ev)
+            ev.record("s")
+        events.append(ev)
+        reader[id(buf)] = ev
+    assert len(r) <= 8

@@ -13,6 +13,7 @@ from __future__ import annotations
 import statistics
 import time
 
+import numpy as np
 import torch
 
 
@@ -71,3 +72,15 @@ def _matmul_s(a: torch.Tensor) -> float:
     e.record()
     e.synchronize()  # elapsed_time needs the end event complete
     return s.elapsed_time(e) / 5 / 1e3
+
+
+def host_work(ms: float) -> None:
+    """Keep this thread busy for `ms` as a serving loop's scheduler step would between submits:
+    Python objects, small numpy and torch CPU ops (a stand-in, not any engine's code)."""
+    end = time.perf_counter() + ms / 1e3
+    a, seqs = np.arange(512), {}
+    while time.perf_counter() < end:
+        for i in range(64):
+            seqs[i] = [i, i + 1, (i * 7) % 512]
+        b = a[a % 3 == 0].sum() + len(seqs)
+        torch.as_tensor(a[:64]).add_(int(b) & 7)

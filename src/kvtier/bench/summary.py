@@ -97,6 +97,8 @@ def _engine_figure(r: dict) -> str:
         return f"matmul time {p['slowdown_pct']:+.1f}% (alone spread {p.get('alone_spread_pct', 0):.1f}%)"
     if "submit_us" in p:
         hot = f", {p['submit_hot_us']:,.0f} us hot" if p.get("submit_hot_us") is not None else ""
+        if p.get("submit_busy_us") is not None:
+            hot += f", {p['submit_busy_us']:,.0f} us after {p.get('busy_ms', 0):g} ms of host work"
         ref = ""
         if p.get("host_ref_hot_us") is not None:  # the host's own first step, hot / after a wait
             ref = f" (host: 512-id check {p['host_ref_hot_us']:.1f} / {p['host_ref_after_wait_us']:.0f} us)"

@@ -145,9 +145,12 @@ class TransferEngine(Completion):
                     # Nor blocks a load or a registered compute write still writes.
                     self.save_stream.wait_event(e)
                 tr.mark("tracker_wait")
-                self.mover.save(p, ids, num_tokens, slot, self.save_stream)
+                e_save = self.device.new_event(f"e_save#{k}")
+                self.mover.save(p, ids, num_tokens, slot, self.save_stream, e_save)
                 tr.mark("mover")
-                e_save = self.save_stream.record(f"e_save#{k}")
+                e_save.record(
+                    self.save_stream
+                )  # after every copy of the job: the slot READY, the ids buffer free
                 tr.mark("event")
                 waited = waits + ([after] if after is not None else [])
                 self.blocks.begin_save(bset, e_save, waited=waited)
@@ -196,9 +199,12 @@ class TransferEngine(Completion):
                 # The load must not overwrite blocks still read, written or saved (vLLM #47282).
                 self.load_stream.wait_event(e)
             tr.mark("tracker_wait")
-            layers = self.mover.load(p, ids, num_tokens, slot, self.load_stream, per_layer, f"e_load#{k}")
+            e_load = self.device.new_event(f"e_load#{k}")
+            layers = self.mover.load(
+                p, ids, num_tokens, slot, self.load_stream, per_layer, f"e_load#{k}", e_load
+            )
             tr.mark("mover")
-            e_load = self.load_stream.record(f"e_load#{k}")
+            e_load.record(self.load_stream)  # after every copy of the job: the blocks landed, the slot free
             tr.mark("event")
             self.slots.begin_read(slot, e_load)  # the slot may be freed only after e_load
             self.blocks.begin_load(bset, e_load, waited=waits)

@@ -79,9 +79,10 @@ class StagedGraphs:
             self._launcher = None
         self.direct = self._launcher is not None
 
-    def replay(self, key, ids: torch.Tensor, stream: torch.cuda.Stream, slot_ptr: int) -> bool:
+    def replay(self, key, ids: torch.Tensor, stream: torch.cuda.Stream, slot_ptr: int, done=None) -> bool:
         """Replay the graph of `key` for the slot at `slot_ptr` with block ids `ids` (int64 CPU,
-        checked); False on a miss."""
+        checked); False on a miss. `done`: an event the caller records on `stream` after this
+        returns (the job's), guarding the ids buffer instead of an event record of its own."""
         tr = self.trace or NO_TRACE
         entry = self.cache.get(key) if self.enabled else None
         if entry is None and self.enabled:
@@ -92,13 +93,13 @@ class StagedGraphs:
         # bytes go to / come from the last slot); skipped when an exec's nodes already do.
         ex = None if entry is None else self._exec_for(key, entry, slot_ptr)
         tr.mark("retarget")
-        if ex is None or not self._enqueue(entry, ex, ids, stream):
+        if ex is None or not self._enqueue(entry, ex, ids, stream, done):
             self.stats.misses += 1
             return False
         self.stats.replays += 1
         return True
 
-    def _enqueue(self, entry: _Entry, ex: _Exec, ids, stream) -> bool:
+    def _enqueue(self, entry: _Entry, ex: _Exec, ids, stream, done=None) -> bool:
         """The ids copy then the launch, on `stream` (the entry's copy stream); False: nothing
         of the graph was launched (the job goes eager)."""
         tr, ring = self.trace or NO_TRACE, entry.ring
@@ -110,28 +111,28 @@ class StagedGraphs:
         # after the previous replay of this graph, which read the old ones, on that same stream).
         if self.direct and ex.handle:
             if torch.cuda.current_device() == stream.device_index:
-                return self._direct(entry, ex, buf, i, stream)
+                return self._direct(entry, ex, buf, i, stream, done)
             with torch.cuda.device(stream.device_index):
-                return self._direct(entry, ex, buf, i, stream)
+                return self._direct(entry, ex, buf, i, stream, done)
         if ex is not entry.main:
             return False  # only torch's own exec can be launched through torch
         prev = torch.cuda.current_stream()  # of the current device
         if prev.device_index != stream.device_index:  # another device is current: the general context
             with torch.cuda.stream(stream):
-                self._torch_launch(entry, buf, i, stream)
+                self._torch_launch(entry, buf, i, stream, done)
         else:
             torch.cuda.set_stream(stream)  # cheaper than a StreamContext on the usual path
             try:
-                self._torch_launch(entry, buf, i, stream)
+                self._torch_launch(entry, buf, i, stream, done)
             finally:
                 torch.cuda.set_stream(prev)
         return True
 
-    def _direct(self, entry: _Entry, ex: _Exec, buf: HostBuf, i: int, stream) -> bool:
+    def _direct(self, entry: _Entry, ex: _Exec, buf: HostBuf, i: int, stream, done=None) -> bool:
         tr, h = self.trace or NO_TRACE, stream.cuda_stream
         try:
             self._launcher.h2d(entry.ids_dev.data_ptr(), buf.ptr, buf.array.nbytes, h)
-            entry.ring.arm(i, stream)  # buffer i is rewritten only after this: the copy reads it later
+            _arm(entry.ring, i, stream, done)
             tr.mark("ids_h2d")
             self._launcher.launch(ex.handle, h)
         except NodeError as e:  # nothing of the graph was launched: the job goes eager
@@ -142,10 +143,10 @@ class StagedGraphs:
         tr.mark("launch")
         return True
 
-    def _torch_launch(self, entry: _Entry, buf: HostBuf, i: int, stream) -> None:
+    def _torch_launch(self, entry: _Entry, buf: HostBuf, i: int, stream, done=None) -> None:
         tr = self.trace or NO_TRACE
         entry.ids_dev.copy_(buf.tensor, non_blocking=True)
-        entry.ring.arm(i, stream)  # buffer i is rewritten only after this: the copy reads it later
+        _arm(entry.ring, i, stream, done)
         tr.mark("ids_h2d")
         entry.graph.replay()
         tr.mark("launch")
@@ -275,7 +276,8 @@ class StagedGraphs:
                 g.instantiate()  # keep_graph defers it; the exec must exist before its nodes are read
                 base, nbytes = slot_tensor.data_ptr(), slot_tensor.numel() * slot_tensor.element_size()
                 nodes = self._find_nodes(g, direction, base, nbytes, n, staging)
-            ring = HostRing(lambda: host_buf(n), torch.cuda.Event, depth=2)
+            # Deep: with the job's event as guard a buffer is busy until its job is done.
+            ring = HostRing(lambda: host_buf(n), torch.cuda.Event, depth=2, max_depth=64)
         try:
             handle = int(g.raw_cuda_graph_exec() or 0)
         except (AttributeError, RuntimeError):  # a torch without it: torch's replay only
@@ -313,3 +315,11 @@ class StagedGraphs:
         for e in self.cache.clear() + [e for _ev, e in self._dead]:
             self._free(e)
         self._dead.clear()
+
+
+def _arm(ring: HostRing, i: int, stream, done) -> None:
+    """Guard ids buffer `i` after its H2D was enqueued on `stream`."""
+    if done is not None:
+        ring.arm_with(i, done)  # rewritten only after the job's event: its copy read the ids by then
+    else:
+        ring.arm(i, stream)  # rewritten only after this event: the copy reads the buffer later

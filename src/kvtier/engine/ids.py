@@ -107,7 +107,9 @@ class HostRing:
 
     make_buffer(): a new buffer (pinned, on CUDA). make_event(): an event with `record(stream)`,
     `query()` and `synchronize()`. depth: buffers made up front; up to max_depth are made when
-    every buffer is still being read, past that the host waits for the oldest copy.
+    every buffer is still being read, past that the host waits for the oldest copy. A buffer is
+    guarded by the ring's own event (`arm`) or by one the caller records later (`arm_with`, e.g.
+    the job's event: one runtime call fewer, the buffer busy until the whole job is done).
     """
 
     def __init__(self, make_buffer: Callable[[], Any], make_event: Callable[[], Any], depth=2, max_depth=16):
@@ -116,6 +118,7 @@ class HostRing:
         self._make_buffer, self._make_event, self.max_depth = make_buffer, make_event, max_depth
         self.buffers: list = []
         self._events: list = []  # per buffer: recorded after its last copy (None: never used)
+        self._own: list = []  # per buffer: the ring's own event, made on its first `arm`
         self._next = 0  # the buffer used longest ago
         self.grown = self.waited = 0
         for _ in range(depth):
@@ -124,6 +127,7 @@ class HostRing:
     def _add(self, i: int) -> None:
         self.buffers.insert(i, self._make_buffer())
         self._events.insert(i, None)
+        self._own.insert(i, None)
 
     def take(self) -> int:
         """The index of a buffer the host may write now; then enqueue its copy and `arm` it."""
@@ -141,10 +145,20 @@ class HostRing:
 
     def arm(self, i: int, stream) -> None:
         """Record buffer `i`'s event on `stream` right after the copy that reads it was enqueued."""
-        if self._events[i] is None:
-            self._events[i] = self._make_event()
+        own = self._own[i]
+        if own is None:
+            own = self._own[i] = self._make_event()
         # The buffer is reused only after this event: the copy has then read the ids it held.
-        self._events[i].record(stream)
+        own.record(stream)
+        self._events[i] = own
+        self._next = (i + 1) % len(self.buffers)
+
+    def arm_with(self, i: int, event) -> None:
+        """Guard buffer `i` with `event`, which the caller records after the copy that reads it
+        (on that copy's stream, later in the same submit): no event record of the ring's own.
+        Until it is recorded the buffer reads as free; the caller holds the lock meanwhile."""
+        # The buffer is reused only after `event`: the copy before it has then read the ids.
+        self._events[i] = event
         self._next = (i + 1) % len(self.buffers)
 
     def __len__(self) -> int:

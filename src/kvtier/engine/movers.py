@@ -56,7 +56,9 @@ class SimMover:
                 "path 'batch' needs CUDA >= 12.8 (cudaMemcpyBatchAsync); SimDevice has no copy engine"
             )
 
-    def save(self, path: Path, ids: torch.Tensor, num_tokens: int | None, slot: Slot, stream: Stream) -> None:
+    def save(
+        self, path: Path, ids: torch.Tensor, num_tokens: int | None, slot: Slot, stream: Stream, done=None
+    ) -> None:
         from kvtier.reference import gather_ref
 
         kv = self.kv
@@ -70,7 +72,7 @@ class SimMover:
             self.dev.copy(slot.tensor, dst, stream)  # the DMA, landing late
 
     def load(
-        self, path: Path, ids, num_tokens, slot: Slot, stream: Stream, per_layer: bool, label: str
+        self, path: Path, ids, num_tokens, slot: Slot, stream: Stream, per_layer: bool, label: str, done=None
     ) -> list[Event]:
         """Enqueue the load; return the events of layers 0..L-2 (the engine records the last)."""
         from kvtier.reference import scatter_ref
