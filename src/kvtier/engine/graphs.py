@@ -41,13 +41,13 @@ import warnings
 import numpy as np
 import torch
 
-from kvtier.engine.graph_cache import LRU, GraphStats, HostBuf, graph_key, host_buf, pinned_key
+from kvtier.engine.graph_cache import LRU, GraphStats, HostBuf, graph_key, pinned_key
 from kvtier.engine.graph_cache import Entry as _Entry
 from kvtier.engine.graph_cache import Exec as _Exec
-from kvtier.engine.graph_nodes import Launcher, NodeError, SlotNodes
+from kvtier.engine.graph_capture import capture_entry
+from kvtier.engine.graph_nodes import Launcher, NodeError
 from kvtier.engine.ids import HostRing
 from kvtier.engine.jobs import NO_TRACE
-from kvtier.ops.staged import load_chunks, save_chunks
 
 __all__ = ["LRU", "GraphStats", "StagedGraphs", "graph_key", "pinned_key"]
 
@@ -206,7 +206,7 @@ class StagedGraphs:
         self._reap()
         direction, _nbytes, n, last_valid, _staging = key
         try:
-            entry = self._capture(direction, n, last_valid, slot_tensor, staging, side, stream)
+            entry = capture_entry(self, direction, n, last_valid, slot_tensor, staging, side, stream)
         except Exception as e:  # noqa: BLE001 - any capture failure: fall back to the eager path
             self.enabled = False
             self.stats.failures += 1
@@ -221,69 +221,6 @@ class StagedGraphs:
         self.stats.captures += 1
         for old in self.cache.put(key, entry):
             self._retire(old)
-
-    def _find_nodes(self, g, direction, base, nbytes, n, staging) -> SlotNodes | None:
-        """The graph's DMA nodes, or None (with one warning per engine): the graph stays pinned."""
-        per = staging[0].numel() // self.kv.block_nbytes  # blocks per chunk, as ops.staged plans them
-        spans = [(t.data_ptr(), t.numel()) for t in staging]
-        host_side = "dst" if direction == "save" else "src"
-        try:
-            return SlotNodes.find(g, host_side, base, nbytes, spans, -(-n // per))
-        except Exception as e:  # noqa: BLE001 - anything unexpected: address-keyed, as before
-            from kvtier.device.cudart import clear_last_error
-
-            clear_last_error()  # a failed query's error must not surface at an unrelated launch
-            self.stats.pinned += 1
-            if not self._warned:
-                self._warned = True
-                warnings.warn(f"kvtier: staged graphs keyed by slot address: {e}", stacklevel=4)
-            return None
-
-    def _capture(self, direction, n, last_valid, slot_tensor, staging, side, stream) -> _Entry:
-        kv = self.kv
-        keep = self.retarget
-        try:
-            # keep_graph: the cudaGraph_t stays alive, its node handles address the exec's nodes.
-            g = torch.cuda.CUDAGraph(keep_graph=True) if keep else torch.cuda.CUDAGraph()
-        except TypeError:  # a torch without keep_graph
-            g, keep, self.retarget = torch.cuda.CUDAGraph(), False, False
-        with torch.cuda.device(self._device), torch.cuda.stream(stream):
-            # Allocated on the copy stream: freed later, its memory is reused only by work ordered
-            # after this stream's replays.
-            ids_dev = torch.zeros(n, dtype=torch.int32, device=self._device)
-            # "relaxed": other threads are not affected (unlike "global"), and the zero-size tensor
-            # aliases the op wrappers make are legal here even when torch's caching allocator is
-            # off (PYTORCH_NO_CUDA_MEMORY_CACHING=1 under compute-sanitizer: cudaMalloc(0) / cudaFree).
-            g.capture_begin(capture_error_mode="relaxed")
-            try:
-                if direction == "save":
-                    save_chunks(
-                        kv, ids_dev, last_valid, slot_tensor, staging=staging, gather_stream=side,
-                        copy_stream=stream,
-                    )  # fmt: skip
-                else:
-                    load_chunks(
-                        kv, ids_dev, last_valid, slot_tensor, staging=staging, copy_stream=stream,
-                        scatter_stream=side,
-                    )  # fmt: skip
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    g.capture_end()  # leave capture mode; the capture is lost anyway
-                raise
-            g.capture_end()
-            nodes = None
-            if keep:
-                g.instantiate()  # keep_graph defers it; the exec must exist before its nodes are read
-                base, nbytes = slot_tensor.data_ptr(), slot_tensor.numel() * slot_tensor.element_size()
-                nodes = self._find_nodes(g, direction, base, nbytes, n, staging)
-            # Deep: with the job's event as guard a buffer is busy until its job is done.
-            ring = HostRing(lambda: host_buf(n), torch.cuda.Event, depth=2, max_depth=64)
-        try:
-            handle = int(g.raw_cuda_graph_exec() or 0)
-        except (AttributeError, RuntimeError):  # a torch without it: torch's replay only
-            handle = 0
-        main = _Exec(handle, nodes)
-        return _Entry(g, ids_dev, stream, nodes, ring, [main], main)
 
     def _retire(self, entry: _Entry) -> None:
         self.stats.evictions += 1
