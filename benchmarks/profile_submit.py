@@ -89,18 +89,38 @@ def make_cache(device, bs: int, n: int, gpu: bool):
     )
 
 
-def floor_us(spin_ms: float, reps: int) -> dict:
+def floor_us(spin_ms: float, reps: int, raw: bool = False) -> dict:
     """The least a GPU submit can be in the same host state: one 2 KiB pinned H2D copy plus one
-    event record (two runtime calls through torch), timed after `spin_ms` of host work (or hot,
-    right after the same two calls)."""
+    event record, timed after `spin_ms` of host work (or hot, right after the same two calls).
+    Through torch (copy_, Event.record), or with `raw` as two ctypes calls into libcudart
+    (cudaMemcpyAsync, cudaEventRecord on an event made once): what a native submit would pay."""
+    import ctypes
+
+    from kvtier.device.cudart import runtime
+
     src = torch.zeros(512, dtype=torch.int32).pin_memory()
     dst = torch.empty(512, dtype=torch.int32, device="cuda")
     stream = torch.cuda.Stream()
+    if raw:
+        lib = runtime()[0]
+        vp = ctypes.c_void_p
+        memcpy = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, ctypes.c_size_t, ctypes.c_int, vp)(
+            ("cudaMemcpyAsync", lib)
+        )
+        record = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp)(("cudaEventRecord", lib))
+        ev = vp(0)
+        assert lib.cudaEventCreateWithFlags(ctypes.byref(ev), 2) == 0  # cudaEventDisableTiming
+        d, s_, h = dst.data_ptr(), src.data_ptr(), stream.cuda_stream
 
-    def calls():
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
-            torch.cuda.Event().record(stream)
+        def calls():
+            memcpy(d, s_, 2048, 1, h)  # cudaMemcpyHostToDevice
+            record(ev, h)
+    else:
+
+        def calls():
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+                torch.cuda.Event().record(stream)
 
     out = {}
     for name, before in (("hot", calls), ("after_work", lambda: spin(spin_ms))):
@@ -293,9 +313,11 @@ def main() -> int:
     how = "hot: each right after another" if args.hot else "cold: each after waiting for the one before"
     how += f", after {args.spin_ms:g} ms of host work" if args.spin_ms else ""
     if gpu:
-        f = floor_us(args.spin_ms or 3.0, args.reps)
-        print(f"floor (2 KiB pinned H2D + event record, torch): {f['hot']:.1f} us hot, "
-              f"{f['after_work']:.1f} us after {args.spin_ms or 3.0:g} ms of host work")  # fmt: skip
+        for raw in (False, True):
+            f = floor_us(args.spin_ms or 3.0, args.reps, raw)
+            how_calls = "ctypes into libcudart" if raw else "torch"
+            print(f"floor (2 KiB pinned H2D + event record, {how_calls}): {f['hot']:.1f} us hot, "
+                  f"{f['after_work']:.1f} us after {args.spin_ms or 3.0:g} ms of host work")  # fmt: skip
     print(f"\nsubmit_us medians (save / load), {how}; P6: <= 100 us, flat in block count")
     for r in results:
         sv, ld = r["save"]["submit_us"], r["load"]["submit_us"]
