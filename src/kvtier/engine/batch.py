@@ -102,8 +102,8 @@ def prepare(kv: PagedKV, ids: torch.Tensor, last_valid: int, host: torch.Tensor,
 
 def copy(kv: PagedKV, ids: BlockIds, slot: Slot, stream: torch.cuda.Stream, *, save: bool) -> None:
     """Enqueue the whole job as one batched copy on `stream` (not the legacy default stream)."""
-    lib, ver, why = _runtime()
-    if lib is None:
+    lib, _ver, why = _runtime()
+    if lib is None:  # refused before `prepare` touches the slot
         raise ValueError(f"path 'batch' unavailable: {why}")
     if stream.cuda_stream == 0:
         raise ValueError("path 'batch': cudaMemcpyBatchAsync refuses the legacy default stream")

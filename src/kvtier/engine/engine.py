@@ -148,9 +148,8 @@ class TransferEngine(Completion):
                 e_save = self.device.new_event(f"e_save#{k}")
                 self.mover.save(p, ids, num_tokens, slot, self.save_stream, e_save)
                 tr.mark("mover")
-                e_save.record(
-                    self.save_stream
-                )  # after every copy of the job: the slot READY, the ids buffer free
+                # After every copy of the job: then the slot is READY and the ids buffer free.
+                e_save.record(self.save_stream)
                 tr.mark("event")
                 waited = waits + ([after] if after is not None else [])
                 self.blocks.begin_save(bset, e_save, waited=waited)
