@@ -25,7 +25,6 @@ refuses stale handles, double releases and releases under DMA.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import threading
 import time
@@ -35,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.device.base import Device, check_nbytes
+from kvtier.freelist import FreeList
 from kvtier.numa import allocate_near
 
 
@@ -130,10 +130,7 @@ class PinnedPool:
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)
         self._ids = itertools.count(1)
-        # Free extents by global address (chunk * chunk_bytes + offset).
-        self._free_at: dict[int, int] = {}  # start -> size
-        self._free_end: dict[int, int] = {}  # end -> start, to find the left neighbour
-        self._by_size: list[tuple[int, int]] = []  # sorted (size, start): best fit by bisect
+        self._free = FreeList(chunk_bytes)  # free extents by global address (freelist.py)
         self._live: dict[int, Slot] = {}  # start -> slot
         self._used = 0
         self._waste = 0
@@ -143,35 +140,18 @@ class PinnedPool:
         self._ptrs = [c.data_ptr() for c in self.chunks]
         self._max_request = max(c.numel() for c in self.chunks)
         for i, c in enumerate(self.chunks):
-            self._add_free(i * chunk_bytes, c.numel())
+            self._free.add(i * chunk_bytes, c.numel())
 
     def _allocate_slab(self) -> list[torch.Tensor]:
         sizes = [min(self.chunk_bytes, self.capacity - o) for o in range(0, self.capacity, self.chunk_bytes)]
         chunks, self.numa_bound = allocate_near(self.device.alloc_pinned, sizes, self.numa_node)
         return chunks
 
-    # -- free list -------------------------------------------------------------------------
-    def _add_free(self, start: int, size: int) -> None:
-        self._free_at[start] = size
-        self._free_end[start + size] = start
-        bisect.insort(self._by_size, (size, start))
-
-    def _remove_free(self, start: int) -> int:
-        size = self._free_at.pop(start)
-        del self._free_end[start + size]
-        i = bisect.bisect_left(self._by_size, (size, start))
-        del self._by_size[i]
-        return size
-
     def _take(self, nbytes: int) -> Slot | None:
         span = -(-nbytes // self.alignment) * self.alignment
-        i = bisect.bisect_left(self._by_size, (span, -1))
-        if i == len(self._by_size):
+        start = self._free.take(span)
+        if start is None:
             return None
-        size, start = self._by_size[i]
-        self._remove_free(start)
-        if size > span:
-            self._add_free(start + span, size - span)
         chunk, off = divmod(start, self.chunk_bytes)
         slot = Slot(next(self._ids), chunk, off, nbytes, span, self.chunks[chunk], self._ptrs[chunk] + off)
         self._live[start] = slot
@@ -212,7 +192,7 @@ class PinnedPool:
                 if left is not None and left <= 0:
                     raise PoolExhausted(
                         f"no room for {nbytes} B within {timeout} s: {self.capacity - self._used} B free "
-                        f"(largest extent {self._largest()} B), {self._in_flight_bytes} B in flight"
+                        f"(largest extent {self._free.largest()} B), {self._in_flight_bytes} B in flight"
                     )
                 wait = left
                 if on_pressure is not None:
@@ -230,14 +210,7 @@ class PinnedPool:
             self._used -= live.span
             self._waste -= live.span - live.nbytes
             self._mark(live, False)
-            size = live.span
-            if start % self.chunk_bytes and start in self._free_end:  # left neighbour, same chunk
-                start = self._free_end[start]
-                size += self._remove_free(start)
-            end = start + size
-            if end % self.chunk_bytes and end in self._free_at:  # right neighbour, same chunk
-                size += self._remove_free(end)
-            self._add_free(start, size)
+            self._free.release(start, live.span)
             self._freed.notify_all()
 
     def set_in_flight(self, slot: Slot, busy: bool) -> None:
@@ -258,21 +231,17 @@ class PinnedPool:
         if nbytes > self._max_request:
             raise ValueError(f"nbytes={nbytes} exceeds the largest chunk; a slot never straddles chunks")
 
-    def _largest(self) -> int:
-        return self._by_size[-1][0] if self._by_size else 0
-
     def unusable_fraction(self, nbytes: int) -> float:
         """Fraction of free bytes in extents too small for a request of `nbytes`."""
         span = -(-check_nbytes(nbytes) // self.alignment) * self.alignment
         with self._lock:
             free = self.capacity - self._used
-            small = sum(s for s, _ in self._by_size[: bisect.bisect_left(self._by_size, (span, -1))])
-            return small / free if free else 0.0
+            return self._free.smaller_than(span) / free if free else 0.0
 
     def stats(self) -> PoolStats:
         with self._lock:
             free = self.capacity - self._used
-            largest = self._largest()
+            largest = self._free.largest()
             return PoolStats(
                 capacity=self.capacity,
                 used=self._used,
@@ -287,7 +256,7 @@ class PinnedPool:
     def check(self) -> None:
         """Verify the free list: sorted, disjoint, coalesced, and adding up (for tests)."""
         with self._lock:
-            ext = [(s, n, "free") for s, n in self._free_at.items()]
+            ext = [(s, n, "free") for s, n in self._free.extents()]
             ext = sorted(ext + [(s, sl.span, "used") for s, sl in self._live.items()])
             pos, prev = 0, None  # chunks tile [0, capacity) with no gaps
             for start, size, kind in ext:
@@ -298,8 +267,7 @@ class PinnedPool:
                 pos, prev = start + size, kind
             if pos != self.capacity:
                 raise AssertionError(f"extents end at {pos}, capacity is {self.capacity}")
-            assert len(self._by_size) == len(self._free_at) == len(self._free_end)
-            assert sum(n for n, _ in self._by_size) + self._used == self.capacity
+            assert self._free.total() + self._used == self.capacity
 
     def close(self) -> None:
         """Give the slab back to the device; no copy may still be using it."""
