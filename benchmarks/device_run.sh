@@ -15,6 +15,8 @@
 #   ttft-hf: GPU tests ($GPU_TESTS: those), profile_ttft.py (2K, 8K, 32K), suites ttft + hf ($KVTIER_CALIBRATION)
 #   p6: ($GPU_TESTS) host_jitter.py, profile_submit.py cold / hot (CPROFILE=1: + cProfile), PROBE_CE=1:
 #       probe_ce_gather.py; suites $P6_SUITES (default bidir submit_overhead)
+#   events-ab: ($GPU_TESTS) profile_submit.py --hot (and --spin-ms 3) with KVTIER_EVENTS=torch / raw,
+#       two rounds; suites $P6_SUITES if set
 #   multi: (2+ GPUs) handoff/probe GPU tests, memcheck/racecheck of a handoff, probe --all-gpus,
 #          suites handoff + contention, `kvtier path` with the measured sharing
 set -uo pipefail
@@ -144,6 +146,29 @@ if [ "$mode" = p6 ]; then
   echo "== bench ${P6_SUITES:-bidir submit_overhead}"
   timeout 360 $py -m kvtier bench --out "$out" $(for s in ${P6_SUITES:-bidir submit_overhead}; do echo --suite $s; done) \
     2>&1 | tee "$out/bench.log" | tail -40
+  exit 0
+fi
+if [ "$mode" = events-ab ]; then  # the submit with raw runtime events against torch's, on one box
+  if [ -n "${GPU_TESTS:-}" ]; then
+    echo "== GPU tests"
+    timeout 200 $py -m pytest -q -p no:cacheprovider $GPU_TESTS 2>&1 | tail -15 | tee "$out/pytest-gpu.log"
+  fi
+  for round in 1 2; do
+    for ev in torch raw; do
+      for spin in 0 3; do
+        echo "## round $round events=$ev spin_ms=$spin" | tee -a "$out/profile_submit-events-ab.txt"
+        KVTIER_EVENTS=$ev timeout 100 $py benchmarks/profile_submit.py --hot --spin-ms $spin \
+          --modes ${PROFILE_MODES:-same alternate} --cases ${PROFILE_CASES:-bs16 bs1} \
+          >> "$out/profile_submit-events-ab.txt" 2>&1
+        tail -6 "$out/profile_submit-events-ab.txt"
+      done
+    done
+  done
+  if [ -n "${P6_SUITES:-}" ]; then
+    echo "== bench $P6_SUITES"
+    timeout 300 $py -m kvtier bench --out "$out" $(for s in $P6_SUITES; do echo --suite $s; done) \
+      2>&1 | tee "$out/bench.log" | tail -40
+  fi
   exit 0
 fi
 if [ "$mode" = models-hf ]; then

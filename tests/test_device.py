@@ -16,9 +16,13 @@ HAS_CUDA = torch.cuda.is_available()
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
 
 
-@pytest.fixture(params=["sim", pytest.param("cuda", marks=gpu)])
+@pytest.fixture(params=["sim", pytest.param("cuda", marks=gpu), pytest.param("cuda-torch", marks=gpu)])
 def dev(request):
-    d = SimDevice(copy_delay=(0.0, 0.002), seed=1) if request.param == "sim" else CudaDevice()
+    """SimDevice; CudaDevice with raw runtime events (the default) and with torch's events."""
+    if request.param == "sim":
+        d = SimDevice(copy_delay=(0.0, 0.002), seed=1)
+    else:
+        d = CudaDevice(events="torch" if request.param == "cuda-torch" else "raw")
     yield d
     d.close()
 
@@ -232,3 +236,42 @@ def test_sim_close_releases_a_blocked_stream():
 def test_cuda_device_without_gpu_fails_clearly():
     with pytest.raises(RuntimeError, match="SimDevice"):
         CudaDevice()
+
+
+def test_compute_stream_events_order_other_streams(dev):
+    """The compute stream (torch's default stream on CUDA: handle 0) records and waits too."""
+    comp, s = dev.current_stream(), dev.new_stream("s")
+    x = dev.empty(8).view(torch.int64)
+    slow(dev, comp, 0.1)
+    dev.launch(lambda: x.fill_(7), comp)
+    s.wait_event(comp.record("written"))  # the read below must see the compute's write
+    out = host(dev, 8).view(torch.int64)
+    dev.copy(out, x, s)
+    e = s.record()
+    comp.wait_event(e)  # and compute's next write must not overtake that read
+    dev.launch(lambda: x.fill_(9), comp)
+    dev.synchronize()
+    assert out.item() == 7 and x.cpu().item() == 9
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+def test_raw_events_reuse_handles_and_leave_torch_no_error():
+    from kvtier.device.cudart import runtime
+
+    d = CudaDevice()
+    try:
+        assert d.events == "raw"
+        s = d.new_stream("s")
+        slow(d, s, 0.05)
+        ev = s.record("late")
+        assert not ev.query()  # cudaErrorNotReady ...
+        assert runtime()[0].cudaGetLastError() == 0  # ... was cleared: torch will not see it
+        y = torch.ones(4, device="cuda") + 1  # a launch torch checks
+        torch.cuda.synchronize()
+        assert ev.query() and y.sum().item() == 8
+        for _ in range(100):  # a job's events die after it: their handles come back
+            s.record().synchronize()
+        assert d._handles.created <= 4
+    finally:
+        d.close()

@@ -13,7 +13,7 @@ with a warning.
 from __future__ import annotations
 
 import itertools
-import time
+import os
 import warnings
 import weakref
 from collections.abc import Callable
@@ -21,71 +21,34 @@ from collections.abc import Callable
 import torch
 
 from kvtier.device.base import Device, Event, Stream, check_copy_args, check_nbytes
+from kvtier.device.cuda_events import CudaEvent, EventHandles, TorchEvent, event_api
 from kvtier.device.cudart import clear_last_error
+
+__all__ = ["CudaDevice", "CudaEvent", "CudaStream", "TorchEvent"]
 
 _CUDA_HOST_REGISTER_PORTABLE = 1  # the registration is visible to every CUDA context
 _REGISTER_MIN = 2 << 20
-
-
-class CudaEvent(Event):
-    def __init__(self, device: CudaDevice, label: str):
-        self._dev = device
-        self.label = label
-        # Timing enabled so a trace can place every event on a timeline (costs ~nothing).
-        self.raw = torch.cuda.Event(enable_timing=True)
-        self._stream: CudaStream | None = None
-
-    @property
-    def stream(self) -> CudaStream | None:
-        return self._stream
-
-    def record(self, stream: Stream) -> None:
-        s = self._dev._own(stream, "stream")
-        self.raw.record(s.raw)
-        self._stream = s
-
-    def query(self) -> bool:
-        return self.raw.query()
-
-    def synchronize(self, timeout: float | None = None) -> bool:
-        if timeout is None:
-            self.raw.synchronize()  # the host needs the work done, not merely submitted
-            return True
-        # CUDA has no timed wait on an event: poll with a growing sleep (µs to 1 ms).
-        deadline = time.monotonic() + timeout
-        nap = 20e-6
-        while not self.raw.query():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            time.sleep(min(nap, left))
-            nap = min(nap * 2, 1e-3)
-        return True
-
-    def time_s(self) -> float:
-        if self._stream is None or not self.raw.query():
-            raise RuntimeError(f"event {self.label} has not completed; its time is not known yet")
-        return self._dev._epoch.elapsed_time(self.raw) / 1e3
 
 
 class CudaStream(Stream):
     def __init__(self, device: CudaDevice, raw: torch.cuda.Stream, name: str):
         self._dev = device
         self.raw = raw
+        self.handle = raw.cuda_stream  # the cudaStream_t, for raw runtime calls (0: legacy default)
         self.name = name
         self._seq = itertools.count(1)
 
-    def record(self, label: str | None = None) -> CudaEvent:
-        ev = CudaEvent(self._dev, label or f"{self.name}#{next(self._seq)}")
+    def record(self, label: str | None = None) -> Event:
+        ev = self._dev._event_cls(self._dev, label or f"{self.name}#{next(self._seq)}")
         ev.record(self)
         return ev
 
     def wait_event(self, event: Event) -> None:
-        if not isinstance(event, CudaEvent) or event._dev is not self._dev:
+        if type(event) is not self._dev._event_cls or event._dev is not self._dev:
             raise ValueError(f"event must be an event of this CudaDevice, got {event!r}")
-        if event.stream is None:
+        if event._stream is None:
             return  # never recorded: complete by definition
-        self.raw.wait_event(event.raw)  # later work here must not start on data the event guards
+        event.wait_on(self)  # later work here must not start on data the event guards
 
     def synchronize(self) -> None:
         self.raw.synchronize()  # returning from a submit proves nothing; this does
@@ -103,9 +66,11 @@ class CudaDevice(Device):
     Args:
         index: CUDA device ordinal.
         pin: "register" (exact-size cudaHostRegister, default) or "torch" (pin_memory=True).
+        events: "raw" (cudaEvent_t handles through ctypes, `cuda_events.py`), "torch"
+            (torch.cuda.Event), or None: env KVTIER_EVENTS, else "raw" where libcudart loads.
     """
 
-    def __init__(self, index: int = 0, pin: str = "register"):
+    def __init__(self, index: int = 0, pin: str = "register", events: str | None = None):
         if not torch.cuda.is_available():
             raise RuntimeError(
                 "CudaDevice needs a CUDA GPU but torch.cuda.is_available() is False; "
@@ -115,6 +80,15 @@ class CudaDevice(Device):
             raise ValueError(f"index must be in [0, {torch.cuda.device_count()}), got {index!r}")
         if pin not in ("register", "torch"):
             raise ValueError(f"pin must be 'register' or 'torch', got {pin!r}")
+        events = events if events is not None else os.environ.get("KVTIER_EVENTS", "").strip() or None
+        if events not in (None, "raw", "torch"):
+            raise ValueError(f"events must be 'raw', 'torch' or None, got {events!r}")
+        self._api, why = event_api() if events != "torch" else (None, "")
+        if events == "raw" and self._api is None:
+            raise RuntimeError(f"events='raw' needs the CUDA runtime through ctypes: {why}")
+        self.events = "raw" if self._api is not None else "torch"
+        self._event_cls = CudaEvent if self._api is not None else TorchEvent
+        self._handles = EventHandles(self._api, index) if self._api is not None else None
         self.index = index
         self.name = f"cuda:{index}"
         self.pin = pin
@@ -125,8 +99,8 @@ class CudaDevice(Device):
         weakref.finalize(self, _unregister_all, self._registered)
         self._names = itertools.count()
         self._compute = CudaStream(self, torch.cuda.current_stream(self._torch_device), "compute")
-        self._epoch = torch.cuda.Event(enable_timing=True)
-        self._epoch.record(self._compute.raw)  # time zero of every event's time_s()
+        self._epoch = self._event_cls(self, "epoch")
+        self._epoch.record(self._compute)  # time zero of every event's time_s()
 
     def _own(self, stream: Stream, name: str) -> CudaStream:
         if not isinstance(stream, CudaStream) or stream._dev is not self:
@@ -140,8 +114,8 @@ class CudaDevice(Device):
         raw = torch.cuda.Stream(device=self._torch_device)
         return CudaStream(self, raw, name or f"stream{next(self._names)}")
 
-    def new_event(self, label: str | None = None) -> CudaEvent:
-        return CudaEvent(self, label or "event")
+    def new_event(self, label: str | None = None) -> Event:
+        return self._event_cls(self, label or "event")
 
     def _check_side(self, t: torch.Tensor, name: str) -> None:
         if t.is_cuda:
@@ -210,6 +184,8 @@ class CudaDevice(Device):
         # No copy may still read or write a buffer we are about to unlock.
         self.synchronize()
         _unregister_all(self._registered)
+        if self._handles is not None:
+            self._handles.close()  # the free ones; events still alive give theirs back later
 
 
 def _unregister_all(registered: dict[int, torch.Tensor]) -> None:

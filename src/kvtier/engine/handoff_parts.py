@@ -87,4 +87,4 @@ def cross_wait(stream: Stream, device: Device, event: Event) -> None:
         device.launch(lambda: event.synchronize(), stream)
         return
     if event.stream is not None:
-        stream.raw.wait_event(event.raw)  # CUDA events order work across devices of one process
+        event.wait_on(stream)  # CUDA events order work across devices of one process

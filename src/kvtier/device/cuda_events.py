@@ -1,0 +1,236 @@
+"""Events of CudaDevice: raw cudaEvent_t handles driven through ctypes (default), or torch's.
+
+A job records one event and waits on a few. Through torch each of those calls costs the host
+10-15 us on the H200 boxes (a Python object, a device guard, its own checks); the same runtime
+call through ctypes costs 1-3 us (`benchmarks/results/...-32`: one pinned H2D plus one event
+record, 31 us hot through torch against 6.6 us through ctypes). `CudaEvent` holds a handle of
+its device's `EventHandles` and gives it back when the object dies (a handle is reused only by a
+later record, which CUDA allows at any time: waits already enqueued keep the old record).
+
+`TorchEvent` is the same interface over `torch.cuda.Event`: `CudaDevice(events="torch")`, env
+`KVTIER_EVENTS=torch`, or where libcudart cannot be loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from ctypes import CFUNCTYPE, POINTER, byref, c_float, c_int, c_uint, c_void_p
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvtier.device.base import Event, Stream
+
+if TYPE_CHECKING:
+    from kvtier.device.cuda import CudaDevice, CudaStream
+
+NOT_READY = 600  # cudaErrorNotReady: the recorded work has not completed (not a failure)
+_TIMING = 0  # cudaEventDefault: timing on, so a trace can place every event on a timeline
+
+
+@functools.cache
+def event_api() -> tuple[SimpleNamespace | None, str]:
+    """(the runtime's event calls as ctypes functions, why not usable or '')."""
+    from kvtier.device.cudart import runtime
+
+    lib, _ver, why = runtime()
+    if lib is None:
+        return None, why
+
+    def fn(name, *args):
+        return CFUNCTYPE(c_int, *args)((name, lib))  # own prototypes: ints pass as pointers
+
+    try:
+        api = SimpleNamespace(
+            create=fn("cudaEventCreateWithFlags", POINTER(c_void_p), c_uint),
+            record=fn("cudaEventRecord", c_void_p, c_void_p),
+            query=fn("cudaEventQuery", c_void_p),
+            sync=fn("cudaEventSynchronize", c_void_p),
+            elapsed=fn("cudaEventElapsedTime", POINTER(c_float), c_void_p, c_void_p),
+            destroy=fn("cudaEventDestroy", c_void_p),
+            wait=fn("cudaStreamWaitEvent", c_void_p, c_void_p, c_uint),
+            get_device=fn("cudaGetDevice", POINTER(c_int)),
+            set_device=fn("cudaSetDevice", c_int),
+            last_error=fn("cudaGetLastError"),
+        )
+    except AttributeError as e:
+        return None, f"the CUDA runtime lacks an event call: {e}"
+    return api, ""
+
+
+def cuda_error(api: SimpleNamespace, what: str, rc: int) -> RuntimeError:
+    """The error to raise for a failed call, after clearing the runtime's last error (so that
+    torch's next check does not report it against an unrelated launch)."""
+    api.last_error()
+    from kvtier.device.cudart import runtime
+
+    lib = runtime()[0]
+    name = lib.cudaGetErrorString(rc).decode() if lib is not None else "?"
+    return RuntimeError(f"{what} failed: cudaError {rc} ({name})")
+
+
+class OnDevice:
+    """The runtime's current device set to `index` for a block (only switched when it differs)."""
+
+    def __init__(self, api: SimpleNamespace, index: int):
+        self._api, self._index, self._prev = api, index, None
+
+    def __enter__(self) -> None:
+        cur = c_int(-1)
+        if self._api.get_device(byref(cur)) == 0 and cur.value != self._index:
+            self._prev = cur.value
+            self._api.set_device(self._index)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._prev is not None:
+            self._api.set_device(self._prev)
+            self._prev = None
+
+
+class EventHandles:
+    """A free list of cudaEvent_t handles of one device: `take` reuses or creates, `give` returns."""
+
+    def __init__(self, api: SimpleNamespace, index: int):
+        self._api, self._index = api, index
+        self._free: list[int] = []
+        self.created = 0
+
+    def take(self) -> int:
+        try:
+            return self._free.pop()
+        except IndexError:
+            pass
+        h = c_void_p(0)
+        with OnDevice(self._api, self._index):  # an event belongs to the device current at creation
+            rc = self._api.create(byref(h), _TIMING)
+        if rc != 0 or not h.value:
+            raise cuda_error(self._api, "cudaEventCreateWithFlags", rc)
+        self.created += 1
+        return h.value
+
+    def give(self, h: int) -> None:
+        self._free.append(h)  # no one holds it: its next record re-arms it for a new owner
+
+    def close(self) -> None:
+        """Destroy the free handles (those still held are given back when their events die)."""
+        while self._free:
+            self._api.destroy(self._free.pop())
+
+
+class CudaEvent(Event):
+    """An event of `device` over a raw cudaEvent_t (see the module doc)."""
+
+    __slots__ = ("_dev", "_h", "_stream", "label")
+
+    def __init__(self, device: CudaDevice, label: str):
+        self._dev, self.label, self._stream = device, label, None
+        self._h = device._handles.take()
+
+    def __del__(self) -> None:
+        h, self._h = getattr(self, "_h", 0), 0
+        if h:
+            with contextlib.suppress(Exception):  # interpreter shutdown: the handle dies with the process
+                self._dev._handles.give(h)
+
+    @property
+    def stream(self) -> CudaStream | None:
+        return self._stream
+
+    def record(self, stream: Stream) -> None:
+        s = self._dev._own(stream, "stream")
+        api = self._dev._api
+        if s.handle:
+            rc = api.record(self._h, s.handle)
+        else:  # the legacy default stream (handle 0) is the current device's: make it ours
+            with OnDevice(api, self._dev.index):
+                rc = api.record(self._h, 0)
+        if rc != 0:
+            raise cuda_error(api, "cudaEventRecord", rc)
+        self._stream = s
+
+    def query(self) -> bool:
+        rc = self._dev._api.query(self._h)
+        if rc == 0:
+            return True
+        if rc == NOT_READY:
+            self._dev._api.last_error()  # "not ready" is no failure: torch must not see it later
+            return False
+        raise cuda_error(self._dev._api, "cudaEventQuery", rc)
+
+    def synchronize(self, timeout: float | None = None) -> bool:
+        if timeout is None:
+            rc = self._dev._api.sync(self._h)  # the host needs the work done (ctypes drops the GIL)
+            if rc != 0:
+                raise cuda_error(self._dev._api, "cudaEventSynchronize", rc)
+            return True
+        return _poll(self, timeout)
+
+    def wait_on(self, stream: CudaStream) -> None:
+        """Later work on `stream` waits for this event (the stream may be of another device)."""
+        api = self._dev._api
+        if stream.handle:
+            rc = api.wait(stream.handle, self._h, 0)
+        else:  # the legacy default stream of the stream's own device
+            with OnDevice(api, stream._dev.index):
+                rc = api.wait(0, self._h, 0)
+        if rc != 0:
+            raise cuda_error(api, "cudaStreamWaitEvent", rc)
+
+    def time_s(self) -> float:
+        if self._stream is None or not self.query():
+            raise RuntimeError(f"event {self.label} has not completed; its time is not known yet")
+        ms = c_float(0.0)
+        rc = self._dev._api.elapsed(byref(ms), self._dev._epoch._h, self._h)
+        if rc != 0:
+            raise cuda_error(self._dev._api, "cudaEventElapsedTime", rc)
+        return ms.value / 1e3
+
+
+class TorchEvent(Event):
+    """The same event over `torch.cuda.Event` (timing enabled, as CudaEvent's)."""
+
+    def __init__(self, device: CudaDevice, label: str):
+        self._dev, self.label, self._stream = device, label, None
+        self.raw = torch.cuda.Event(enable_timing=True)
+
+    @property
+    def stream(self) -> CudaStream | None:
+        return self._stream
+
+    def record(self, stream: Stream) -> None:
+        s = self._dev._own(stream, "stream")
+        self.raw.record(s.raw)
+        self._stream = s
+
+    def query(self) -> bool:
+        return self.raw.query()
+
+    def synchronize(self, timeout: float | None = None) -> bool:
+        if timeout is None:
+            self.raw.synchronize()  # the host needs the work done, not merely submitted
+            return True
+        return _poll(self, timeout)
+
+    def wait_on(self, stream: CudaStream) -> None:
+        stream.raw.wait_event(self.raw)  # CUDA events order work across devices of one process
+
+    def time_s(self) -> float:
+        if self._stream is None or not self.raw.query():
+            raise RuntimeError(f"event {self.label} has not completed; its time is not known yet")
+        return self._dev._epoch.raw.elapsed_time(self.raw) / 1e3
+
+
+def _poll(event: Event, timeout: float) -> bool:
+    """CUDA has no timed wait on an event: poll with a growing sleep (us to 1 ms)."""
+    deadline = time.monotonic() + timeout
+    nap = 20e-6
+    while not event.query():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(nap, left))
+        nap = min(nap * 2, 1e-3)
+    return True

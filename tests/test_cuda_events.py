@@ -1,0 +1,159 @@
+"""CudaEvent's wrapper logic over a fake CUDA runtime, on the CPU: return codes, the cleared
+"not ready" error, handle reuse, the default stream's device guard. (The real runtime is
+exercised by tests/test_device.py's "cuda" and "cuda-torch" devices on a GPU.)"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvtier.device.cuda_events import NOT_READY, CudaEvent, EventHandles
+
+
+class FakeRuntime:
+    """The event calls of libcudart over Python state: an event is 'done' when its stream's
+    work counter has passed the value it was recorded at."""
+
+    def __init__(self):
+        self.next_handle, self.device, self.last = 0x100, 0, 0
+        self.recorded: dict[int, tuple[int, int]] = {}  # handle -> (stream, work at record)
+        self.work: dict[int, int] = {}  # stream -> work enqueued
+        self.done: dict[int, int] = {}  # stream -> work completed
+        self.calls: list[tuple] = []
+        self.fail: dict[str, int] = {}
+
+    def _rc(self, name, rc=0):
+        rc = self.fail.get(name, rc)
+        if rc:
+            self.last = rc
+        return rc
+
+    def api(self) -> SimpleNamespace:
+        def create(ptr, flags):
+            self.next_handle += 0x10
+            ptr._obj.value = self.next_handle
+            self.calls.append(("create", self.device))
+            return self._rc("create")
+
+        def record(h, stream):
+            self.recorded[h] = (stream, self.work.get(stream, 0))
+            self.calls.append(("record", h, stream, self.device))
+            return self._rc("record")
+
+        def query(h):
+            if h not in self.recorded:
+                return self._rc("query")
+            stream, at = self.recorded[h]
+            return self._rc("query", 0 if self.done.get(stream, 0) >= at else NOT_READY)
+
+        def wait(stream, h, flags):
+            self.calls.append(("wait", stream, h, self.device))
+            return self._rc("wait")
+
+        def get_device(ptr):
+            ptr._obj.value = self.device
+            return 0
+
+        def set_device(i):
+            self.device = i
+            self.calls.append(("set_device", i))
+            return 0
+
+        def last_error():
+            rc, self.last = self.last, 0
+            return rc
+
+        return SimpleNamespace(
+            create=create, record=record, query=query, wait=wait, get_device=get_device,
+            set_device=set_device, last_error=last_error, sync=lambda h: self._rc("sync"),
+            elapsed=lambda ms, a, b: self._rc("elapsed"), destroy=lambda h: 0,
+        )  # fmt: skip
+
+
+class FakeStream:
+    def __init__(self, dev, handle):
+        self._dev, self.handle = dev, handle
+
+
+class FakeDevice:
+    def __init__(self, rt: FakeRuntime, index: int = 1):
+        self._api, self.index = rt.api(), index
+        self._handles = EventHandles(self._api, index)
+
+    def _own(self, stream, name):
+        if not isinstance(stream, FakeStream) or stream._dev is not self:
+            raise ValueError(f"{name} must be a stream of this CudaDevice, got {stream!r}")
+        return stream
+
+
+@pytest.fixture
+def rt():
+    return FakeRuntime()
+
+
+def test_query_follows_the_stream_and_clears_not_ready(rt):
+    dev = FakeDevice(rt)
+    s = FakeStream(dev, 0x7)
+    ev = CudaEvent(dev, "e")
+    assert ev.query() and ev.stream is None  # never recorded: complete
+    rt.work[0x7] = 3
+    ev.record(s)
+    assert ev.stream is s
+    assert not ev.query()
+    assert rt.last == 0  # "not ready" was cleared: torch's next error check must not see it
+    rt.done[0x7] = 3
+    assert ev.query()
+
+
+def test_failed_calls_raise_naming_the_call_and_clear_the_error(rt):
+    dev = FakeDevice(rt)
+    ev = CudaEvent(dev, "e")
+    rt.fail["record"] = 400
+    with pytest.raises(RuntimeError, match="cudaEventRecord failed: cudaError 400"):
+        ev.record(FakeStream(dev, 0x7))
+    assert rt.last == 0 and ev.stream is None  # not recorded: the event stays complete
+    rt.fail = {"query": 700}
+    with pytest.raises(RuntimeError, match="cudaEventQuery failed: cudaError 700"):
+        ev.query()
+    rt.fail = {"sync": 700}
+    with pytest.raises(RuntimeError, match="cudaEventSynchronize"):
+        ev.synchronize()
+    with pytest.raises(ValueError, match="stream"):
+        ev.record(object())
+
+
+def test_handles_are_reused_once_their_event_dies(rt):
+    dev = FakeDevice(rt)
+    a = CudaEvent(dev, "a")
+    ha = a._h
+    del a
+    b = CudaEvent(dev, "b")
+    assert b._h == ha and dev._handles.created == 1  # reused, not created again
+    c = CudaEvent(dev, "c")
+    assert c._h != b._h and dev._handles.created == 2  # a live event's handle is never shared
+
+
+def test_creation_and_the_default_stream_run_on_the_events_device(rt):
+    dev = FakeDevice(rt, index=1)  # the runtime's current device is 0
+    ev = CudaEvent(dev, "e")
+    assert ("create", 1) in rt.calls and rt.device == 0  # created on device 1, current one restored
+    ev.record(FakeStream(dev, 0x7))
+    assert rt.calls[-1] == ("record", ev._h, 0x7, 0)  # a real stream carries its device: no switch
+    ev.record(FakeStream(dev, 0))
+    assert rt.calls[-2:] == [("record", ev._h, 0, 1), ("set_device", 0)]  # legacy default: device 1's
+    ev.wait_on(FakeStream(dev, 0))
+    assert rt.calls[-2:] == [("wait", 0, ev._h, 1), ("set_device", 0)]
+    ev.wait_on(FakeStream(dev, 0x9))
+    assert rt.calls[-1] == ("wait", 0x9, ev._h, 0)
+
+
+def test_synchronize_with_timeout_polls(rt):
+    dev = FakeDevice(rt)
+    s = FakeStream(dev, 0x7)
+    ev = CudaEvent(dev, "e")
+    rt.work[0x7] = 1
+    ev.record(s)
+    assert ev.synchronize(timeout=0.01) is False  # never completes here
+    rt.done[0x7] = 1
+    assert ev.synchronize(timeout=0.01) is True
