@@ -113,6 +113,8 @@ def test_failed_calls_raise_naming_the_call_and_clear_the_error(rt):
     with pytest.raises(RuntimeError, match="cudaEventRecord failed: cudaError 400"):
         ev.record(FakeStream(dev, 0x7))
     assert rt.last == 0 and ev.stream is None  # not recorded: the event stays complete
+    rt.fail = {}
+    ev.record(FakeStream(dev, 0x7))
     rt.fail = {"query": 700}
     with pytest.raises(RuntimeError, match="cudaEventQuery failed: cudaError 700"):
         ev.query()
@@ -125,11 +127,17 @@ def test_failed_calls_raise_naming_the_call_and_clear_the_error(rt):
 
 def test_handles_are_reused_once_their_event_dies(rt):
     dev = FakeDevice(rt)
-    a = CudaEvent(dev, "a")
-    ha = a._h
-    del a
+    rt.work[0x7] = 1
+    a2 = CudaEvent(dev, "a2")
+    a2.record(FakeStream(dev, 0x7))  # pending when it dies
+    ha = a2._h
+    del a2
     b = CudaEvent(dev, "b")
     assert b._h == ha and dev._handles.created == 1  # reused, not created again
+    assert b.query() and b.synchronize()  # unrecorded by b: complete, whatever the old record is
+    n = len(rt.calls)
+    b.wait_on(FakeStream(dev, 0x9))
+    assert len(rt.calls) == n  # and nothing to wait for
     c = CudaEvent(dev, "c")
     assert c._h != b._h and dev._handles.created == 2  # a live event's handle is never shared
 

@@ -152,6 +152,8 @@ class CudaEvent(Event):
         self._stream = s
 
     def query(self) -> bool:
+        if self._stream is None:
+            return True  # never recorded by this event (its handle may hold an old owner's record)
         rc = self._dev._api.query(self._h)
         if rc == 0:
             return True
@@ -161,6 +163,8 @@ class CudaEvent(Event):
         raise cuda_error(self._dev._api, "cudaEventQuery", rc)
 
     def synchronize(self, timeout: float | None = None) -> bool:
+        if self._stream is None:
+            return True  # never recorded: complete by definition
         if timeout is None:
             rc = self._dev._api.sync(self._h)  # the host needs the work done (ctypes drops the GIL)
             if rc != 0:
@@ -171,6 +175,8 @@ class CudaEvent(Event):
     def wait_on(self, stream: CudaStream) -> None:
         """Later work on `stream` waits for this event (the stream may be of another device)."""
         api = self._dev._api
+        if self._stream is None:
+            return  # never recorded: nothing to wait for
         if stream.handle:
             rc = api.wait(stream.handle, self._h, 0)
         else:  # the legacy default stream of the stream's own device
