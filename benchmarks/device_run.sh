@@ -17,6 +17,8 @@
 #       probe_ce_gather.py; suites $P6_SUITES (default bidir submit_overhead)
 #   events-ab: ($GPU_TESTS) profile_submit.py --hot (and --spin-ms 3) with KVTIER_EVENTS=torch / raw,
 #       two rounds; suites $P6_SUITES if set
+#   ab: ($GPU_TESTS) profile_submit.py --hot (and --spin-ms 3) with this tree's src and $AB_OLD's
+#       (a worktree of an older commit, carried), two rounds; suites $P6_SUITES if set
 #   multi: (2+ GPUs) handoff/probe GPU tests, memcheck/racecheck of a handoff, probe --all-gpus,
 #          suites handoff + contention, `kvtier path` with the measured sharing
 set -uo pipefail
@@ -161,6 +163,30 @@ if [ "$mode" = events-ab ]; then  # the submit with raw runtime events against t
           --modes ${PROFILE_MODES:-same alternate} --cases ${PROFILE_CASES:-bs16 bs1} \
           >> "$out/profile_submit-events-ab.txt" 2>&1
         tail -6 "$out/profile_submit-events-ab.txt"
+      done
+    done
+  done
+  if [ -n "${P6_SUITES:-}" ]; then
+    echo "== bench $P6_SUITES"
+    timeout 300 $py -m kvtier bench --out "$out" $(for s in $P6_SUITES; do echo --suite $s; done) \
+      2>&1 | tee "$out/bench.log" | tail -40
+  fi
+  exit 0
+fi
+if [ "$mode" = ab ]; then  # the submit of this tree against an older one ($AB_OLD: a worktree, carried)
+  if [ -n "${GPU_TESTS:-}" ]; then
+    echo "== GPU tests"
+    timeout 200 $py -m pytest -q -p no:cacheprovider $GPU_TESTS 2>&1 | tail -15 | tee "$out/pytest-gpu.log"
+  fi
+  for round in 1 2; do
+    for side in old new; do
+      src=$([ $side = old ] && echo "${AB_OLD:-.ab_old}/src" || echo src)
+      for spin in 0 3; do
+        echo "## round $round $side spin_ms=$spin" | tee -a "$out/profile_submit-ab.txt"
+        PYTHONPATH=$src timeout 100 $py benchmarks/profile_submit.py --hot --spin-ms $spin \
+          --modes ${PROFILE_MODES:-same alternate} --cases ${PROFILE_CASES:-bs16 bs1} \
+          >> "$out/profile_submit-ab.txt" 2>&1
+        tail -6 "$out/profile_submit-ab.txt"
       done
     done
   done
