@@ -49,7 +49,7 @@ from kvtier.pool import PinnedPool
 CASES = {"bs16": (16, 512), "bs1": (1, 8192)}  # block size, blocks: 1 GiB each on the 8B shape
 GPU_MODES = ["same", "alternate", "alt-moved", "alt-torch", "eager"]
 SIM_MODES = ["same", "alternate"]
-PHASES = ["ids", "slot", "poll", "tracker_wait", "graph_lookup", "retarget", "ids_fill",
+PHASES = ["ids", "slot", "poll", "tracker_wait", "graph_lookup", "retarget", "ids_fill", "ids_h2d",
           "launch", "graph_miss", "eager", "capture", "mover", "event", "tracker_begin", "other"]  # fmt: skip
 
 

@@ -303,27 +303,3 @@ def test_slot_nodes_refuse_or_fail_loudly(monkeypatch):
     with pytest.raises(NodeError, match="cudaGraphExecMemcpyNodeSetParams"):
         nodes.retarget(BASE + SLOT)
     assert nodes.base is None  # half-updated: the caller drops the graph, never replays it
-
-
-def test_the_ids_node_is_kept_apart_and_moved_alone(monkeypatch):
-    from kvtier.engine import graph_nodes
-    from kvtier.engine.graph_nodes import Copy
-
-    host, dev = 0x7F00_0900_0000, 0x9100_0000
-    ids = Copy(host, dev, 20, graph_nodes.KIND_H2D)
-    rt = _FakeRuntime([ids, *_save_copies()])
-    monkeypatch.setattr(graph_nodes, "_api", lambda: rt)
-    with pytest.raises(NodeError, match="4 memcpy nodes"):  # not told which is the ids copy
-        graph_nodes.SlotNodes.find(_FakeGraph(), "dst", BASE, SLOT, STAGE, 3)
-    nodes = graph_nodes.SlotNodes.find(_FakeGraph(), "dst", BASE, SLOT, STAGE, 3, ids=(host, dev))
-    nodes.point_ids(0x7F00_0A00_0000)
-    assert rt.sets == [(0xE000, 0x20, 0x7F00_0A00_0000, dev, 20)]  # the ids node only, dst kept
-    nodes.retarget(BASE + SLOT)
-    assert [s[1] for s in rt.sets[1:]] == [0x21, 0x22, 0x23]  # the slot moves leave it alone
-    other = nodes.for_exec(0xE001)
-    other.point_ids(host)
-    assert rt.sets[-1] == (0xE001, 0x20, host, dev, 20)
-    rt = _FakeRuntime(_save_copies())
-    monkeypatch.setattr(graph_nodes, "_api", lambda: rt)
-    with pytest.raises(NodeError, match="no copy of its ids"):
-        graph_nodes.SlotNodes.find(_FakeGraph(), "dst", BASE, SLOT, STAGE, 3, ids=(host, dev))

@@ -1,8 +1,6 @@
-"""A staged-graph replay without torch (graphs.py + graph_nodes.Launcher), on fakes: the ids are
-written into the pinned buffer the exec's ids node reads and the launch is the one runtime call;
-a buffer still read by a queued launch is never rewritten (the node is pointed at another), the
-exec that serves a slot (one moved per job, or one per recent slot with slot_execs = 2), failures
-fall back.
+"""A staged-graph replay without torch (graphs.py + graph_nodes.Launcher), on fakes: the ids go
+through a ring buffer, the copy is enqueued before the ring's event and the launch, the exec that
+serves a slot (one moved per job, or one per recent slot with slot_execs = 2), failures fall back.
 The real runtime calls: tests/test_engine_graphs_gpu.py and benchmarks/profile_submit.py."""
 
 import numpy as np
@@ -12,7 +10,7 @@ import torch
 from kvtier.engine.graph_cache import Entry, Exec, HostBuf
 from kvtier.engine.graph_nodes import NodeError
 from kvtier.engine.graphs import StagedGraphs, graph_key
-from kvtier.engine.ids import IdsBuffers
+from kvtier.engine.ids import HostRing
 from kvtier.reference import random_cache
 
 A, B, C = 0x7F00_0000_0000, 0x7F00_1000_0000, 0x7F00_2000_0000
@@ -39,20 +37,15 @@ class FakeEvent:
 
 
 class FakeNodes:
-    def __init__(self, log, base, name, fail=()):
-        self.log, self.base, self.captured, self.name, self.fail = log, base, base, name, fail
+    def __init__(self, log, base, name):
+        self.log, self.base, self.captured, self.name = log, base, base, name
 
     def retarget(self, base):
         self.log.append(("retarget", self.name, base))
         self.base = base
 
-    def point_ids(self, ptr):
-        if "point_ids" in self.fail:
-            raise NodeError("cudaGraphExecMemcpyNodeSetParams failed (cudaError 1)")
-        self.log.append(("point_ids", self.name, ptr))
-
     def for_exec(self, handle):
-        return FakeNodes(self.log, self.captured, handle, self.fail)
+        return FakeNodes(self.log, self.captured, handle)
 
 
 class FakeLauncher:
@@ -100,10 +93,10 @@ def setup(monkeypatch):
         g = StagedGraphs(kv, max_graphs=4, slot_execs=slot_execs)
         log = []
         g._launcher, g.direct = FakeLauncher(log, fail), True
-        g._make_event = lambda: FakeEvent(log)
-        nodes = FakeNodes(log, A, "main", fail)
-        main = Exec(0xE000, nodes, ids=IdsBuffers(lambda: _buf(n), max_depth=4))
-        entry = Entry(FakeGraph(), torch.zeros(n, dtype=torch.int32), FakeStream(), nodes, [main], main)
+        nodes = FakeNodes(log, A, "main")
+        main = Exec(0xE000, nodes)
+        ring = HostRing(lambda: _buf(n), lambda: FakeEvent(log), depth=2, max_depth=4)
+        entry = Entry(FakeGraph(), torch.zeros(n, dtype=torch.int32), FakeStream(), nodes, ring, [main], main)
         key = graph_key("save", 4096, n, 4, ())
         g.cache.put(key, entry)
         return g, key, entry, log
@@ -115,33 +108,23 @@ def replay(g, key, slot, ids=(3, 1, 4, 1, 5)):
     return g.replay(key, torch.tensor(ids), FakeStream(), slot)
 
 
-def test_fill_then_launch_then_event(setup):
+def test_copy_then_event_then_launch(setup):
     g, key, entry, log = setup()
     assert replay(g, key, A, (7, 0, 2, 6, 5))
-    launch, ev = log
-    assert launch == ("launch", 0xE000, STREAM) and ev == ("event", STREAM)  # guarded after the launch
-    assert entry.main.ids.buffers[0].array.tolist() == [7, 0, 2, 6, 5]  # int64 ids, int32 in the buffer
+    h2d, ev, launch = log
+    assert h2d == ("h2d", entry.ids_dev.data_ptr(), entry.ring.buffers[0].ptr, 5 * 4, STREAM)
+    assert ev == ("event", STREAM) and launch == ("launch", 0xE000, STREAM)  # the ring's event before
+    assert entry.ring.buffers[0].array.tolist() == [7, 0, 2, 6, 5]  # int64 ids, int32 in the buffer
     assert g.stats.replays == 1 and g.stats.retargets == 0
 
 
-def test_the_execs_buffer_is_reused_once_its_launch_ran(setup):
+def test_ring_buffers_in_flight_are_not_rewritten(setup):
     g, key, entry, log = setup()
     for k in range(3):
         assert replay(g, key, A, (k, k, k, k, k))
-        entry.main.ids._guards[entry.main.ids.cur].done = True  # the launch ran
-    assert len(entry.main.ids) == 1 and not any(e[0] == "point_ids" for e in log)
-    assert entry.main.ids.buffers[0].array.tolist() == [2] * 5
-
-
-def test_buffers_of_queued_launches_are_not_rewritten(setup):
-    g, key, entry, log = setup()
-    for k in range(3):
-        assert replay(g, key, A, (k, k, k, k, k))
-    own = entry.main.ids
-    moves = [e[2] for e in log if e[0] == "point_ids"]
-    assert moves == [own.buffers[1].ptr, own.buffers[2].ptr]  # each queued launch kept its buffer
-    assert [b.array[0] for b in own.buffers] == [0, 1, 2]  # each still holds its ids
-    assert log.index(("point_ids", "main", moves[0])) < [i for i, e in enumerate(log) if e[0] == "launch"][1]
+    srcs = [e[2] for e in log if e[0] == "h2d"]
+    assert len(set(srcs)) == 3  # no copy completed: each replay filled another buffer
+    assert sorted(b.array[0] for b in entry.ring.buffers) == [0, 1, 2]  # each still holds its ids
 
 
 def test_one_exec_moved_to_each_slot(setup):
@@ -164,12 +147,6 @@ def test_two_execs_serve_two_slots_unmoved(setup):
     moves = [e for e in log if e[0] == "retarget"]
     assert moves == [("retarget", new, B), ("retarget", "main", C)]
     assert g.stats.execs == 1 and g.stats.retargets == 2 and ("instantiate", 0x6000) in log
-    other = next(x for x in entry.execs if x is not entry.main)
-    made = [e for e in log if e[0] == "point_ids" and e[1] == new]
-    assert made[0] == ("point_ids", new, other.ids.buffers[0].ptr)  # at creation: a buffer of its own
-    assert log.index(made[0]) < log.index(("launch", new, STREAM))
-    main_bufs = {b.ptr for b in entry.main.ids.buffers}
-    assert not main_bufs & {b.ptr for b in other.ids.buffers}  # no buffer shared between execs
     g.clear()
     assert log[-1] == ("destroy", new)  # its own exec goes; torch's stays with the torch graph
 
@@ -182,22 +159,13 @@ def test_instantiate_failure_falls_back_to_moving_one_exec(setup):
     assert [e for e in log if e[0] == "retarget"] == [("retarget", "main", B)]
 
 
-@pytest.mark.parametrize("what", ["launch"])
+@pytest.mark.parametrize("what", ["h2d", "launch"])
 def test_failed_runtime_call_is_a_miss(setup, what):
     g, key, entry, log = setup(fail={what})
     with pytest.warns(UserWarning, match="direct graph launch failed"):
         assert not replay(g, key, A)  # the job goes eager
     assert not g.direct and g.stats.misses == 1 and g.stats.failures == 1 and g.stats.replays == 0
     assert not any(e[0] == "launch" for e in log)
-
-
-def test_failed_ids_move_drops_the_graph(setup):
-    g, key, entry, log = setup(fail={"point_ids"})
-    assert replay(g, key, A)  # its buffer is free: no move
-    with pytest.warns(UserWarning, match="ids buffer failed"):
-        assert not replay(g, key, A)  # the first launch still queued: a move, which fails
-    assert key not in g.cache and g.stats.failures == 1 and g.stats.misses == 1
-    assert sum(e[0] == "launch" for e in log) == 1
 
 
 def test_slot_execs_checked():

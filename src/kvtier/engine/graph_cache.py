@@ -1,6 +1,6 @@
 """The data of the staged-graph cache (graphs.py): the LRU, the key, the stats, and an entry --
-a captured graph, its execs (each pointed at one slot, each with the pinned host buffers its ids
-copy node reads) and its device ids buffer."""
+a captured graph, its execs (each pointed at one slot), its device ids buffer and the ring of
+pinned host buffers its ids are copied from."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from kvtier.engine.graph_nodes import SlotNodes
-from kvtier.engine.ids import IdsBuffers
+from kvtier.engine.ids import HostRing
 
 
 class LRU:
@@ -82,7 +82,6 @@ class Exec:
     handle: int  # cudaGraphExec_t (0: unknown, only torch's replay can launch it)
     nodes: SlotNodes | None  # its DMA nodes, retargetable (None: pinned to one slot)
     owned: bool = False  # made by Launcher.instantiate, destroyed by graphs.py; torch owns the first
-    ids: IdsBuffers | None = None  # the pinned buffers its ids copy node reads (one at a time)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +97,11 @@ class Entry:
     ids_dev: torch.Tensor  # int32 [n] on the cache's device: the graph reads the ids from here
     stream: torch.cuda.Stream  # the copy stream it was captured on and is replayed on
     nodes: SlotNodes | None = None  # its DMA nodes, retargetable to another slot (None: pinned)
+    ring: HostRing | None = None  # pinned sources of the ids copies
     execs: list[Exec] = field(default_factory=list)  # most recently used first; one is torch's
     main: Exec | None = None  # torch's exec (what CUDAGraph.replay launches)
 
 
 def host_buf(n: int) -> HostBuf:
-    # Once per ids buffer of an exec: at capture, or when every one is still read.
-    t = torch.empty(n, dtype=torch.int32, pin_memory=True)
+    t = torch.empty(n, dtype=torch.int32, pin_memory=True)  # once per ring buffer, at capture
     return HostBuf(t, t.numpy(), t.data_ptr())

@@ -11,18 +11,17 @@ import torch
 
 from kvtier.engine.graph_cache import Entry, Exec, host_buf
 from kvtier.engine.graph_nodes import SlotNodes
-from kvtier.engine.ids import IdsBuffers
+from kvtier.engine.ids import HostRing
 from kvtier.ops.staged import load_chunks, save_chunks
 
 
-def find_nodes(graphs, g, direction, base, nbytes, n, staging, ids) -> SlotNodes | None:
-    """The graph's DMA nodes and its ids copy node (`ids`: its host and device addresses), or
-    None (with one warning per engine): the graph stays pinned."""
+def find_nodes(graphs, g, direction, base, nbytes, n, staging) -> SlotNodes | None:
+    """The graph's DMA nodes, or None (with one warning per engine): the graph stays pinned."""
     per = staging[0].numel() // graphs.kv.block_nbytes  # blocks per chunk, as ops.staged plans them
     spans = [(t.data_ptr(), t.numel()) for t in staging]
     host_side = "dst" if direction == "save" else "src"
     try:
-        return SlotNodes.find(g, host_side, base, nbytes, spans, -(-n // per), ids)
+        return SlotNodes.find(g, host_side, base, nbytes, spans, -(-n // per))
     except Exception as e:  # noqa: BLE001 - anything unexpected: address-keyed, as before
         from kvtier.device.cudart import clear_last_error
 
@@ -36,10 +35,9 @@ def find_nodes(graphs, g, direction, base, nbytes, n, staging, ids) -> SlotNodes
 
 def capture_entry(graphs, direction, n, last_valid, slot_tensor, staging, side, stream) -> Entry:
     """Capture one staged save / load of `n` blocks into `slot_tensor` on the copy stream `stream`
-    (its helper stream `side` forked and joined inside), starting with the copy of its ids from a
-    pinned buffer into its own device ids buffer; retargetable (`Entry.nodes`) when
-    `graphs.retarget` and the DMA and ids nodes were found. Raises on a failed capture (the
-    caller disables graphs)."""
+    (its helper stream `side` forked and joined inside), with its own device ids buffer and ring;
+    retargetable (`Entry.nodes`) when `graphs.retarget` and the DMA nodes were found. Raises on a
+    failed capture (the caller disables graphs)."""
     kv = graphs.kv
     keep = graphs.retarget
     try:
@@ -51,19 +49,11 @@ def capture_entry(graphs, direction, n, last_valid, slot_tensor, staging, side, 
         # Allocated on the copy stream: freed later, its memory is reused only by work ordered
         # after this stream's replays.
         ids_dev = torch.zeros(n, dtype=torch.int32, device=graphs._device)
-        ids = IdsBuffers(lambda: host_buf(n), max_depth=16)  # the main exec's; its node reads buffers[0]
-        first = ids.buffers[0]
         # "relaxed": other threads are not affected (unlike "global"), and the zero-size tensor
         # aliases the op wrappers make are legal here even when torch's caching allocator is
         # off (PYTORCH_NO_CUDA_MEMORY_CACHING=1 under compute-sanitizer: cudaMalloc(0) / cudaFree).
         g.capture_begin(capture_error_mode="relaxed")
         try:
-            # The graph's first node: each launch copies its ids in (no copy call of its own).
-            # A runtime call: torch's copy_ would also record its host allocator's event here.
-            if graphs._launcher is not None:
-                graphs._launcher.h2d(ids_dev.data_ptr(), first.ptr, 4 * n, stream.cuda_stream)
-            else:
-                ids_dev.copy_(first.tensor, non_blocking=True)
             if direction == "save":
                 save_chunks(
                     kv, ids_dev, last_valid, slot_tensor, staging=staging, gather_stream=side,
@@ -83,11 +73,12 @@ def capture_entry(graphs, direction, n, last_valid, slot_tensor, staging, side, 
         if keep:
             g.instantiate()  # keep_graph defers it; the exec must exist before its nodes are read
             base, nbytes = slot_tensor.data_ptr(), slot_tensor.numel() * slot_tensor.element_size()
-            ids_at = (first.ptr, ids_dev.data_ptr())
-            nodes = find_nodes(graphs, g, direction, base, nbytes, n, staging, ids_at)
+            nodes = find_nodes(graphs, g, direction, base, nbytes, n, staging)
+        # Deep: with the job's event as guard a buffer is busy until its job is done.
+        ring = HostRing(lambda: host_buf(n), torch.cuda.Event, depth=2, max_depth=64)
     try:
         handle = int(g.raw_cuda_graph_exec() or 0)
     except (AttributeError, RuntimeError):  # a torch without it: torch's replay only
         handle = 0
-    main = Exec(handle, nodes, ids=ids)
-    return Entry(g, ids_dev, stream, nodes, [main], main)
+    main = Exec(handle, nodes)
+    return Entry(g, ids_dev, stream, nodes, ring, [main], main)

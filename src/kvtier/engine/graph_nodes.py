@@ -15,12 +15,9 @@ launches of hGraphExec. Already enqueued or running launches of hGraphExec are n
 this call." So a retarget may follow a replay of the same exec that is still queued or running.
 Anything unexpected raises `NodeError`; the caller then keys that graph by the slot address.
 
-The graph's one other memcpy node copies its block ids from a pinned buffer to the device (found
-by its addresses, kept apart); `point_ids` moves its source to another buffer of the same size.
-
-`Launcher` enqueues a replay as one runtime call on a raw stream handle (cudaGraphLaunch of the
-exec) instead of torch's stream switch and CUDAGraph.replay, and the capture's ids copy
-(cudaMemcpyAsync); it also makes further execs of a kept graph (cudaGraphInstantiateWithFlags)
+`Launcher` enqueues a replay as two runtime calls on a raw stream handle -- cudaMemcpyAsync of the
+ids from a pinned buffer, cudaGraphLaunch of the exec -- instead of torch's stream switch, copy_
+and CUDAGraph.replay; it also makes further execs of a kept graph (cudaGraphInstantiateWithFlags)
 so that graphs.py can keep one exec per recent slot instead of moving one exec's nodes each job.
 """
 
@@ -143,28 +140,22 @@ def _check(rc: int, what: str) -> None:
 class SlotNodes:
     """The host sides of one instantiated graph's memcpy nodes, movable to another slot."""
 
-    def __init__(self, api, exec_handle: int, nodes: list, base: int, ids_node=None):
+    def __init__(self, api, exec_handle: int, nodes: list, base: int):
         self._api, self._exec = api, c_void_p(exec_handle)
         self._nodes = nodes  # (node handle, params as captured, the host-side cudaPitchedPtr in them, offset)
-        self._ids = ids_node  # (node handle, params) of the ids copy (host buffer -> device), or None
         self.base = base  # the slot the exec's nodes point at now
         self.captured = base  # the slot the graph's own nodes point at (a new exec of it starts there)
         self.num_nodes = len(nodes)
 
     def for_exec(self, exec_handle: int) -> SlotNodes:
-        """The same nodes in another exec instantiated from the same graph (at the captured slot,
-        its ids node at the captured buffer)."""
-        out = SlotNodes(self._api, exec_handle, self._nodes, self.captured, self._ids)
+        """The same nodes in another exec instantiated from the same graph (at the captured slot)."""
+        out = SlotNodes(self._api, exec_handle, self._nodes, self.captured)
         out.num_nodes = self.num_nodes
         return out
 
     @classmethod
-    def find(
-        cls, graph, host_side: str, base: int, nbytes: int, staging, expected: int, ids: tuple | None = None
-    ) -> SlotNodes:
-        """`graph`: a torch CUDAGraph made with keep_graph=True, instantiated. `ids`: (host
-        address, device address) of the graph's ids copy node, kept apart from the DMA nodes
-        (`point_ids` moves its host side). Raises NodeError."""
+    def find(cls, graph, host_side: str, base: int, nbytes: int, staging, expected: int) -> SlotNodes:
+        """`graph`: a torch CUDAGraph made with keep_graph=True, instantiated. Raises NodeError."""
         api = _api()
         g, ex = int(graph.raw_cuda_graph() or 0), int(graph.raw_cuda_graph_exec() or 0)
         if not g or not ex:
@@ -173,7 +164,7 @@ class SlotNodes:
         _check(api.get_nodes(g, None, byref(count)), "cudaGraphGetNodes")
         handles = (c_void_p * count.value)()
         _check(api.get_nodes(g, handles, byref(count)), "cudaGraphGetNodes")
-        copies, found, ids_node = [], [], None
+        copies, found = [], []
         for h in handles[: count.value]:
             t = c_int(-1)
             _check(api.node_type(h, byref(t)), "cudaGraphNodeGetType")
@@ -186,19 +177,14 @@ class SlotNodes:
             if p.srcPos.y or p.srcPos.z or p.dstPos.y or p.dstPos.z:
                 raise NodeError("a memcpy node has a 2-D/3-D position")
             src, dst = (p.srcPtr.ptr or 0) + p.srcPos.x, (p.dstPtr.ptr or 0) + p.dstPos.x
-            if ids is not None and (src, dst) == ids:
-                ids_node = (c_void_p(h), p)
-                continue
             copies.append(Copy(src, dst, p.extent.width, p.kind))
             side = p.dstPtr if host_side == "dst" else p.srcPtr  # a view into `p`: writes land in it
             found.append((c_void_p(h), p, side))
-        if ids is not None and ids_node is None:
-            raise NodeError("the graph has no copy of its ids buffer")
         offsets = host_offsets(copies, host_side, base, nbytes, staging, expected)
         # The pointer field's own offset: the effective address minus the node's x position.
         pos = [(p.dstPos.x if host_side == "dst" else p.srcPos.x) for _h, p, _s in found]
         nodes = [(h, p, s, off - x) for (h, p, s), off, x in zip(found, offsets, pos, strict=True)]
-        out = cls(api, ex, nodes, base, ids_node)
+        out = cls(api, ex, nodes, base)
         out.num_nodes = count.value  # every node of the graph (kernels, memcpys, event waits ...)
         return out
 
@@ -213,16 +199,6 @@ class SlotNodes:
             # running keep the old slot (CUDA runtime API, cudaGraphExecMemcpyNodeSetParams).
             _check(exec_set(ex, h, byref(p)), "cudaGraphExecMemcpyNodeSetParams")
         self.base = base
-
-    def point_ids(self, ptr: int) -> None:
-        """Point the exec's ids copy node at the pinned buffer at `ptr` (same size), for launches
-        enqueued after this call. Raises NodeError (no ids node, or the update failed)."""
-        if self._ids is None:
-            raise NodeError("the graph's ids copy node is unknown")
-        h, p = self._ids
-        p.srcPtr.ptr = ptr - p.srcPos.x  # the effective source is the pointer plus the x position
-        # Launches already enqueued keep the buffer they were launched with (as for retarget).
-        _check(self._api.exec_set(self._exec, h, byref(p)), "cudaGraphExecMemcpyNodeSetParams")
 
 
 @functools.cache

@@ -2,18 +2,14 @@
 DMAs, or DMAs + scatters, over the two staging buffers) captured once, replayed for later jobs.
 
 Submitting a staged job eagerly costs ~1-3 ms of CPU (a Triton launch, stream switches and an
-event pair per chunk); a replay is one `cudaGraphLaunch` on the engine's copy stream, a runtime
-call on raw handles (`graph_nodes.Launcher`; torch's replay where that is unavailable). Each
-runtime call that reaches the GPU costs the host 10-40 us while the copy engines stream to host
-memory (`benchmarks/results/...-33`), so the block ids travel inside the graph: its first node
-copies them from a pinned buffer of the exec into the graph's device ids buffer.
+event pair per chunk); a replay is one small H2D copy of the block ids into the graph's own
+device buffer and one `cudaGraphLaunch`, both on the engine's copy stream, as two runtime calls
+on raw handles (`graph_nodes.Launcher`; torch's copy_ / replay where those are unavailable).
 
 Key: everything the graph bakes in besides the ids and the slot address -- direction, slot size,
-number of blocks, valid tokens of the last block, the staging buffers. The ids are data: a replay
-writes them into the pinned buffer its exec's ids node reads (`ids.IdsBuffers`), once the launch
-that last read it has completed (the job's event); when that launch is still queued, the node is
-first pointed at another buffer of the exec (cudaGraphExecMemcpyNodeSetParams, host-side only).
-An exec whose nodes could not be found waits for its one buffer instead. The slot address is baked
+number of blocks, valid tokens of the last block, the staging buffers. The ids are data: each
+replay first copies them from one of the entry's pinned buffers (`ids.HostRing`, made at capture,
+refilled only once the event after its last copy has completed). The slot address is baked
 into the DMA (memcpy) nodes; after capture `graph_nodes.py` finds those nodes, and a replay for
 another slot of the same size first moves their host side (cudaGraphExecMemcpyNodeSetParams on
 the exec graph), so one graph serves every slot. Where the
@@ -22,8 +18,7 @@ too (`pinned_key`), as before: a replay never writes bytes anywhere but the job'
 With `slot_execs` > 1 an entry keeps up to that many execs of its graph (cudaGraphInstantiate of
 the kept graph), each pointed at a recent slot: a job on one of those slots launches its exec
 unmoved (a moved exec may cost the driver a re-upload at its next launch); another slot moves
-the least recently used exec, or a new one (pointed at ids buffers of its own at creation). They
-share the device ids buffer: one stream replays them, in order.
+the least recently used exec, or a new one. They share the ids buffer: one stream replays them.
 The cache is an LRU of `max_graphs` entries; an evicted entry is kept alive until an event
 recorded on its stream at eviction has completed (a queued replay may still read it).
 A miss runs the job eagerly (which also warms up every Triton specialization and launch plan)
@@ -34,7 +29,7 @@ device sync, other threads unaffected). `ops.save_chunks` / `load_chunks` fork t
 stream from the copy stream with an event recorded inside the capture and join it back at the
 end, and wait only on events recorded inside the capture. On replay the whole graph is one
 operation of the copy stream: it starts after everything before it there (the engine's
-`after` / tracker waits, earlier jobs using the same staging buffers and device ids buffer) and work
+`after` / tracker waits, the ids copy, earlier jobs using the same staging buffers) and work
 recorded after it (e_save / e_load) follows all of its nodes.
 """
 
@@ -46,12 +41,12 @@ import warnings
 import numpy as np
 import torch
 
-from kvtier.engine.graph_cache import LRU, GraphStats, graph_key, pinned_key
+from kvtier.engine.graph_cache import LRU, GraphStats, HostBuf, graph_key, pinned_key
 from kvtier.engine.graph_cache import Entry as _Entry
 from kvtier.engine.graph_cache import Exec as _Exec
 from kvtier.engine.graph_capture import capture_entry
 from kvtier.engine.graph_nodes import Launcher, NodeError
-from kvtier.engine.ids import IdsBuffers
+from kvtier.engine.ids import HostRing
 from kvtier.engine.jobs import NO_TRACE
 
 __all__ = ["LRU", "GraphStats", "StagedGraphs", "graph_key", "pinned_key"]
@@ -83,7 +78,6 @@ class StagedGraphs:
         except NodeError:
             self._launcher = None
         self.direct = self._launcher is not None
-        self._make_event = torch.cuda.Event  # guards an ids buffer when a replay has no job event
 
     def replay(self, key, ids: torch.Tensor, stream: torch.cuda.Stream, slot_ptr: int, done=None) -> bool:
         """Replay the graph of `key` for the slot at `slot_ptr` with block ids `ids` (int64 CPU,
@@ -99,83 +93,63 @@ class StagedGraphs:
         # bytes go to / come from the last slot); skipped when an exec's nodes already do.
         ex = None if entry is None else self._exec_for(key, entry, slot_ptr)
         tr.mark("retarget")
-        if ex is None or not self._enqueue(key, entry, ex, ids, stream, done):
+        if ex is None or not self._enqueue(entry, ex, ids, stream, done):
             self.stats.misses += 1
             return False
         self.stats.replays += 1
         return True
 
-    def _enqueue(self, key, entry: _Entry, ex: _Exec, ids, stream, done=None) -> bool:
-        """Fill the exec's ids buffer, then launch it on `stream` (the entry's copy stream); False:
-        nothing of the graph was launched (the job goes eager)."""
-        direct = self.direct and ex.handle
-        if not direct and ex is not entry.main:
-            return False  # only torch's own exec can be launched through torch
-        tr, own = self.trace or NO_TRACE, ex.ids
-        k = own.take(movable=ex.nodes is not None)  # a buffer no queued launch reads any more
-        if k != own.cur:
-            if not self._point_ids(key, entry, ex, own.buffers[k].ptr):
-                return False
-            own.use(k, None)  # the node reads k from now on (free until a launch is guarded below)
-        buf = own.buffers[k]
+    def _enqueue(self, entry: _Entry, ex: _Exec, ids, stream, done=None) -> bool:
+        """The ids copy then the launch, on `stream` (the entry's copy stream); False: nothing
+        of the graph was launched (the job goes eager)."""
+        tr, ring = self.trace or NO_TRACE, entry.ring
+        i = ring.take()  # a buffer no queued copy reads any more
+        buf = ring.buffers[i]
         np.copyto(buf.array, ids.numpy() if isinstance(ids, torch.Tensor) else ids, casting="unsafe")
         tr.mark("ids_fill")
-        if direct:
+        # The graph reads its ids buffer: the new ids land first, on the stream that replays it (and
+        # after the previous replay of this graph, which read the old ones, on that same stream).
+        if self.direct and ex.handle:
             if torch.cuda.current_device() == stream.device_index:
-                ok = self._direct(ex, stream)
-            else:
-                with torch.cuda.device(stream.device_index):
-                    ok = self._direct(ex, stream)
-            if not ok:
-                return False
+                return self._direct(entry, ex, buf, i, stream, done)
+            with torch.cuda.device(stream.device_index):
+                return self._direct(entry, ex, buf, i, stream, done)
+        if ex is not entry.main:
+            return False  # only torch's own exec can be launched through torch
+        prev = torch.cuda.current_stream()  # of the current device
+        if prev.device_index != stream.device_index:  # another device is current: the general context
+            with torch.cuda.stream(stream):
+                self._torch_launch(entry, buf, i, stream, done)
         else:
-            self._torch_launch(entry, stream)
-        if done is None:  # no job event to guard the buffer with: an event of our own
-            done = self._make_event()
-            done.record(stream)  # after the launch: its ids copy has read the buffer by then
-        own.use(k, done)  # rewritten only after `done`: the launch has copied the ids by then
+            torch.cuda.set_stream(stream)  # cheaper than a StreamContext on the usual path
+            try:
+                self._torch_launch(entry, buf, i, stream, done)
+            finally:
+                torch.cuda.set_stream(prev)
         return True
 
-    def _direct(self, ex: _Exec, stream) -> bool:
+    def _direct(self, entry: _Entry, ex: _Exec, buf: HostBuf, i: int, stream, done=None) -> bool:
+        tr, h = self.trace or NO_TRACE, stream.cuda_stream
         try:
-            self._launcher.launch(ex.handle, stream.cuda_stream)
+            self._launcher.h2d(entry.ids_dev.data_ptr(), buf.ptr, buf.array.nbytes, h)
+            _arm(entry.ring, i, stream, done)
+            tr.mark("ids_h2d")
+            self._launcher.launch(ex.handle, h)
         except NodeError as e:  # nothing of the graph was launched: the job goes eager
             self.direct = False
             self.stats.failures += 1
             warnings.warn(f"kvtier: direct graph launch failed, replays go through torch: {e}", stacklevel=5)
             return False
-        (self.trace or NO_TRACE).mark("launch")
+        tr.mark("launch")
         return True
 
-    def _torch_launch(self, entry: _Entry, stream) -> None:
-        prev = torch.cuda.current_stream()  # of the current device
-        if prev.device_index != stream.device_index:  # another device is current: the general context
-            with torch.cuda.stream(stream):
-                entry.graph.replay()
-        else:
-            torch.cuda.set_stream(stream)  # cheaper than a StreamContext on the usual path
-            try:
-                entry.graph.replay()
-            finally:
-                torch.cuda.set_stream(prev)
-        (self.trace or NO_TRACE).mark("launch")
-
-    def _point_ids(self, key, entry: _Entry, ex: _Exec, ptr: int) -> bool:
-        """Point the exec's ids node at the buffer at `ptr` before its launch is enqueued. On failure
-        drop the entry (as `_move`): the job goes eager."""
-        try:
-            ex.nodes.point_ids(ptr)
-        except Exception as e:  # noqa: BLE001 - NodeError or anything else: never launch it again
-            self._drop(key, entry, f"kvtier: moving a staged graph's ids buffer failed: {e}")
-            return False
-        return True
-
-    def _drop(self, key, entry: _Entry, msg: str) -> None:
-        self.cache.pop(key)
-        self._retire(entry)  # a replay of it may still be queued: keep it alive until it ran
-        self.retarget = False  # later captures are pinned
-        self.stats.failures += 1
-        warnings.warn(msg, stacklevel=6)
+    def _torch_launch(self, entry: _Entry, buf: HostBuf, i: int, stream, done=None) -> None:
+        tr = self.trace or NO_TRACE
+        entry.ids_dev.copy_(buf.tensor, non_blocking=True)
+        _arm(entry.ring, i, stream, done)
+        tr.mark("ids_h2d")
+        entry.graph.replay()
+        tr.mark("launch")
 
     def _exec_for(self, key, entry: _Entry, slot_ptr: int) -> _Exec | None:
         """The exec to launch for the slot at `slot_ptr`: one whose nodes point there already, else
@@ -204,18 +178,8 @@ class StagedGraphs:
             self.slot_execs, self.stats.failures = 1, self.stats.failures + 1
             warnings.warn(f"kvtier: another exec of a staged graph failed, one per graph: {e}", stacklevel=5)
             return None
-        nodes = entry.main.nodes.for_exec(h)
-        ids = IdsBuffers(entry.main.ids._make_buffer, max_depth=entry.main.ids.max_depth)
-        try:
-            nodes.point_ids(ids.buffers[0].ptr)  # its own buffer: the captured one is the main exec's
-        except Exception as e:  # noqa: BLE001 - as a failed instantiate
-            with contextlib.suppress(Exception):
-                self._launcher.destroy(h)  # never launched
-            self.slot_execs, self.stats.failures = 1, self.stats.failures + 1
-            warnings.warn(f"kvtier: another exec of a staged graph failed, one per graph: {e}", stacklevel=5)
-            return None
         self.stats.execs += 1
-        return _Exec(h, nodes, owned=True, ids=ids)
+        return _Exec(h, entry.main.nodes.for_exec(h), owned=True)
 
     def _move(self, key, entry: _Entry, ex: _Exec, slot_ptr: int) -> bool:
         """Point the exec's DMA nodes at the slot at `slot_ptr`, before its replay is enqueued
@@ -224,8 +188,12 @@ class StagedGraphs:
         try:
             ex.nodes.retarget(slot_ptr)
         except Exception as e:  # noqa: BLE001 - NodeError or anything else: never launch it again
+            self.cache.pop(key)
+            self._retire(entry)  # a replay of it may still be queued: keep it alive until it ran
+            self.retarget = False
+            self.stats.failures += 1
             msg = f"kvtier: moving a staged graph to another slot failed, graphs keyed by slot: {e}"
-            self._drop(key, entry, msg)
+            warnings.warn(msg, stacklevel=5)
             return False
         self.stats.retargets += 1
         return True
@@ -256,7 +224,7 @@ class StagedGraphs:
 
     def _retire(self, entry: _Entry) -> None:
         self.stats.evictions += 1
-        ev = self._make_event()
+        ev = torch.cuda.Event()
         # A replay of the evicted graph may still be queued: keep its buffer and exec until it ran.
         ev.record(entry.stream)
         self._dead.append((ev, entry))
@@ -284,3 +252,11 @@ class StagedGraphs:
         for e in self.cache.clear() + [e for _ev, e in self._dead]:
             self._free(e)
         self._dead.clear()
+
+
+def _arm(ring: HostRing, i: int, stream, done) -> None:
+    """Guard ids buffer `i` after its H2D was enqueued on `stream`."""
+    if done is not None:
+        ring.arm_with(i, done)  # rewritten only after the job's event: its copy read the ids by then
+    else:
+        ring.arm(i, stream)  # rewritten only after this event: the copy reads the buffer later

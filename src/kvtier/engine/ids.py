@@ -6,9 +6,9 @@ sequence of ints) into an int64 array of its own -- the job keeps it, so the cal
 buffer -- and checks it: in range (one pass: a negative id viewed as unsigned is out of range
 too), distinct where asked (one scatter of positions, one gather back), `num_tokens` fitting.
 
-`IdsBuffers` holds the pinned host buffers a graph exec's ids copy node reads. The copy reads its
-source when the stream reaches it, not when the launch is enqueued: a buffer is written again
-only once the event recorded after its last launch has completed.
+`HostRing` holds the host buffers a graph's ids are copied from. An asynchronous H2D copy reads
+its pinned source when the stream reaches it, not when it is enqueued: a buffer is written again
+only once the event recorded after its last copy has completed.
 """
 
 from __future__ import annotations
@@ -101,61 +101,65 @@ class IdCheck:
             return bool((self._mark[a] != pos).any())
 
 
-class IdsBuffers:
-    """The pinned host buffers one graph exec's ids copy node reads from (the node copies them to
-    the graph's device ids buffer at the start of each launch). Each buffer is guarded by the event
-    recorded after the last launch that read it; the node reads one buffer at a time, `cur`.
-    Not thread-safe (used under the engine's lock).
+class HostRing:
+    """Host buffers reused round-robin, each guarded by the event recorded after the copy that
+    last read it. Not thread-safe (used under the engine's lock).
 
-    make_buffer(): a new buffer (pinned, on CUDA). first: the buffer the node reads now (default:
-    a new one). A launch writes `cur` when its guard has completed -- no runtime call; else
-    (movable) a free buffer, or a new one up to max_depth, or the next one once its launch ran, and
-    the caller points the node there first (a host-side update of the exec, ~2-3 us on the H200);
-    an exec that cannot be updated waits for its one buffer.
+    make_buffer(): a new buffer (pinned, on CUDA). make_event(): an event with `record(stream)`,
+    `query()` and `synchronize()`. depth: buffers made up front; up to max_depth are made when
+    every buffer is still being read, past that the host waits for the oldest copy. A buffer is
+    guarded by the ring's own event (`arm`) or by one the caller records later (`arm_with`, e.g.
+    the job's event: one runtime call fewer, the buffer busy until the whole job is done).
     """
 
-    def __init__(self, make_buffer: Callable[[], Any], first: Any = None, max_depth: int = 16):
-        if max_depth < 1:
-            raise ValueError(f"max_depth: expected >= 1, got {max_depth}")
-        self._make_buffer, self.max_depth = make_buffer, max_depth
-        self.buffers: list = [first if first is not None else make_buffer()]
-        self._guards: list = [None]  # per buffer: recorded after its last launch (None: never read)
-        self.cur = 0  # the buffer the exec's node reads at its next launch
-        self.grown = self.waited = self.moved = 0
+    def __init__(self, make_buffer: Callable[[], Any], make_event: Callable[[], Any], depth=2, max_depth=16):
+        if not 1 <= depth <= max_depth:
+            raise ValueError(f"depth: expected 1 <= depth <= max_depth ({max_depth}), got {depth}")
+        self._make_buffer, self._make_event, self.max_depth = make_buffer, make_event, max_depth
+        self.buffers: list = []
+        self._events: list = []  # per buffer: recorded after its last copy (None: never used)
+        self._own: list = []  # per buffer: the ring's own event, made on its first `arm`
+        self._next = 0  # the buffer used longest ago
+        self.grown = self.waited = 0
+        for _ in range(depth):
+            self._add(len(self.buffers))
 
-    def take(self, movable: bool = True) -> int:
-        """A buffer the host may write now: `cur` when free, else another (then the caller
-        points the node at it before the launch, and calls `use`)."""
-        g = self._guards[self.cur]
-        if g is None or g.query():
-            return self.cur
-        if not movable:
-            # Writing it now would change the ids of a launch still queued: wait for that launch.
-            g.synchronize()
-            self.waited += 1
-            return self.cur
-        for k, g in enumerate(self._guards):
-            if k != self.cur and (g is None or g.query()):
-                return k  # a buffer whose last launch has read it
-        if len(self.buffers) < self.max_depth:
-            self.buffers.append(self._make_buffer())
-            self._guards.append(None)
-            self.grown += 1
-            return len(self.buffers) - 1
-        k = (self.cur + 1) % len(self.buffers)  # not cur: the newest launch reads that one
-        self._guards[k].synchronize()  # every buffer is still read: wait for the launch that reads k
-        self.waited += 1
-        return k
+    def _add(self, i: int) -> None:
+        self.buffers.insert(i, self._make_buffer())
+        self._events.insert(i, None)
+        self._own.insert(i, None)
 
-    def use(self, k: int, guard) -> None:
-        """Buffer `k` is what the node reads from now on; rewritten only after `guard` (the event
-        the caller records after the launch; until recorded it reads as complete: the caller
-        holds the lock meanwhile)."""
-        if k != self.cur:
-            self.moved += 1
-        self.cur = k
-        # Rewritten only after `guard`: the launch before it has copied the ids by then.
-        self._guards[k] = guard
+    def take(self) -> int:
+        """The index of a buffer the host may write now; then enqueue its copy and `arm` it."""
+        i = self._next
+        ev = self._events[i]
+        if ev is not None and not ev.query():  # its last copy may not have read it yet
+            if len(self.buffers) < self.max_depth:
+                self._add(i)  # a new buffer in its place; the busy one stays next in line
+                self.grown += 1
+            else:
+                # Writing it now would change the ids of a copy still queued: wait for that copy.
+                ev.synchronize()
+                self.waited += 1
+        return i
+
+    def arm(self, i: int, stream) -> None:
+        """Record buffer `i`'s event on `stream` right after the copy that reads it was enqueued."""
+        own = self._own[i]
+        if own is None:
+            own = self._own[i] = self._make_event()
+        # The buffer is reused only after this event: the copy has then read the ids it held.
+        own.record(stream)
+        self._events[i] = own
+        self._next = (i + 1) % len(self.buffers)
+
+    def arm_with(self, i: int, event) -> None:
+        """Guard buffer `i` with `event`, which the caller records after the copy that reads it
+        (on that copy's stream, later in the same submit): no event record of the ring's own.
+        Until it is recorded the buffer reads as free; the caller holds the lock meanwhile."""
+        # The buffer is reused only after `event`: the copy before it has then read the ids.
+        self._events[i] = event
+        self._next = (i + 1) % len(self.buffers)
 
     def __len__(self) -> int:
         return len(self.buffers)

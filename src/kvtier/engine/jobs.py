@@ -80,7 +80,7 @@ class LoadJob(_Job):
 
 class SubmitTrace:
     """Where the CPU time of each save()/load() goes: perf_counter_ns deltas between the engine's
-    marks (ids, slot, tracker_wait, graph_lookup, retarget, ids_fill, launch, eager,
+    marks (ids, slot, tracker_wait, graph_lookup, retarget, ids_fill, ids_h2d, launch, eager,
     capture, mover, event, tracker_begin, ...), one dict per job, the last `keep` jobs. Set
     `engine.trace = SubmitTrace()` or KVTIER_SUBMIT_TRACE=1; off (None) each mark costs one test.
     The record in progress is per thread."""
