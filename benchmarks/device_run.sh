@@ -18,7 +18,8 @@
 #   events-ab: ($GPU_TESTS) profile_submit.py --hot (and --spin-ms 3) with KVTIER_EVENTS=torch / raw,
 #       two rounds; suites $P6_SUITES if set
 #   ab: ($GPU_TESTS) profile_submit.py --hot (and --spin-ms 3) with this tree's src and $AB_OLD's
-#       (a worktree of an older commit, carried), two rounds; suites $P6_SUITES if set
+#       (a worktree of an older commit, carried), $AB_ROUNDS rounds (2); $AB_X: a third side's
+#       arguments; suites $P6_SUITES if set
 #   multi: (2+ GPUs) handoff/probe GPU tests, memcheck/racecheck of a handoff, probe --all-gpus,
 #          suites handoff + contention, `kvtier path` with the measured sharing
 set -uo pipefail
@@ -178,12 +179,14 @@ if [ "$mode" = ab ]; then  # the submit of this tree against an older one ($AB_O
     echo "== GPU tests"
     timeout 200 $py -m pytest -q -p no:cacheprovider $GPU_TESTS 2>&1 | tail -15 | tee "$out/pytest-gpu.log"
   fi
-  for round in 1 2; do
-    for side in old new; do
+  # AB_X: profile_submit arguments of a third side, "x" (this tree), e.g. --staging-mib 1024
+  for round in $(seq ${AB_ROUNDS:-2}); do
+    for side in old new $([ -n "${AB_X:-}" ] && echo x); do
       src=$([ $side = old ] && echo "${AB_OLD:-.ab_old}/src" || echo src)
-      for spin in 0 3; do
-        echo "## round $round $side spin_ms=$spin" | tee -a "$out/profile_submit-ab.txt"
-        PYTHONPATH=$src timeout 100 $py benchmarks/profile_submit.py --hot --spin-ms $spin \
+      extra=$([ $side = x ] && echo "$AB_X" || true)
+      for spin in ${AB_SPINS:-0 3}; do
+        echo "## round $round $side spin_ms=$spin $extra" | tee -a "$out/profile_submit-ab.txt"
+        PYTHONPATH=$src timeout 100 $py benchmarks/profile_submit.py --hot --spin-ms $spin $extra \
           --modes ${PROFILE_MODES:-same alternate} --cases ${PROFILE_CASES:-bs16 bs1} \
           >> "$out/profile_submit-ab.txt" 2>&1
         tail -6 "$out/profile_submit-ab.txt"

@@ -135,11 +135,15 @@ def floor_us(spin_ms: float, reps: int, raw: bool = False) -> dict:
     return out
 
 
-def run_mode(dev, kv, pool, src, dst, mode: str, reps: int, prof=None, dst2=None, spin_ms=0.0) -> dict:
+def run_mode(
+    dev, kv, pool, src, dst, mode: str, reps: int, prof=None, dst2=None, spin_ms=0.0, staging_mib=512
+) -> dict:
     """One mode; with `dst2` (hot) each timed job follows an untimed one submitted just before;
     `spin_ms`: the host spins that long right before each timed submit."""
     gpu = dev.name != "sim"
-    eng = TransferEngine(dev, kv, pool, path="staged", graphs=mode != "eager")
+    eng = TransferEngine(
+        dev, kv, pool, path="staged", graphs=mode != "eager", staging_bytes=staging_mib << 20
+    )
     g = getattr(eng.mover, "graphs", None)
     if g is not None and mode in ("alt-moved", "alt-torch"):
         g.slot_execs = 1  # torch's replay launches only its own exec
@@ -267,6 +271,12 @@ def main() -> int:
         default=0.0,
         help="host work (a scheduler step's stand-in) this long before each timed job",
     )
+    ap.add_argument(
+        "--staging-mib",
+        type=int,
+        default=512,
+        help="GPU staging per direction (two buffers of half; GPU only)",
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--cprofile", action="store_true", help="cProfile the timed submits of bs16 alternate")
     args = ap.parse_args()
@@ -298,7 +308,17 @@ def main() -> int:
         for mode in modes:
             prof = cProfile.Profile() if args.cprofile and case == "bs16" and mode == "alternate" else None
             r = run_mode(
-                dev, kv, pool, src, dst, mode, args.reps, prof, dst2 if args.hot else None, args.spin_ms
+                dev,
+                kv,
+                pool,
+                src,
+                dst,
+                mode,
+                args.reps,
+                prof,
+                dst2 if args.hot else None,
+                args.spin_ms,
+                args.staging_mib,
             )
             r.update(case=case, blocks=n, block_size=bs, nbytes=nbytes, device=dev.name)
             results.append(r)

@@ -178,6 +178,9 @@ class PinnedPool:
         self._check_request(nbytes)
         if timeout is not None and timeout < 0:
             raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
+        with self._lock:
+            if (slot := self._take(nbytes)) is not None:
+                return slot  # the usual case: room now, no clock read
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:

@@ -103,6 +103,9 @@ class TransferEngine(Completion):
         self._seq = itertools.count(1)
         self._closed = False
         self._check_ids = IdCheck(kv.num_blocks, kv.block_size)
+        self._block_nbytes = kv.block_nbytes  # kv.chunk_nbytes(n) = n * this, without its property chain
+        # Back-pressure: settled jobs and retired slots give their room back while we wait.
+        self._on_pressure = lambda _n: self.poll() > 0
         self._auto: dict[tuple[str, bool], Path] = {}  # what "auto" chose per (direction, per_layer)
         on = os.environ.get("KVTIER_SUBMIT_TRACE", "").strip().lower() in ("1", "true", "yes", "on")
         self.trace = SubmitTrace() if on else None
@@ -130,9 +133,8 @@ class TransferEngine(Completion):
         ids, bset = self._check_ids.check(block_ids, False, num_tokens)  # bset: the same ids, checked
         tr.mark("ids")
         p = self._path("save", path)
-        nbytes = self.kv.chunk_nbytes(len(ids))
-        # Back-pressure: settled jobs and retired slots give their room back while we wait.
-        slot = self.slots.alloc(nbytes, timeout=timeout or 0.0, on_pressure=lambda _n: self.poll() > 0)
+        nbytes = len(ids) * self._block_nbytes
+        slot = self.slots.alloc(nbytes, timeout=timeout or 0.0, on_pressure=self._on_pressure)
         tr.mark("slot")
         try:
             with self._lock:
@@ -179,7 +181,7 @@ class TransferEngine(Completion):
         self._check_open()
         ids, bset = self._check_ids.check(block_ids, True, num_tokens)  # bset: the same ids, checked
         tr.mark("ids")
-        nbytes = self.kv.chunk_nbytes(len(ids))
+        nbytes = len(ids) * self._block_nbytes
         if slot.nbytes != nbytes:
             raise ValueError(f"slot: holds {slot.nbytes} B, {len(ids)} blocks need {nbytes} B")
         p = self._path("load", path, per_layer)

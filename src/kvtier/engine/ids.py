@@ -59,11 +59,11 @@ class IdCheck:
     def _array(block_ids) -> np.ndarray:
         """A new 1-D int64 array of the ids (never a view of the caller's buffer)."""
         if isinstance(block_ids, torch.Tensor):
-            if block_ids.dim() != 1 or block_ids.dtype not in (torch.int32, torch.int64):
+            if block_ids.ndim != 1 or block_ids.dtype not in (torch.int32, torch.int64):
                 raise ValueError(
                     f"block_ids: expected 1-D int32/int64, got {block_ids.dtype} {tuple(block_ids.shape)}"
                 )
-            if block_ids.device.type == "cpu":
+            if block_ids.is_cpu:
                 a = block_ids.numpy().astype(np.int64)  # astype copies
             else:
                 a = block_ids.cpu().numpy()  # a copy already (and a sync: the caller's choice)

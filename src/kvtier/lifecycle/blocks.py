@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -61,12 +60,16 @@ Blocks = Iterable[int] | torch.Tensor | np.ndarray | CheckedBlocks
 MASK_MAX = 1 << 24  # ids below it are checked through the scratch mask (1 B each), others by a sort
 
 
-@dataclass(slots=True, frozen=True)
 class _Pending:
-    kind: Access
-    blocks: np.ndarray  # int64 [n], owned by the tracker
-    hi: int  # above every id in `blocks`
-    event: Event
+    """One submitted access (a plain slotted class: one per job, it must cost next to nothing)."""
+
+    __slots__ = ("blocks", "event", "hi", "kind")
+
+    def __init__(self, kind: Access, blocks: np.ndarray, hi: int, event: Event):
+        self.kind = kind
+        self.blocks = blocks  # int64 [n], owned by the tracker
+        self.hi = hi  # above every id in `blocks`
+        self.event = event
 
 
 def _same(a: object, b: object) -> bool:
