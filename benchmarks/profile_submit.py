@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
+import os
 import pstats
 import statistics
 import sys
@@ -277,9 +278,13 @@ def main() -> int:
         default=512,
         help="GPU staging per direction (two buffers of half; GPU only)",
     )
+    ap.add_argument("--pin-cpu", type=int, default=None, help="run on this CPU only (sched_setaffinity)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--cprofile", action="store_true", help="cProfile the timed submits of bs16 alternate")
     args = ap.parse_args()
+    if args.pin_cpu is not None:
+        os.sched_setaffinity(0, {args.pin_cpu})  # this thread and those it starts: one CPU
+        print(f"pinned to CPU {args.pin_cpu}")
     t_start = time.perf_counter()
     gpu = torch.cuda.is_available()
     if gpu:

@@ -35,6 +35,7 @@ class CudaStream(Stream):
         self._dev = device
         self.raw = raw
         self.handle = raw.cuda_stream  # the cudaStream_t, for raw runtime calls (0: legacy default)
+        self._key = (raw.device_index, self.handle)  # what identifies the stream (0 is per device)
         self.name = name
         self._seq = itertools.count(1)
 
@@ -54,10 +55,10 @@ class CudaStream(Stream):
         self.raw.synchronize()  # returning from a submit proves nothing; this does
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, CudaStream) and other.raw == self.raw
+        return isinstance(other, CudaStream) and other._key == self._key  # ints: no torch call
 
     def __hash__(self) -> int:
-        return hash(self.raw)
+        return hash(self._key)
 
 
 class CudaDevice(Device):

@@ -55,6 +55,7 @@ class CudaMover:
         self.graphs = StagedGraphs(self.kv, engine.max_graphs, engine.graph_execs) if engine.graphs else None
         self.trace = None  # a jobs.SubmitTrace, set through engine.trace
         self._staging_key: dict[str, tuple[int, ...]] = {}  # direction -> staging addresses (graph key)
+        self._block_size = self.kv.block_size  # a property of the layers' shapes: read once
 
     def check_path(self, path: Path) -> None:
         if path is Path.BATCH and not self.batch_available:
@@ -162,7 +163,7 @@ class CudaMover:
         """The graph key of a staged job, or None when graphs are off."""
         if self.graphs is None or not self.graphs.enabled:
             return None
-        n, bs = len(ids), self.kv.block_size
+        n, bs = ids.shape[0], self._block_size
         last_valid = bs if num_tokens is None else num_tokens - (n - 1) * bs  # engine checked num_tokens
         return graph_key(direction, slot.nbytes, n, last_valid, self._staging_key[direction])
 

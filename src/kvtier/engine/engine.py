@@ -133,7 +133,7 @@ class TransferEngine(Completion):
         ids, bset = self._check_ids.check(block_ids, False, num_tokens)  # bset: the same ids, checked
         tr.mark("ids")
         p = self._path("save", path)
-        nbytes = len(ids) * self._block_nbytes
+        nbytes = len(bset.ids) * self._block_nbytes  # numpy's len: torch's is a Python call
         slot = self.slots.alloc(nbytes, timeout=timeout or 0.0, on_pressure=self._on_pressure)
         tr.mark("slot")
         try:
@@ -181,7 +181,7 @@ class TransferEngine(Completion):
         self._check_open()
         ids, bset = self._check_ids.check(block_ids, True, num_tokens)  # bset: the same ids, checked
         tr.mark("ids")
-        nbytes = len(ids) * self._block_nbytes
+        nbytes = len(bset.ids) * self._block_nbytes  # numpy's len: torch's is a Python call
         if slot.nbytes != nbytes:
             raise ValueError(f"slot: holds {slot.nbytes} B, {len(ids)} blocks need {nbytes} B")
         p = self._path("load", path, per_layer)

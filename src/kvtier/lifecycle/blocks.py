@@ -63,13 +63,14 @@ MASK_MAX = 1 << 24  # ids below it are checked through the scratch mask (1 B eac
 class _Pending:
     """One submitted access (a plain slotted class: one per job, it must cost next to nothing)."""
 
-    __slots__ = ("blocks", "event", "hi", "kind")
+    __slots__ = ("blocks", "event", "hi", "kind", "stream")
 
     def __init__(self, kind: Access, blocks: np.ndarray, hi: int, event: Event):
         self.kind = kind
         self.blocks = blocks  # int64 [n], owned by the tracker
         self.hi = hi  # above every id in `blocks`
         self.event = event
+        self.stream = event.stream  # where it was recorded (registered events are not re-recorded)
 
 
 def _same(a: object, b: object) -> bool:
@@ -147,21 +148,25 @@ class BlockTracker:
         finally:
             m[a] = False  # scratch stays all False between calls
 
-    def _prune(self, full: bool = True) -> None:
-        """Drop completed accesses. Not full: only once the list has doubled since the last prune
-        (amortized O(1) queries per access; a completed access left in the list only makes a
-        caller wait on an event that has completed, which costs nothing)."""
-        if full or len(self._pending) >= self._prune_at:
-            self._pending = [p for p in self._pending if not p.event.query()]
-            self._prune_at = 2 * len(self._pending) + 16
+    def _prune(self) -> None:
+        """Drop completed accesses. Submits call it only once the list has doubled since the last
+        prune (`_prune_at`: amortized O(1) queries per access; a completed access left in the list
+        only makes a caller wait on an event that has completed, which costs nothing)."""
+        self._pending = [p for p in self._pending if not p.event.query()]
+        self._prune_at = 2 * len(self._pending) + 16
 
     def waits_for(self, kind: Access, blocks: Blocks, stream: object = None) -> list[Event]:
         """Events a new `kind` access to `blocks` must wait for (those on `stream` are implied)."""
         a, hi = self._blocks(blocks, kind)
         follow = MUST_FOLLOW[kind]
         with self._lock:
-            self._prune(full=False)
-            cands = [p for p in self._pending if p.kind in follow and not _same(p.event.stream, stream)]
+            if len(self._pending) >= self._prune_at:
+                self._prune()
+            if stream is None:
+                cands = [p for p in self._pending if p.kind in follow]
+            else:  # those on `stream` are ordered by it already (identity first: it is the usual match)
+                pend, s = self._pending, stream
+                cands = [p for p in pend if p.kind in follow and p.stream is not s and p.stream != s]
             if cands:  # completed ones first (a query each): the block masks cost O(blocks)
                 done = {id(p) for p in cands if p.event.query()}
                 if done:  # completed: they order nothing any more, and are not queried again
@@ -177,7 +182,8 @@ class BlockTracker:
         """
         a, hi = self._blocks(blocks, kind)
         with self._lock:
-            self._prune(full=False)
+            if len(self._pending) >= self._prune_at:
+                self._prune()
             if self.sanitize:
                 follow = MUST_FOLLOW[kind]
                 cands = [
@@ -185,7 +191,7 @@ class BlockTracker:
                     for p in self._pending
                     if p.kind in follow
                     and not any(p.event is w for w in waited)
-                    and not _same(p.event.stream, event.stream)
+                    and not _same(p.stream, event.stream)
                 ]
                 for p in self._overlapping(a, hi, cands):
                     if p.event.query():
