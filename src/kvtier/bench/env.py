@@ -91,6 +91,11 @@ def environment(device: str = "cpu") -> dict:
             topo = nvml.read(idx, uuid=str(uuid) if uuid else None)
             env["driver"] = topo.get("driver")
             env["topology"] = topo
+            from kvtier.device.cuda_events import event_api
+
+            # What CudaDevice's events are (a submit's host cost depends on it): raw or torch.
+            chosen = os.environ.get("KVTIER_EVENTS", "").strip()
+            env["events"] = chosen or ("raw" if event_api()[0] is not None else "torch")
     except ImportError:
         pass
     try:
