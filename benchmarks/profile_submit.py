@@ -44,6 +44,7 @@ from kvtier import layout
 from kvtier.bench.hostref import host_work as spin
 from kvtier.device.sim import SimDevice, SimStream
 from kvtier.engine import TransferEngine
+from kvtier.engine.ids import IdCheck
 from kvtier.engine.jobs import SubmitTrace
 from kvtier.pool import PinnedPool
 
@@ -137,10 +138,23 @@ def floor_us(spin_ms: float, reps: int, raw: bool = False) -> dict:
 
 
 def run_mode(
-    dev, kv, pool, src, dst, mode: str, reps: int, prof=None, dst2=None, spin_ms=0.0, staging_mib=512
+    dev,
+    kv,
+    pool,
+    src,
+    dst,
+    mode: str,
+    reps: int,
+    prof=None,
+    dst2=None,
+    spin_ms=0.0,
+    staging_mib=512,
+    probe=False,
 ) -> dict:
     """One mode; with `dst2` (hot) each timed job follows an untimed one submitted just before;
-    `spin_ms`: the host spins that long right before each timed submit."""
+    `spin_ms`: the host spins that long right before each timed submit; `probe`: right before
+    each timed save, one check of its ids by an IdCheck of our own is timed (the host's speed at
+    that moment, kvtier's submit aside)."""  # fmt: skip
     gpu = dev.name != "sim"
     eng = TransferEngine(
         dev, kv, pool, path="staged", graphs=mode != "eager", staging_bytes=staging_mib << 20
@@ -161,6 +175,7 @@ def run_mode(
     warm, held, ok, tr = 3, None, {"saves": 0, "loads": 0}, SubmitTrace()
     total = warm + reps + 4  # four untimed jobs at the end check the bytes
     us = {"save": [], "load": []}
+    probe_check, probed = IdCheck(kv.num_blocks, kv.block_size), []
     cpu = {"save": [], "load": []}
     for i in range(total):
         timed, check = warm <= i < warm + reps, i >= total - 2
@@ -173,6 +188,10 @@ def run_mode(
         pre = eng.save(src, after=None) if dst2 is not None else None  # hot: the submit just before
         if timed and spin_ms:
             spin(spin_ms)
+        if timed and probe:
+            t0 = time.perf_counter()
+            probe_check.check(src, False)
+            probed.append((time.perf_counter() - t0) * 1e6)
         if timed and prof is not None:
             prof.enable()
         c0 = time.thread_time_ns()
@@ -220,6 +239,7 @@ def run_mode(
         "hot": dst2 is not None,
         "checked": ok,
         "graph_stats": vars(g.stats).copy() if g is not None else None,
+        "host_probe_us": statistics.median(probed) if probed else None,
     }
     if g is not None:  # nodes per captured graph (save, load): what one cudaGraphLaunch submits
         out["graph_nodes"] = [getattr(e.nodes, "num_nodes", None) for e in g.cache._d.values()]
@@ -258,6 +278,10 @@ def show(case: str, r: dict) -> None:
     if gs:
         print(f"{'':17s}graph stats {gs}, nodes per graph {r.get('graph_nodes')}")
     print(f"{'':17s}checked: {r['checked']} of 2 saves / 2 loads bit-exact")
+    if r.get("host_probe_us") is not None:
+        print(
+            f"{'':17s}host probe (a 512-id check right before each timed save): {r['host_probe_us']:.1f} us"
+        )
 
 
 def main() -> int:
@@ -278,6 +302,7 @@ def main() -> int:
         default=512,
         help="GPU staging per direction (two buffers of half; GPU only)",
     )
+    ap.add_argument("--probe", action="store_true", help="time a check of the ids right before each save")
     ap.add_argument("--pin-cpu", type=int, default=None, help="run on this CPU only (sched_setaffinity)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--cprofile", action="store_true", help="cProfile the timed submits of bs16 alternate")
@@ -324,6 +349,7 @@ def main() -> int:
                 dst2 if args.hot else None,
                 args.spin_ms,
                 args.staging_mib,
+                args.probe,
             )
             r.update(case=case, blocks=n, block_size=bs, nbytes=nbytes, device=dev.name)
             results.append(r)
