@@ -165,3 +165,18 @@ def test_synchronize_with_timeout_polls(rt):
     assert ev.synchronize(timeout=0.01) is False  # never completes here
     rt.done[0x7] = 1
     assert ev.synchronize(timeout=0.01) is True
+
+
+def test_cuda_streams_compare_by_device_and_handle():
+    from kvtier.device.cuda import CudaStream
+
+    class Raw:
+        def __init__(self, device_index, cuda_stream):
+            self.device_index, self.cuda_stream = device_index, cuda_stream
+
+    dev = object()
+    a, b = CudaStream(dev, Raw(0, 0x7), "a"), CudaStream(dev, Raw(0, 0x7), "b")
+    assert a == b and hash(a) == hash(b)  # two wrappers of one stream
+    assert a != CudaStream(dev, Raw(0, 0x9), "c")
+    assert CudaStream(dev, Raw(0, 0), "d0") != CudaStream(dev, Raw(1, 0), "d1")  # handle 0 is per device
+    assert a != object()
