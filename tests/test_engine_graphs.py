@@ -210,6 +210,10 @@ def test_graphs_option_is_ignored_on_sim(graphs):
         {"max_graphs": True},
         {"graph_execs": 0},
         {"graph_execs": 2.0},
+        {"uva_ctas": 0},
+        {"uva_ctas": True},
+        {"staging_bytes": 1},
+        {"staging_bytes": 2.0**30},
     ],
 )
 def test_graphs_options_checked(kw):
@@ -218,6 +222,12 @@ def test_graphs_options_checked(kw):
     pool = PinnedPool(dev, 2 * kv.chunk_nbytes(3))
     with pytest.raises(ValueError, match=next(iter(kw))):
         TransferEngine(dev, kv, pool, **kw)
+    with pytest.raises(ValueError, match="kv: expected a PagedKV"):
+        TransferEngine(dev, kv.layers[0], pool)
+    other = SimDevice()
+    with pytest.raises(ValueError, match="pool: must be a PinnedPool of the same device"):
+        TransferEngine(other, kv, pool)
+    other.close()
     pool.close()
     dev.close()
 

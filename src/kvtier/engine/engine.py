@@ -25,6 +25,7 @@ from kvtier.engine.completion import Completion
 from kvtier.engine.ids import IdCheck
 from kvtier.engine.jobs import NO_TRACE, LoadJob, SaveJob, SubmitTrace, _Job
 from kvtier.engine.movers import make_mover
+from kvtier.engine.options import check_options
 from kvtier.engine.paths import Path, choose_path, parse_path
 from kvtier.layout import PagedKV
 from kvtier.lifecycle import Access, BlockTracker, LifecycleError, SlotState, SlotTracker, sanitize_enabled
@@ -71,22 +72,10 @@ class TransferEngine(Completion):
         max_graphs: int = 64,
         graph_execs: int = 4,
     ):
-        if not isinstance(kv, PagedKV):
-            raise ValueError(f"kv: expected a PagedKV, got {type(kv).__name__}")
-        if pool.device is not device:
-            raise ValueError("pool: must be a PinnedPool of the same device")
-        if uva_ctas is not None and (
-            isinstance(uva_ctas, bool) or not isinstance(uva_ctas, int) or uva_ctas < 1
-        ):
-            raise ValueError(f"uva_ctas: expected a positive int or None, got {uva_ctas!r}")
-        if not isinstance(staging_bytes, int) or staging_bytes < 2 * kv.block_nbytes:
-            raise ValueError(f"staging_bytes: need at least two blocks ({2 * kv.block_nbytes} B)")
-        if not isinstance(graphs, bool):
-            raise ValueError(f"graphs: expected a bool, got {graphs!r}")
-        if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
-            raise ValueError(f"max_graphs: expected a positive int, got {max_graphs!r}")
-        if isinstance(graph_execs, bool) or not isinstance(graph_execs, int) or graph_execs < 1:
-            raise ValueError(f"graph_execs: expected a positive int, got {graph_execs!r}")
+        check_options(
+            device, kv, pool, staging_bytes=staging_bytes, uva_ctas=uva_ctas, graphs=graphs,
+            max_graphs=max_graphs, graph_execs=graph_execs,
+        )  # fmt: skip
         self.graphs, self.max_graphs, self.graph_execs = graphs, max_graphs, graph_execs
         self.device, self.kv, self.pool = device, kv, pool
         self.path = parse_path(path)
