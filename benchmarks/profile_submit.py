@@ -246,7 +246,7 @@ def run_mode(
     for job in ("save", "load"):
         out[job] = {
             "submit_us": statistics.median(us[job]), "cpu_us": statistics.median(cpu[job]),
-            "phases_us": tr.medians(job),
+            "phases_us": tr.medians(job), **split_us(tr, job),
         }  # fmt: skip
     for s in [*srcs, held]:
         if s is not None:
@@ -268,11 +268,28 @@ def poison_dst(eng, kv, dst, compute, gpu: bool) -> None:
     eng.compute_write(dst, compute.record("poison"))
 
 
+CALLS = ("ids_h2d", "launch", "event")  # the phases that are one runtime call each on a replay
+
+
+def split_us(tr: SubmitTrace, job: str) -> dict:
+    """Medians over the traced jobs of `calls_us` (the runtime-call phases) and `py_us` (the rest:
+    kvtier's Python). Two versions' calls are the same code: an A/B whose `calls_us` differ ran on
+    different host states, and their `py_us` are the fairer comparison."""
+    recs = [r for r in tr.records if r["job"] == job]
+    if not recs:
+        return {"calls_us": None, "py_us": None}
+    calls = [sum(r.get(k, 0) for k in CALLS) / 1e3 for r in recs]
+    py = [r["total"] / 1e3 - c for r, c in zip(recs, calls, strict=True)]
+    return {"calls_us": statistics.median(calls), "py_us": statistics.median(py)}
+
+
 def show(case: str, r: dict) -> None:
     for job in ("save", "load"):
         ph = r[job]["phases_us"]
         cols = " ".join(f"{k}={ph[k]:.1f}" for k in PHASES if ph.get(k))
         head = f"submit_us={r[job]['submit_us']:7.1f} cpu_us={r[job]['cpu_us']:7.1f}"
+        if r[job].get("py_us") is not None:
+            head += f" py_us={r[job]['py_us']:6.1f} calls_us={r[job]['calls_us']:5.1f}"
         print(f"{case:5s} {r['mode']:10s} {job}: {head} | {cols}")
     gs = r["graph_stats"]
     if gs:
@@ -372,7 +389,11 @@ def main() -> int:
     print(f"\nsubmit_us medians (save / load), {how}; P6: <= 100 us, flat in block count")
     for r in results:
         sv, ld = r["save"]["submit_us"], r["load"]["submit_us"]
-        print(f"  {r['case']:5s} {r['mode']:10s} {sv:7.1f} / {ld:7.1f}")
+        line = f"  {r['case']:5s} {r['mode']:10s} {sv:7.1f} / {ld:7.1f}"
+        if r["save"].get("py_us") is not None:  # kvtier's Python, then the runtime calls (see split_us)
+            line += f"   py {r['save']['py_us']:6.1f} / {r['load']['py_us']:6.1f}"
+            line += f"   calls {r['save']['calls_us']:5.1f} / {r['load']['calls_us']:5.1f}"
+        print(line)
     print(f"elapsed {time.perf_counter() - t_start:.1f} s")
     if args.json:
         with open(args.json, "w") as f:
