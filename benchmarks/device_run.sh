@@ -36,6 +36,20 @@ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width
   --format=csv > "$out/nvidia-smi.txt" 2>&1
 $py -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))" | tee -a "$out/nvidia-smi.txt"
 
+gpu_tests() {  # $GPU_TESTS: pytest arguments, the GPU tests a change touched
+  if [ -n "${GPU_TESTS:-}" ]; then
+    echo "== GPU tests"
+    timeout 200 $py -m pytest -q -p no:cacheprovider $GPU_TESTS 2>&1 | tail -15 | tee "$out/pytest-gpu.log"
+  fi
+}
+p6_suites() {  # $P6_SUITES: kvtier bench suites
+  if [ -n "${P6_SUITES:-}" ]; then
+    echo "== bench $P6_SUITES"
+    timeout 360 $py -m kvtier bench --out "$out" $(for s in $P6_SUITES; do echo --suite $s; done) \
+      2>&1 | tee "$out/bench.log" | tail -40
+  fi
+}
+
 if [ "$mode" = engine-tests ]; then
   echo "== GPU tests"
   timeout 300 $py -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors tests 2>&1 \
@@ -109,10 +123,7 @@ if [ "$mode" = lean ]; then
   exit 0
 fi
 if [ "$mode" = models ]; then
-  if [ -n "${GPU_TESTS:-}" ]; then  # pytest arguments: the GPU tests a change touched
-    echo "== GPU tests"
-    timeout 150 $py -m pytest -q -p no:cacheprovider $GPU_TESTS 2>&1 | tail -15 | tee "$out/pytest-gpu.log"
-  fi
+  gpu_tests
   if [ "${JITTER:-1}" = 1 ]; then  # JITTER=0 skips it
     echo "== host jitter"
     timeout 60 $py benchmarks/host_jitter.py 2>&1 | tee "$out/host_jitter.txt"
@@ -125,10 +136,7 @@ if [ "$mode" = models ]; then
   exit 0
 fi
 if [ "$mode" = p6 ]; then
-  if [ -n "${GPU_TESTS:-}" ]; then  # pytest arguments: the GPU tests a change touched
-    echo "== GPU tests"
-    timeout 150 $py -m pytest -q -p no:cacheprovider $GPU_TESTS 2>&1 | tail -15 | tee "$out/pytest-gpu.log"
-  fi
+  gpu_tests
   echo "== host jitter"
   timeout 60 $py benchmarks/host_jitter.py 2>&1 | tee "$out/host_jitter.txt"
   for how in cold hot; do
@@ -146,16 +154,11 @@ if [ "$mode" = p6 ]; then
     echo "== probe_ce_gather"
     timeout 150 $py benchmarks/probe_ce_gather.py 2>&1 | tee "$out/probe_ce_gather.txt"
   fi
-  echo "== bench ${P6_SUITES:-bidir submit_overhead}"
-  timeout 360 $py -m kvtier bench --out "$out" $(for s in ${P6_SUITES:-bidir submit_overhead}; do echo --suite $s; done) \
-    2>&1 | tee "$out/bench.log" | tail -40
+  P6_SUITES=${P6_SUITES:-bidir submit_overhead} p6_suites
   exit 0
 fi
 if [ "$mode" = events-ab ]; then  # the submit with raw runtime events against torch's, on one box
-  if [ -n "${GPU_TESTS:-}" ]; then
-    echo "== GPU tests"
-    timeout 200 $py -m pytest -q -p no:cacheprovider $GPU_TESTS 2>&1 | tail -15 | tee "$out/pytest-gpu.log"
-  fi
+  gpu_tests
   for round in 1 2; do
     for ev in torch raw; do
       for spin in 0 3; do
@@ -167,18 +170,11 @@ if [ "$mode" = events-ab ]; then  # the submit with raw runtime events against t
       done
     done
   done
-  if [ -n "${P6_SUITES:-}" ]; then
-    echo "== bench $P6_SUITES"
-    timeout 300 $py -m kvtier bench --out "$out" $(for s in $P6_SUITES; do echo --suite $s; done) \
-      2>&1 | tee "$out/bench.log" | tail -40
-  fi
+  p6_suites
   exit 0
 fi
 if [ "$mode" = ab ]; then  # the submit of this tree against an older one ($AB_OLD: a worktree, carried)
-  if [ -n "${GPU_TESTS:-}" ]; then
-    echo "== GPU tests"
-    timeout 200 $py -m pytest -q -p no:cacheprovider $GPU_TESTS 2>&1 | tail -15 | tee "$out/pytest-gpu.log"
-  fi
+  gpu_tests
   # AB_X: profile_submit arguments of a third side, "x" (this tree), e.g. --staging-mib 1024
   for round in $(seq ${AB_ROUNDS:-2}); do
     for side in old new $([ -n "${AB_X:-}" ] && echo x); do
@@ -193,11 +189,7 @@ if [ "$mode" = ab ]; then  # the submit of this tree against an older one ($AB_O
       done
     done
   done
-  if [ -n "${P6_SUITES:-}" ]; then
-    echo "== bench $P6_SUITES"
-    timeout 300 $py -m kvtier bench --out "$out" $(for s in $P6_SUITES; do echo --suite $s; done) \
-      2>&1 | tee "$out/bench.log" | tail -40
-  fi
+  p6_suites
   exit 0
 fi
 if [ "$mode" = models-hf ]; then
