@@ -246,7 +246,7 @@ def run_mode(
     for job in ("save", "load"):
         out[job] = {
             "submit_us": statistics.median(us[job]), "cpu_us": statistics.median(cpu[job]),
-            "phases_us": tr.medians(job), **split_us(tr, job),
+            "phases_us": tr.medians(job), **tr.split(job),
         }  # fmt: skip
     for s in [*srcs, held]:
         if s is not None:
@@ -266,21 +266,6 @@ def poison_dst(eng, kv, dst, compute, gpu: bool) -> None:
         for x in kv.layers:
             x.view(torch.int16)[:, dst] = -1
     eng.compute_write(dst, compute.record("poison"))
-
-
-CALLS = ("ids_h2d", "launch", "event")  # the phases that are one runtime call each on a replay
-
-
-def split_us(tr: SubmitTrace, job: str) -> dict:
-    """Medians over the traced jobs of `calls_us` (the runtime-call phases) and `py_us` (the rest:
-    kvtier's Python). Two versions' calls are the same code: an A/B whose `calls_us` differ ran on
-    different host states, and their `py_us` are the fairer comparison."""
-    recs = [r for r in tr.records if r["job"] == job]
-    if not recs:
-        return {"calls_us": None, "py_us": None}
-    calls = [sum(r.get(k, 0) for k in CALLS) / 1e3 for r in recs]
-    py = [r["total"] / 1e3 - c for r, c in zip(recs, calls, strict=True)]
-    return {"calls_us": statistics.median(calls), "py_us": statistics.median(py)}
 
 
 def show(case: str, r: dict) -> None:

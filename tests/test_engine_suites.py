@@ -59,6 +59,7 @@ def test_submit_overhead_dry_pass_on_sim():
         assert p["engine_path"] in ("staged", "kernel")
         assert p["host_ref_hot_us"] > 0 and p["host_ref_after_wait_us"] > 0  # the host's yardstick
         assert p["submit_busy_us"] > 0 and p["busy_ms"] > 0 and isinstance(p["meets_target_busy"], bool)
+        assert p["submit_hot_py_us"] > 0 and p["submit_hot_calls_us"] > 0  # the sim's event record
 
 
 def test_host_reference_checks_and_times():
@@ -80,6 +81,8 @@ def test_summary_names_the_host_yardstick():
         "submit 412 us, 130 us hot, 301 us after 3 ms of host work for 512 blocks"
         " (host: 512-id check 4.3 / 167 us)"
     )
+    p |= {"submit_hot_py_us": 71.0, "submit_hot_calls_us": 44.0}
+    assert "130 us hot (71 Python + 44 runtime calls)" in _engine_figure({"params": p})
 
 
 def test_save_loop_keeps_jobs_queued_and_reraises():

@@ -65,3 +65,16 @@ def test_no_trace_is_inert():
     tr.mark("ids")  # no record begun: nothing happens
     tr.end()
     assert not tr.records and tr.medians() == {}
+
+
+def test_split_separates_runtime_calls_from_python():
+    tr = SubmitTrace()
+    for total, h2d, launch, event in ((100, 10, 20, 5), (120, 12, 30, 8), (90, 8, 18, 4)):
+        tr.records.append(
+            {"job": "save", "ids": 5000, "ids_h2d": h2d * 1000, "launch": launch * 1000,
+             "event": event * 1000, "total": total * 1000}
+        )  # fmt: skip
+    tr.records.append({"job": "load", "ids": 1000, "total": 40_000})  # an eager job: no call phase
+    assert tr.split("save") == {"calls_us": 35.0, "py_us": 65.0}  # medians of 35/50/30, 65/70/60
+    assert tr.split("load") == {"calls_us": 0.0, "py_us": 40.0}
+    assert SubmitTrace().split("save") == {"calls_us": None, "py_us": None}

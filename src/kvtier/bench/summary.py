@@ -97,6 +97,8 @@ def _engine_figure(r: dict) -> str:
         return f"matmul time {p['slowdown_pct']:+.1f}% (alone spread {p.get('alone_spread_pct', 0):.1f}%)"
     if "submit_us" in p:
         hot = f", {p['submit_hot_us']:,.0f} us hot" if p.get("submit_hot_us") is not None else ""
+        if p.get("submit_hot_py_us") is not None:  # kvtier's Python apart from its runtime calls
+            hot += f" ({p['submit_hot_py_us']:,.0f} Python + {p['submit_hot_calls_us']:,.0f} runtime calls)"
         if p.get("submit_busy_us") is not None:
             hot += f", {p['submit_busy_us']:,.0f} us after {p.get('busy_ms', 0):g} ms of host work"
         ref = ""

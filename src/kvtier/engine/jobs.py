@@ -78,6 +78,9 @@ class LoadJob(_Job):
         self.engine._note_wait(stream, ev)
 
 
+CALL_PHASES = ("ids_h2d", "launch", "event")  # one runtime call each on a staged graph replay
+
+
 class SubmitTrace:
     """Where the CPU time of each save()/load() goes: perf_counter_ns deltas between the engine's
     marks (ids, slot, tracker_wait, graph_lookup, retarget, ids_fill, ids_h2d, launch, eager,
@@ -118,6 +121,17 @@ class SubmitTrace:
         recs = [r for r in self.records if job is None or r["job"] == job]
         phases = dict.fromkeys(k for r in recs for k in r if k != "job")
         return {k: statistics.median(r.get(k, 0) for r in recs) / 1e3 for k in phases}
+
+    def split(self, job: str | None = None) -> dict[str, float | None]:
+        """Medians over the records of `job` of `calls_us` (the phases that are one runtime call
+        each on a staged replay: CALL_PHASES) and `py_us` (the rest: kvtier's Python). Two
+        versions make the same calls: where their `calls_us` differ, the host differed."""
+        recs = [r for r in self.records if job is None or r["job"] == job]
+        if not recs:
+            return {"calls_us": None, "py_us": None}
+        calls = [sum(r.get(k, 0) for k in CALL_PHASES) / 1e3 for r in recs]
+        py = [r["total"] / 1e3 - c for r, c in zip(recs, calls, strict=True)]
+        return {"calls_us": statistics.median(calls), "py_us": statistics.median(py)}
 
     def clear(self) -> None:
         self.records.clear()

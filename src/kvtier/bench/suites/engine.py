@@ -233,6 +233,7 @@ def _submit_rows(ctx, dev, kv, src, dst, nbytes, reps, params) -> list:
             t = _time_jobs(dev, submit, lambda js: _settle(eng, js), reps)
             hot = _hot_submits(eng, call, reps)
             busy = _hot_submits(eng, call, reps, work_ms=BUSY_MS)
+            split = _traced_split(eng, call, reps, direction)
             g1 = _graph_counts(eng)
             us, job_us = us[2:], job_us[2:]  # drop the warm-up runs
             med = statistics.median(us)
@@ -244,6 +245,7 @@ def _submit_rows(ctx, dev, kv, src, dst, nbytes, reps, params) -> list:
                 meets_target_hot=statistics.median(hot) <= P6_US,
                 submit_busy_us=statistics.median(busy), busy_ms=BUSY_MS,
                 meets_target_busy=statistics.median(busy) <= P6_US,
+                submit_hot_py_us=split["py_us"], submit_hot_calls_us=split["calls_us"],
             )  # fmt: skip
             if g0 is not None:  # staged CUDA graphs during this row's jobs (warm-up included)
                 p |= {f"graph_{k}": g1[k] - g0[k] for k in g0}
@@ -272,6 +274,19 @@ def _hot_submits(eng, call, reps: int, work_ms: float = 0.0) -> list[float]:
         out.append((time.perf_counter() - t0) * 1e6)  # submitted, not done: the CPU cost
         _settle(eng, [first, job])  # waits both: the slots come back only after their copies
     return out
+
+
+def _traced_split(eng, call, reps: int, direction: str) -> dict:
+    """Hot submits once more, traced (`SubmitTrace`: a few us of marks, so apart from the figures
+    above): kvtier's Python per job (`py_us`) apart from its runtime calls (`calls_us`), medians."""
+    from kvtier.engine.jobs import SubmitTrace
+
+    prev, eng.trace = eng.trace, SubmitTrace()
+    try:
+        _hot_submits(eng, call, reps)
+        return eng.trace.split(direction)
+    finally:
+        eng.trace = prev
 
 
 def _graph_counts(eng) -> dict | None:
