@@ -14,11 +14,11 @@ no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU
 
 
 def test_registered():
-    for module in ("engine", "interference"):
+    for module in ("engine", "interference", "submit"):
         assert module not in IMPORT_ERRORS, IMPORT_ERRORS[module]
     for name in NAMES:
         assert SUITES[name].needs_gpu and SUITES[name].description
-        assert SUITES[name].fn.__module__.rsplit(".", 1)[1] in ("engine", "interference")
+        assert SUITES[name].fn.__module__.rsplit(".", 1)[1] in ("engine", "interference", "submit")
 
 
 @no_gpu

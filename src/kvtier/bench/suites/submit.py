@@ -1,0 +1,180 @@
+"""The submit_overhead suite of the transfer engine (PERF.md P6: <= 100 us, flat in block count).
+
+CPU time to submit one save / load job: 1 GiB at block sizes 1..256 tokens (8192..32 blocks) and
+4 GiB of 16-token blocks. Per row: the submit right after waiting for the job before (`submit_us`),
+right after another submit (`submit_hot_us`), after 3 ms of other host work (`submit_busy_us`),
+the hot submit split into kvtier's Python and its runtime calls (a traced pass of its own), and
+this host's yardstick (`hostref.py`: a 512-id check, hot and right after a wait). The job itself
+is timed with device events against the pinned copy ceilings, as the other engine suites.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from kvtier.bench.hostref import host_reference, host_work
+from kvtier.bench.suite import Context, GiB, MiB, SkipSuite, register
+from kvtier.bench.suites.engine import _engine, _gpu, _load, _settle, _time_jobs
+from kvtier.bench.suites.kv import Work
+
+P6_US = 100.0
+BUSY_MS = 3.0  # host work between the two submits of a busy sample
+
+
+@register("submit_overhead", description="CPU time to submit one save / load job, 32..32768 blocks (P6)")
+def submit_overhead(ctx: Context):
+    """On a GPU: 1 GiB at block sizes 1..256 and 4 GiB of 16-token blocks. Without one, in quick
+    mode, a dry pass on `SimDevice` (tiny cache, host_memcpy as the ceiling): not figures."""
+    if not ctx.on_gpu and not ctx.quick:
+        raise SkipSuite("needs a CUDA GPU (with --quick, a dry pass runs on the simulator)")
+    reps = 5 if ctx.quick else 20
+    rows = []
+    ref = host_reference(512, reps=3 if ctx.quick else 10, gpu=ctx.on_gpu)  # this host, hot vs after a wait
+    if ctx.on_gpu:
+        dev = _gpu(ctx)
+        w = Work(ctx, 16 * MiB if ctx.quick else GiB, layers=2 if ctx.quick else 32)
+        for bs in (1, 16, 256) if ctx.quick else (1, 4, 16, 64, 256):
+            kv, src, dst = w.request(bs)
+            rows += _submit_rows(ctx, dev, kv, src.cpu, dst.cpu, w.payload, reps, w.params(bs, "auto"))
+        del w, kv, src, dst  # the views keep the 1 GiB request's pool alive otherwise
+        if not ctx.quick:
+            torch.cuda.empty_cache()
+            try:
+                w = Work(ctx, 4 * GiB)
+                kv, src, dst = w.request(16)
+                rows += _submit_rows(ctx, dev, kv, src.cpu, dst.cpu, w.payload, reps, w.params(16, "auto"))
+            except (RuntimeError, torch.OutOfMemoryError) as e:  # pinned registration or HBM too small
+                ctx.skip("submit 4 GiB bs16", f"{type(e).__name__}: {e}"[:300])
+    else:
+        from kvtier.device import SimDevice
+
+        dev = SimDevice()
+        try:
+            for bs in (1, 16, 256):
+                kv, src, dst, nbytes = _sim_cache(bs)
+                rows += _submit_rows(
+                    ctx, dev, kv, src, dst, nbytes, reps, {"block_size": bs, "device": "sim"}
+                )
+        finally:
+            dev.close()
+    for direction in ("save", "load"):  # flat in block count: the spread of the medians across cases
+        mine = [r for r in rows if r.case.startswith(direction)]
+        us = [r.params["submit_us"] for r in mine]
+        for r in mine:
+            r.params["flat_ratio"] = max(us) / min(us)
+    wait = ref["after_gpu_wait_us"] if ref["after_gpu_wait_us"] is not None else ref["after_sleep_us"]
+    for r in rows:  # the yardstick: the same host's first submit step, hot and right after a wait
+        r.params |= {"host_ref_hot_us": ref["hot_us"], "host_ref_after_wait_us": wait}
+    yield from rows
+
+
+def _submit_rows(ctx, dev, kv, src, dst, nbytes, reps, params) -> list:
+    """Save then load rows: the timing is the whole job (device events, vs the ceiling), the
+    params hold the CPU time spent inside save()/load() (perf_counter around the call only)."""
+    eng, pool = _engine(dev, kv, nbytes, 3)  # the load's source + two saves (the hot pair)
+    host = dev.name == "sim"
+    ceil = ("host_memcpy", "host_memcpy") if host else ("d2h_pinned", "h2d_pinned")
+    rows = []
+    try:
+        first = eng.save(src, after=None)
+        eng.wait(first)  # the load's source slot holds complete data only after e_save
+        jobs = {
+            "save": lambda start: eng.save(src, after=start),  # after: the timer's start marker
+            "load": lambda start: _load(eng, first.slot, dst, start),
+        }
+        for (direction, call), ceiling in zip(jobs.items(), ceil, strict=True):
+            us, job_us, paths = [], [], set()
+
+            def submit(start, call=call, us=us, job_us=job_us, paths=paths):
+                t0 = time.perf_counter()
+                job = call(start)
+                us.append((time.perf_counter() - t0) * 1e6)  # submitted, not done: the CPU cost
+                job_us.append(job.submit_s * 1e6)
+                paths.add(job.path)
+                return [job]
+
+            g0 = _graph_counts(eng)
+            t = _time_jobs(dev, submit, lambda js: _settle(eng, js), reps)
+            hot = _hot_submits(eng, call, reps)
+            busy = _hot_submits(eng, call, reps, work_ms=BUSY_MS)
+            split = _traced_split(eng, call, reps, direction)
+            g1 = _graph_counts(eng)
+            us, job_us = us[2:], job_us[2:]  # drop the warm-up runs
+            med = statistics.median(us)
+            p = params | dict(
+                blocks=len(src), submit_us=med, submit_us_min=min(us), submit_us_max=max(us),
+                job_submit_us=statistics.median(job_us), engine_path=",".join(sorted(paths)),
+                target="P6 <= 100 us, flat in block count", meets_target=med <= P6_US,
+                submit_hot_us=statistics.median(hot), submit_hot_us_max=max(hot),
+                meets_target_hot=statistics.median(hot) <= P6_US,
+                submit_busy_us=statistics.median(busy), busy_ms=BUSY_MS,
+                meets_target_busy=statistics.median(busy) <= P6_US,
+                submit_hot_py_us=split["py_us"], submit_hot_calls_us=split["calls_us"],
+            )  # fmt: skip
+            if g0 is not None:  # staged CUDA graphs during this row's jobs (warm-up included)
+                p |= {f"graph_{k}": g1[k] - g0[k] for k in g0}
+            bs = params["block_size"]
+            size = f"{nbytes / GiB:g}GiB" if nbytes >= GiB else f"{nbytes / MiB:.3g}MiB"
+            rows.append(ctx.row(f"{direction} bs{bs} {size}", nbytes, t, ceiling, **p))
+        _settle(eng, [first])
+    finally:
+        eng.close()
+        pool.close()
+    return rows
+
+
+def _hot_submits(eng, call, reps: int, work_ms: float = 0.0) -> list[float]:
+    """µs of a submit right after another one (the host's caches and clocks warm, as in a serving
+    loop that submits jobs back to back); `submit_us` is the cold one, after waiting on the GPU.
+    work_ms: that long of other host work between the two (`hostref.host_work`, a scheduler
+    step's stand-in): the busy figure, what a serving loop sees between its submits."""
+    out = []
+    for _ in range(reps):
+        first = call(None)  # the same Python path, just before: warms the host, not the GPU
+        if work_ms:
+            host_work(work_ms)
+        t0 = time.perf_counter()
+        job = call(None)
+        out.append((time.perf_counter() - t0) * 1e6)  # submitted, not done: the CPU cost
+        _settle(eng, [first, job])  # waits both: the slots come back only after their copies
+    return out
+
+
+def _traced_split(eng, call, reps: int, direction: str) -> dict:
+    """Hot submits once more, traced (`SubmitTrace`: a few us of marks, so apart from the figures
+    above): kvtier's Python per job (`py_us`) apart from its runtime calls (`calls_us`), medians."""
+    from kvtier.engine.jobs import SubmitTrace
+
+    prev, eng.trace = eng.trace, SubmitTrace()
+    try:
+        _hot_submits(eng, call, reps)
+        return eng.trace.split(direction)
+    finally:
+        eng.trace = prev
+
+
+def _graph_counts(eng) -> dict | None:
+    """The engine's staged-graph counters now (None without graphs): did the jobs replay?"""
+    st = eng.graph_stats
+    if st is None:
+        return None
+    return {k: getattr(st, k) for k in ("captures", "replays", "misses", "retargets", "pinned", "failures")}
+
+
+def _sim_cache(bs: int, tokens: int = 256):
+    """A tiny CPU cache for the simulator: 2 layers, 2 heads, head_dim 16, bf16, random bits."""
+    from kvtier import layout
+
+    nb = 2 * tokens // bs
+    caches = [
+        torch.randint(0, 256, (2 * nb * bs * 2 * 16 * 2,), dtype=torch.uint8)
+        .view(torch.bfloat16)
+        .view(2, nb, bs, 2, 16)
+        for _ in range(2)
+    ]
+    kv = layout.vllm_flash(caches)
+    n = tokens // bs
+    return kv, torch.arange(n), torch.arange(n, 2 * n), kv.chunk_nbytes(n)
