@@ -15,6 +15,8 @@
 #   ttft-hf: GPU tests ($GPU_TESTS: those), profile_ttft.py (2K, 8K, 32K), suites ttft + hf ($KVTIER_CALIBRATION)
 #   p6: ($GPU_TESTS) host_jitter.py, profile_submit.py cold / hot (CPROFILE=1: + cProfile), PROBE_CE=1:
 #       probe_ce_gather.py; suites $P6_SUITES (default bidir submit_overhead)
+#   states: ($GPU_TESTS) host_states.py (and with OMP_NUM_THREADS=1), profile_submit.py --hot two rounds
+#       with and without OMP_NUM_THREADS=1; suites $P6_SUITES (default submit_overhead)
 #   events-ab: ($GPU_TESTS) profile_submit.py --hot (and --spin-ms 3) with KVTIER_EVENTS=torch / raw,
 #       two rounds; suites $P6_SUITES if set
 #   ab: ($GPU_TESTS) profile_submit.py --hot (and --spin-ms 3) with this tree's src and $AB_OLD's
@@ -133,6 +135,23 @@ if [ "$mode" = models ]; then
   echo "== bench ttft, submit_overhead"
   KVTIER_CALIBRATION="$out/calibration.json" timeout 360 $py -m kvtier bench --out "$out" --suite ttft \
     --suite submit_overhead 2>&1 | tee "$out/bench.log" | tail -60
+  exit 0
+fi
+if [ "$mode" = states ]; then
+  gpu_tests
+  for omp in "" 1; do
+    echo "== host states (OMP_NUM_THREADS=${omp:-default})"
+    env ${omp:+OMP_NUM_THREADS=$omp} timeout 90 $py benchmarks/host_states.py 2>&1 | tee -a "$out/host_states.txt"
+  done
+  for round in 1 2; do
+    for omp in "" 1; do
+      echo "## round $round OMP_NUM_THREADS=${omp:-default}" >> "$out/profile_submit-hot.txt"
+      env ${omp:+OMP_NUM_THREADS=$omp} timeout 120 $py benchmarks/profile_submit.py --hot \
+        --modes ${PROFILE_MODES:-same alternate} >> "$out/profile_submit-hot.txt" 2>&1
+      tail -6 "$out/profile_submit-hot.txt"
+    done
+  done
+  P6_SUITES=${P6_SUITES:-submit_overhead} p6_suites
   exit 0
 fi
 if [ "$mode" = p6 ]; then
