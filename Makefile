@@ -5,12 +5,13 @@ BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 TRITON  ?= triton==3.6.0
 STAMP   := $(VENV)/.installed
+FAST    := $(VENV)/.fast-built
 
 .PHONY: demo test lint fmt clean venv
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first: on a machine without a GPU this takes the CPU build; triton runs kernels
@@ -19,10 +20,17 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q -e ".[gpu,dev,hf]"
 	touch $(STAMP)
 
-demo: $(STAMP)
+# The submit path's optional C helper (src/kvtier/engine/_fast.c, see engine/fast.py), rebuilt
+# when it changes; without a C compiler kvtier runs those steps in numpy / ctypes instead.
+$(FAST): src/kvtier/engine/_fast.c setup.py $(STAMP)
+	$(BIN)/python setup.py -q build_ext --inplace > $(VENV)/fast-build.log 2>&1 \
+	  || echo "kvtier: C helper not built (see $(VENV)/fast-build.log); the submit runs without it"
+	touch $(FAST)
+
+demo: $(FAST)
 	$(BIN)/kvtier demo
 
-test: $(STAMP)
+test: $(FAST)
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
 	TRITON_INTERPRET=$${TRITON_INTERPRET-$$($(BIN)/python -c "import torch; print(0 if torch.cuda.is_available() else 1)")} \
@@ -36,4 +44,4 @@ fmt: $(STAMP)
 	$(BIN)/ruff check --fix src tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache src/kvtier/engine/_fast*.so

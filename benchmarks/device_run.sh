@@ -38,6 +38,14 @@ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width
   --format=csv > "$out/nvidia-smi.txt" 2>&1
 $py -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))" | tee -a "$out/nvidia-smi.txt"
 
+# The submit path's C helper (engine/fast.py) for this box's Python: no install here, so built in place.
+if [ "${KVTIER_NATIVE:-1}" != 0 ]; then
+  so=src/kvtier/engine/_fast$($py -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+  gcc -O2 -shared -fPIC -I"$($py -c "import sysconfig; print(sysconfig.get_paths()['include'])")" \
+    src/kvtier/engine/_fast.c -o "$so" 2>&1 | tail -3
+  $py -c "from kvtier.engine.fast import status; print('C helper:', status())"
+fi
+
 gpu_tests() {  # $GPU_TESTS: pytest arguments, the GPU tests a change touched
   if [ -n "${GPU_TESTS:-}" ]; then
     echo "== GPU tests"
@@ -194,14 +202,16 @@ if [ "$mode" = events-ab ]; then  # the submit with raw runtime events against t
 fi
 if [ "$mode" = ab ]; then  # the submit of this tree against an older one ($AB_OLD: a worktree, carried)
   gpu_tests
-  # AB_X: profile_submit arguments of a third side, "x" (this tree), e.g. --staging-mib 1024
+  # AB_X / AB_X_ENV: profile_submit arguments / environment (VAR=value ...) of a third side, "x"
+  # (this tree), e.g. AB_X="--staging-mib 1024" or AB_X_ENV=KVTIER_NATIVE=0
   for round in $(seq ${AB_ROUNDS:-2}); do
-    for side in old new $([ -n "${AB_X:-}" ] && echo x); do
+    for side in old new $([ -n "${AB_X:-}${AB_X_ENV:-}" ] && echo x); do
       src=$([ $side = old ] && echo "${AB_OLD:-.ab_old}/src" || echo src)
-      extra=$([ $side = x ] && echo "$AB_X" || true)
+      extra=$([ $side = x ] && echo "${AB_X:-}" || true)
+      xenv=$([ $side = x ] && echo "${AB_X_ENV:-}" || true)
       for spin in ${AB_SPINS:-0 3}; do
-        echo "## round $round $side spin_ms=$spin $extra" | tee -a "$out/profile_submit-ab.txt"
-        PYTHONPATH=$src timeout 100 $py benchmarks/profile_submit.py --hot --spin-ms $spin $extra \
+        echo "## round $round $side spin_ms=$spin $extra $xenv" | tee -a "$out/profile_submit-ab.txt"
+        env PYTHONPATH=$src $xenv timeout 100 $py benchmarks/profile_submit.py --hot --spin-ms $spin $extra \
           --modes ${PROFILE_MODES:-same alternate} --cases ${PROFILE_CASES:-bs16 bs1} \
           >> "$out/profile_submit-ab.txt" 2>&1
         tail -6 "$out/profile_submit-ab.txt"

@@ -1,25 +1,39 @@
-"""The id checks of a submit (engine/ids.py `IdCheck`): numpy passes, the same errors as before
-(naming the argument), and ids the job owns (the caller may reuse its buffer right away)."""
+"""The id checks of a submit (engine/ids.py `IdCheck`): numpy passes or one call of the C helper
+(every test runs both), the same errors (naming the argument), and ids the job owns (the caller
+may reuse its buffer right away)."""
 
 import numpy as np
 import pytest
 import torch
 
 from kvtier.device import SimDevice
-from kvtier.engine import TransferEngine
+from kvtier.engine import TransferEngine, fast
+from kvtier.engine import ids as ids_mod
 from kvtier.engine.ids import IdCheck
 from kvtier.lifecycle import Access
 from kvtier.lifecycle.blocks import CheckedBlocks
 from kvtier.pool import PinnedPool
 from kvtier.reference import bits_equal, gather_ref, random_cache
 
+FAST = fast.fast
+
+
+@pytest.fixture(autouse=True, params=["c", "numpy"])
+def native(request, monkeypatch):
+    """Every test twice: with the C helper's check (where built) and with the numpy passes."""
+    if request.param == "c" and FAST is None:
+        pytest.skip(f"C helper: {fast.why}")
+    monkeypatch.setattr(ids_mod, "_fast", FAST if request.param == "c" else None)
+    return request.param
+
 
 @pytest.mark.parametrize(
     "ids",
     [[3, 1, 2], (3, 1, 2), range(3, 0, -2), np.array([3, 1, 2]), np.array([3, 1, 2], np.int32),
-     torch.tensor([3, 1, 2]), torch.tensor([3, 1, 2], dtype=torch.int32), iter([3, 1, 2])],
+     torch.tensor([3, 1, 2]), torch.tensor([3, 1, 2], dtype=torch.int32), "iter"],
 )  # fmt: skip
 def test_accepted_forms(ids):
+    ids = iter([3, 1, 2]) if isinstance(ids, str) else ids  # a fresh iterator for each run
     check = IdCheck(num_blocks=10, block_size=4)
     want = [3, 1] if isinstance(ids, range) else [3, 1, 2]
     t, blocks = check.check(ids, unique=True, num_tokens=4 * len(want) - 3)
@@ -107,3 +121,35 @@ def test_engine_protects_the_submitted_blocks_when_the_caller_reuses_its_tensor(
     eng.close()
     pool.close()
     dev.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_random_ids_as_numpy_would_check_them(dtype):
+    """Random ids, some sets with a repeat or one id out of range: the same verdict and copy as a
+    plain numpy check (np.unique / bounds), and the duplicate scratch all clear after each."""
+    check = IdCheck(num_blocks=5000, block_size=16)
+    rng = np.random.default_rng(7)
+    for trial in range(60):
+        n = int(rng.integers(1, 3000))
+        a = rng.integers(-3 if trial % 7 == 0 else 0, 5003 if trial % 5 == 0 else 5000, n)
+        narrow = np.int64 if dtype == torch.int64 else np.int32
+        src = torch.from_numpy(a).to(dtype) if trial % 2 else a.astype(narrow)
+        in_range = bool(((a >= 0) & (a < 5000)).all())
+        distinct = len(np.unique(a)) == n
+        for unique in (False, True):
+            if not in_range or (unique and not distinct):
+                with pytest.raises(ValueError, match="out of range" if not in_range else "duplicate"):
+                    check(src, unique=unique)
+            else:
+                got = check(src, unique=unique)
+                assert got.dtype == torch.int64 and np.array_equal(got.numpy(), a)
+            assert not check._seen.any()
+
+
+def test_strided_and_foreign_inputs_take_the_numpy_path():
+    check = IdCheck(num_blocks=10, block_size=4)
+    t = torch.tensor([1, 9, 2, 9, 3, 9])[::2]  # not contiguous
+    assert check(t, unique=True).tolist() == [1, 2, 3]
+    big_endian = np.array([4, 5], dtype=">i8")
+    assert check(big_endian, unique=True).tolist() == [4, 5]
+    assert check(np.array([6, 7], dtype=np.int16), unique=True).tolist() == [6, 7]

@@ -139,6 +139,15 @@ class CudaEvent(Event):
     def stream(self) -> CudaStream | None:
         return self._stream
 
+    @property
+    def handle(self) -> int:
+        """The cudaEvent_t, for a caller that records it in a call of its own (`mark_recorded`)."""
+        return self._h
+
+    def mark_recorded(self, stream: CudaStream) -> None:
+        """The caller has just recorded `handle` on `stream` (the C helper, `engine/fast.py`)."""
+        self._stream = stream
+
     def record(self, stream: Stream) -> None:
         s = self._dev._own(stream, "stream")
         api = self._dev._api

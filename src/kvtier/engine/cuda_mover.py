@@ -64,15 +64,16 @@ class CudaMover:
     def save(
         self, path: Path, ids: torch.Tensor, num_tokens: int | None, slot: Slot, stream: Stream, done=None
     ) -> None:
-        """Enqueue the save on `stream`; `done`: the job's event, recorded there after this returns."""
+        """Enqueue the save on `stream`; `done`: the job's event, to be recorded there after every
+        copy of the job -- by the caller, unless a graph replay recorded it already (done.stream)."""
         kv, raw = self.kv, stream.raw
         if path is Path.STAGED:
             if self._save_staging is None:
                 self._save_staging = ops.make_staging(kv, self.chunk_blocks)
                 self._staging_key["save"] = tuple(t.data_ptr() for t in self._save_staging)
             key = self._key("save", ids, num_tokens, slot)
-            if key is not None and self.graphs.replay(key, ids, raw, slot.ptr, done):
-                return
+            if key is not None and self.graphs.replay(key, ids, raw, slot.ptr, done, stream):
+                return  # `done` recorded too where the C helper could (done.stream set)
             self._mark("graph_miss")
             # Eager (also the warm-up of a capture). The last DMA is on `raw`: e_save follows it.
             ops.save_staged(
@@ -99,15 +100,15 @@ class CudaMover:
     def load(
         self, path: Path, ids, num_tokens, slot: Slot, stream: Stream, per_layer: bool, label: str, done=None
     ) -> list[Event]:
-        """Enqueue the load; return the events of layers 0..L-2 (the engine records the last,
-        `done`, on `stream` after this returns)."""
+        """Enqueue the load; return the events of layers 0..L-2 (the last, `done`, is recorded
+        on `stream` by the engine after this returns, or by a graph replay: as in `save`)."""
         kv, raw = self.kv, stream.raw
         if path is Path.STAGED:
             if self._load_staging is None:
                 self._load_staging = ops.make_staging(kv, self.chunk_blocks)
                 self._staging_key["load"] = tuple(t.data_ptr() for t in self._load_staging)
             key = self._key("load", ids, num_tokens, slot)
-            if key is not None and self.graphs.replay(key, ids, raw, slot.ptr, done):
+            if key is not None and self.graphs.replay(key, ids, raw, slot.ptr, done, stream):
                 return []  # the graph joined its scatters into `raw`: e_load follows them
             self._mark("graph_miss")
             last = ops.load_staged(

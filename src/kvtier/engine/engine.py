@@ -139,8 +139,9 @@ class TransferEngine(Completion):
                 e_save = self.device.new_event(f"e_save#{k}")
                 self.mover.save(p, ids, num_tokens, slot, self.save_stream, e_save)
                 tr.mark("mover")
-                # After every copy of the job: then the slot is READY and the ids buffer free.
-                e_save.record(self.save_stream)
+                if e_save.stream is None:  # else the mover's graph replay recorded it right after its copies
+                    # After every copy of the job: then the slot is READY and the ids buffer free.
+                    e_save.record(self.save_stream)
                 tr.mark("event")
                 waited = waits + ([after] if after is not None else [])
                 self.blocks.begin_save(bset, e_save, waited=waited)
@@ -194,7 +195,9 @@ class TransferEngine(Completion):
                 p, ids, num_tokens, slot, self.load_stream, per_layer, f"e_load#{k}", e_load
             )
             tr.mark("mover")
-            e_load.record(self.load_stream)  # after every copy of the job: the blocks landed, the slot free
+            if e_load.stream is None:  # else the mover's graph replay recorded it right after its copies
+                # After every copy of the job: then the blocks have landed and the slot is free.
+                e_load.record(self.load_stream)
             tr.mark("event")
             self.slots.begin_read(slot, e_load)  # the slot may be freed only after e_load
             self.blocks.begin_load(bset, e_load, waited=waits)

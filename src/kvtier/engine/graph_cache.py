@@ -100,6 +100,10 @@ class Entry:
     ring: HostRing | None = None  # pinned sources of the ids copies
     execs: list[Exec] = field(default_factory=list)  # most recently used first; one is torch's
     main: Exec | None = None  # torch's exec (what CUDAGraph.replay launches)
+    ids_ptr: int = field(init=False)  # ids_dev's address, read once (a replay passes it on)
+
+    def __post_init__(self) -> None:
+        self.ids_ptr = self.ids_dev.data_ptr()
 
 
 def host_buf(n: int) -> HostBuf:

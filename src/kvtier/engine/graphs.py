@@ -5,6 +5,9 @@ Submitting a staged job eagerly costs ~1-3 ms of CPU (a Triton launch, stream sw
 event pair per chunk); a replay is one small H2D copy of the block ids into the graph's own
 device buffer and one `cudaGraphLaunch`, both on the engine's copy stream, as two runtime calls
 on raw handles (`graph_nodes.Launcher`; torch's copy_ / replay where those are unavailable).
+With the C helper (`fast.py`) the fill of the pinned ids buffer, those two calls and the record of
+the job's event are one C call (`_fused`); the event is then recorded right after the launch, as
+the engine would have.
 
 Key: everything the graph bakes in besides the ids and the slot address -- direction, slot size,
 number of blocks, valid tokens of the last block, the staging buffers. The ids are data: each
@@ -41,6 +44,8 @@ import warnings
 import numpy as np
 import torch
 
+from kvtier.engine.fast import fast as _fast
+from kvtier.engine.fast import runtime_bound
 from kvtier.engine.graph_cache import LRU, GraphStats, HostBuf, graph_key, pinned_key
 from kvtier.engine.graph_cache import Entry as _Entry
 from kvtier.engine.graph_cache import Exec as _Exec
@@ -78,11 +83,16 @@ class StagedGraphs:
         except NodeError:
             self._launcher = None
         self.direct = self._launcher is not None
+        self.fused = self.direct and runtime_bound()  # replays as one call of the C helper
 
-    def replay(self, key, ids: torch.Tensor, stream: torch.cuda.Stream, slot_ptr: int, done=None) -> bool:
+    def replay(
+        self, key, ids: torch.Tensor, stream: torch.cuda.Stream, slot_ptr: int, done=None, done_on=None
+    ) -> bool:
         """Replay the graph of `key` for the slot at `slot_ptr` with block ids `ids` (int64 CPU,
-        checked); False on a miss. `done`: an event the caller records on `stream` after this
-        returns (the job's), guarding the ids buffer instead of an event record of its own."""
+        checked); False on a miss. `done`: the job's event, recorded on `stream` after the graph
+        (it guards the ids buffer instead of an event record of its own). With `done_on` (the
+        device stream wrapping `stream`) the C helper may record a raw `done` itself, right after
+        the launch; `done.stream` is then set, and the caller records it only while it is None."""
         tr = self.trace or NO_TRACE
         entry = self.cache.get(key) if self.enabled else None
         if entry is None and self.enabled:
@@ -93,18 +103,20 @@ class StagedGraphs:
         # bytes go to / come from the last slot); skipped when an exec's nodes already do.
         ex = None if entry is None else self._exec_for(key, entry, slot_ptr)
         tr.mark("retarget")
-        if ex is None or not self._enqueue(entry, ex, ids, stream, done):
+        if ex is None or not self._enqueue(entry, ex, ids, stream, done, done_on):
             self.stats.misses += 1
             return False
         self.stats.replays += 1
         return True
 
-    def _enqueue(self, entry: _Entry, ex: _Exec, ids, stream, done=None) -> bool:
+    def _enqueue(self, entry: _Entry, ex: _Exec, ids, stream, done=None, done_on=None) -> bool:
         """The ids copy then the launch, on `stream` (the entry's copy stream); False: nothing
         of the graph was launched (the job goes eager)."""
         tr, ring = self.trace or NO_TRACE, entry.ring
         i = ring.take()  # a buffer no queued copy reads any more
         buf = ring.buffers[i]
+        if self.fused and done is not None and ex.handle:
+            return self._fused(entry, ex, buf, i, ids, stream, done, done_on)
         np.copyto(buf.array, ids.numpy() if isinstance(ids, torch.Tensor) else ids, casting="unsafe")
         tr.mark("ids_fill")
         # The graph reads its ids buffer: the new ids land first, on the stream that replays it (and
@@ -142,6 +154,41 @@ class StagedGraphs:
             return False
         tr.mark("launch")
         return True
+
+    def _fused(self, entry: _Entry, ex: _Exec, buf: HostBuf, i: int, ids, stream, done, done_on) -> bool:
+        """Fill, copy, launch and (a raw `done`) record in one C call (`fast.py`)."""
+        tr = self.trace or NO_TRACE
+        ev = getattr(done, "handle", 0) if done_on is not None else 0  # torch's events: the caller records
+        if isinstance(ids, torch.Tensor):
+            n, ptr = ids.shape[0], ids.data_ptr()
+        else:
+            n, ptr = ids.shape[0], ids
+        h, dev = stream.cuda_stream, stream.device_index
+        rc = _fast.replay(ptr, n, buf.ptr, entry.ids_ptr, ex.handle, h, ev, dev)
+        tr.mark("launch")
+        if rc == 0:
+            # The buffer is rewritten only after the job's event: its copy has read the ids by then.
+            entry.ring.arm_with(i, done)
+            if ev:
+                done.mark_recorded(done_on)
+            return True
+        step, err = rc >> 32, rc & 0xFFFFFFFF
+        from kvtier.device.cudart import clear_last_error
+
+        clear_last_error()  # handled here: torch's next check must not report it at an unrelated launch
+        if step == 3:  # copy and graph enqueued, the event not: as a failed record of the engine's
+            with contextlib.suppress(Exception):
+                # The queued copy reads the ids buffer: it must have run before the buffer is reused.
+                stream.synchronize()
+            raise RuntimeError(f"cudaEventRecord after a graph replay failed: cudaError {err}")
+        if step == 2:
+            entry.ring.arm_with(i, done)  # the copy was enqueued: the buffer waits for the job's event
+        self.fused = False
+        self.stats.failures += 1
+        what = {4: "cudaSetDevice", 1: "cudaMemcpyAsync", 2: "cudaGraphLaunch"}.get(step, f"step {step}")
+        msg = f"kvtier: fused graph replay failed ({what}: cudaError {err}), replays go through ctypes"
+        warnings.warn(msg, stacklevel=5)
+        return False
 
     def _torch_launch(self, entry: _Entry, buf: HostBuf, i: int, stream, done=None) -> None:
         tr = self.trace or NO_TRACE

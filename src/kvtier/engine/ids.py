@@ -4,7 +4,9 @@ sort), and handed to the GPU through a ring of pinned host buffers (no allocatio
 `IdCheck` turns what the caller passed (a 1-D int32/int64 tensor, a numpy array, a range or a
 sequence of ints) into an int64 array of its own -- the job keeps it, so the caller may reuse its
 buffer -- and checks it: in range (one pass: a negative id viewed as unsigned is out of range
-too), distinct where asked (one scatter of positions, one gather back), `num_tokens` fitting.
+too), distinct where asked (one byte per block marked, counted, cleared), `num_tokens` fitting.
+With the C helper (`fast.py`) the usual input -- a contiguous int64/int32 tensor or array -- is
+copied and checked in one C call instead; the errors are the same.
 
 `HostRing` holds the host buffers a graph's ids are copied from. An asynchronous H2D copy reads
 its pinned source when the stream reaches it, not when it is enqueued: a buffer is written again
@@ -20,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier.engine.fast import fast as _fast
 from kvtier.lifecycle.blocks import CheckedBlocks
 
 
@@ -38,13 +41,15 @@ class IdCheck:
 
     def check(self, block_ids, unique: bool, num_tokens: int | None = None):
         """(int64 [n] CPU tensor, the same ids as `CheckedBlocks` for the block tracker): one array."""
-        a = self._array(block_ids)
+        a = self._native(block_ids, unique) if _fast is not None else None
+        if a is None:
+            a = self._array(block_ids)
+            hi = int(a.view(np.uint64).max())  # one pass: negatives wrap to huge values
+            if hi >= self.num_blocks:
+                raise ValueError(f"block_ids: out of range; the cache has {self.num_blocks} blocks")
+            if unique and self.has_duplicates(a, hi):
+                raise ValueError("block_ids: duplicate ids; a load cannot write one block twice")
         n = len(a)
-        hi = int(a.view(np.uint64).max())  # one pass: negatives wrap to huge values
-        if hi >= self.num_blocks:
-            raise ValueError(f"block_ids: out of range; the cache has {self.num_blocks} blocks")
-        if unique and self.has_duplicates(a, hi):
-            raise ValueError("block_ids: duplicate ids; a load cannot write one block twice")
         if num_tokens is not None:
             bs = self.block_size
             if (
@@ -54,6 +59,39 @@ class IdCheck:
             ):
                 raise ValueError(f"num_tokens: {num_tokens!r} does not fit {n} blocks of {bs} tokens")
         return torch.from_numpy(a), CheckedBlocks(a, self.num_blocks)
+
+    def _native(self, block_ids, unique: bool) -> np.ndarray | None:
+        """The usual input -- a contiguous 1-D int64/int32 CPU tensor or numpy array -- copied and
+        checked in one C call (`fast.py`); None for anything else (the numpy path handles it)."""
+        if type(block_ids) is torch.Tensor:
+            dt = block_ids.dtype
+            if not (block_ids.is_cpu and block_ids.ndim == 1 and block_ids.is_contiguous()):
+                return None
+            if dt is not torch.int64 and dt is not torch.int32:
+                return None
+            n, src, wide = block_ids.shape[0], block_ids.data_ptr(), dt is torch.int64
+        elif type(block_ids) is np.ndarray:
+            dt = block_ids.dtype
+            if block_ids.ndim != 1 or dt.kind != "i" or dt.itemsize not in (4, 8) or not dt.isnative:
+                return None
+            if not block_ids.flags.c_contiguous:
+                return None
+            n, src, wide = block_ids.shape[0], block_ids, dt.itemsize == 8
+        else:
+            return None
+        if n == 0:
+            return None  # the numpy path raises the error for an empty list
+        a = np.empty(n, dtype=np.int64)  # the job's own copy
+        if unique:
+            with self._lock:  # the scratch mask is shared: one check at a time marks it
+                rc = _fast.check_ids(src, wide, n, self.num_blocks, self._seen, a)
+        else:
+            rc = _fast.check_ids(src, wide, n, self.num_blocks, None, a)
+        if rc == 1:
+            raise ValueError(f"block_ids: out of range; the cache has {self.num_blocks} blocks")
+        if rc == 2:
+            raise ValueError("block_ids: duplicate ids; a load cannot write one block twice")
+        return a
 
     @staticmethod
     def _array(block_ids) -> np.ndarray:

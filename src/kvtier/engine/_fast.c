@@ -1,0 +1,219 @@
+/* kvtier.engine._fast: the two steps of a submit that cost most on a host whose caches are cold
+ * (engine/fast.py says why and measures it), each as one C call instead of a dozen numpy, torch
+ * and ctypes calls. Optional: built by `make` (setup.py, optional=True) or device_run.sh; without
+ * it kvtier runs the same steps in numpy and ctypes (engine/ids.py, engine/graphs.py).
+ *
+ *   check_ids(src, wide, n, num_blocks, seen, out) -> 0 ok | 1 an id out of range | 2 a repeat
+ *   set_runtime(memcpy_async, graph_launch, event_record, get_device, set_device)
+ *   replay(ids, n, host32, dev32, exec, stream, event, device) -> 0 | step << 32 | cudaError
+ *
+ * No CUDA headers: the runtime's functions arrive as addresses (those of the libcudart torch
+ * loaded), with the prototypes below (CUDA 12 and 13 runtime API).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef int (*memcpy_async_t)(void *dst, const void *src, size_t count, int kind, void *stream);
+typedef int (*graph_launch_t)(void *exec, void *stream);
+typedef int (*event_record_t)(void *event, void *stream);
+typedef int (*get_device_t)(int *device);
+typedef int (*set_device_t)(int device);
+
+static memcpy_async_t memcpy_async;
+static graph_launch_t graph_launch;
+static event_record_t event_record;
+static get_device_t get_device;
+static set_device_t set_device;
+
+enum { H2D = 1 };                                     /* cudaMemcpyHostToDevice */
+enum { STEP_DEVICE = 4, STEP_COPY = 1, STEP_LAUNCH = 2, STEP_RECORD = 3 };
+
+/* An address: an int, or an object with the buffer protocol (C-contiguous, at least `need`
+ * bytes). `view->obj` is set when a buffer was taken: release it with PyBuffer_Release. */
+static int address(PyObject *o, Py_ssize_t need, int writable, void **p, Py_buffer *view) {
+    view->obj = NULL;
+    if (PyLong_Check(o)) {
+        *p = PyLong_AsVoidPtr(o);
+        return (*p == NULL && PyErr_Occurred()) ? -1 : 0;
+    }
+    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(o, view, flags) < 0)
+        return -1;
+    if (view->len < need) {
+        PyErr_Format(PyExc_ValueError, "buffer of %zd bytes, needs %zd", view->len, need);
+        PyBuffer_Release(view);
+        view->obj = NULL;
+        return -1;
+    }
+    *p = view->buf;
+    return 0;
+}
+
+static int int_arg(PyObject *o, long long *v) {
+    *v = PyLong_AsLongLong(o);
+    return (*v == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* check_ids: copy n ids (int64 if `wide`, else int32) from `src` to the int64 buffer `out`,
+ * checking 0 <= id < num_blocks (one unsigned compare: a negative id wraps to a huge value);
+ * with `seen` (num_blocks bytes, all zero; None: no check) also that no id repeats, leaving
+ * `seen` all zero again. Returns 0, 1 (an id out of range) or 2 (a repeated id). */
+static PyObject *check_ids(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "check_ids(src, wide, n, num_blocks, seen, out)");
+        return NULL;
+    }
+    long long wide, n, num_blocks;
+    if (int_arg(args[1], &wide) || int_arg(args[2], &n) || int_arg(args[3], &num_blocks))
+        return NULL;
+    if (n < 0 || num_blocks < 0) {
+        PyErr_SetString(PyExc_ValueError, "n and num_blocks must be >= 0");
+        return NULL;
+    }
+    void *src, *outp, *seenp = NULL;
+    Py_buffer vs, vo, vm;
+    vm.obj = NULL;
+    if (address(args[0], n * (wide ? 8 : 4), 0, &src, &vs) < 0)
+        return NULL;
+    if (address(args[5], n * 8, 1, &outp, &vo) < 0) {
+        if (vs.obj) PyBuffer_Release(&vs);
+        return NULL;
+    }
+    if (args[4] != Py_None && address(args[4], num_blocks, 1, &seenp, &vm) < 0) {
+        if (vs.obj) PyBuffer_Release(&vs);
+        if (vo.obj) PyBuffer_Release(&vo);
+        return NULL;
+    }
+    const uint64_t lim = (uint64_t)num_blocks;
+    int64_t *out = (int64_t *)outp;
+    long rc = 0;
+    if (wide) {
+        const int64_t *s = (const int64_t *)src;
+        for (long long i = 0; i < n; i++) {
+            if ((uint64_t)s[i] >= lim) { rc = 1; break; }
+            out[i] = s[i];
+        }
+    } else {
+        const int32_t *s = (const int32_t *)src;
+        for (long long i = 0; i < n; i++) {
+            if ((uint64_t)(int64_t)s[i] >= lim) { rc = 1; break; }
+            out[i] = s[i];
+        }
+    }
+    if (rc == 0 && seenp != NULL) {
+        uint8_t *seen = (uint8_t *)seenp;
+        long long i = 0;
+        for (; i < n; i++) {
+            if (seen[out[i]]) { rc = 2; break; }
+            seen[out[i]] = 1;
+        }
+        for (long long j = 0; j < i; j++)
+            seen[out[j]] = 0;                         /* all zero again for the next call */
+    }
+    if (vs.obj) PyBuffer_Release(&vs);
+    if (vo.obj) PyBuffer_Release(&vo);
+    if (vm.obj) PyBuffer_Release(&vm);
+    return PyLong_FromLong(rc);
+}
+
+static PyObject *set_runtime(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "set_runtime(memcpy_async, graph_launch, event_record, get_device, set_device)");
+        return NULL;
+    }
+    void *p[5];
+    for (int i = 0; i < 5; i++) {
+        p[i] = PyLong_AsVoidPtr(args[i]);
+        if (p[i] == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "set_runtime: a null function address");
+            return NULL;
+        }
+    }
+    memcpy_async = (memcpy_async_t)p[0];
+    graph_launch = (graph_launch_t)p[1];
+    event_record = (event_record_t)p[2];
+    get_device = (get_device_t)p[3];
+    set_device = (set_device_t)p[4];
+    Py_RETURN_NONE;
+}
+
+/* replay: narrow n int64 ids (checked: 0 <= id < 2**31) into the pinned int32 buffer `host32`,
+ * then on `stream`, with `device` current: cudaMemcpyAsync(dev32 <- host32), cudaGraphLaunch
+ * (exec), and cudaEventRecord(event) unless event is 0. Returns 0, or (step << 32) | cudaError:
+ * step 4 switching device (nothing enqueued), 1 the copy (nothing enqueued), 2 the launch (the
+ * copy enqueued, the graph not), 3 the record (copy and graph enqueued, the event not recorded). */
+static PyObject *replay(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "replay(ids, n, host32, dev32, exec, stream, event, device)");
+        return NULL;
+    }
+    if (memcpy_async == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "replay: set_runtime was not called");
+        return NULL;
+    }
+    long long n, device;
+    if (int_arg(args[1], &n) || int_arg(args[7], &device))
+        return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "n must be >= 0");
+        return NULL;
+    }
+    void *ids_p, *host_p, *dev32, *exec, *stream, *event;
+    Py_buffer vi, vh;
+    if (address(args[0], n * 8, 0, &ids_p, &vi) < 0)
+        return NULL;
+    if (address(args[2], n * 4, 1, &host_p, &vh) < 0) {
+        if (vi.obj) PyBuffer_Release(&vi);
+        return NULL;
+    }
+    PyObject *const *rest = args + 3;
+    void **dst[4] = {&dev32, &exec, &stream, &event};
+    for (int i = 0; i < 4; i++) {
+        *dst[i] = PyLong_AsVoidPtr(rest[i]);
+        if (*dst[i] == NULL && PyErr_Occurred()) {
+            if (vi.obj) PyBuffer_Release(&vi);
+            if (vh.obj) PyBuffer_Release(&vh);
+            return NULL;
+        }
+    }
+    const int64_t *ids = (const int64_t *)ids_p;
+    int32_t *host32 = (int32_t *)host_p;
+    for (long long i = 0; i < n; i++)
+        host32[i] = (int32_t)ids[i];
+    long long out = 0;
+    int rc, prev = -1;
+    if ((rc = get_device(&prev)) != 0) {
+        out = ((long long)STEP_DEVICE << 32) | (unsigned)rc;
+        goto done;
+    }
+    if (prev != device && (rc = set_device((int)device)) != 0) {
+        out = ((long long)STEP_DEVICE << 32) | (unsigned)rc;
+        goto done;
+    }
+    if ((rc = memcpy_async(dev32, host32, (size_t)n * 4, H2D, stream)) != 0)
+        out = ((long long)STEP_COPY << 32) | (unsigned)rc;
+    else if ((rc = graph_launch(exec, stream)) != 0)
+        out = ((long long)STEP_LAUNCH << 32) | (unsigned)rc;
+    else if (event != NULL && (rc = event_record(event, stream)) != 0)
+        out = ((long long)STEP_RECORD << 32) | (unsigned)rc;
+    if (prev != device)
+        set_device(prev);                             /* the caller's device stays current */
+done:
+    if (vi.obj) PyBuffer_Release(&vi);
+    if (vh.obj) PyBuffer_Release(&vh);
+    return PyLong_FromLongLong(out);
+}
+
+static PyMethodDef methods[] = {
+    {"check_ids", (PyCFunction)(void (*)(void))check_ids, METH_FASTCALL, "Copy and check block ids."},
+    {"set_runtime", (PyCFunction)(void (*)(void))set_runtime, METH_FASTCALL, "The runtime's function addresses."},
+    {"replay", (PyCFunction)(void (*)(void))replay, METH_FASTCALL, "Ids copy, graph launch, event record."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fast", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__fast(void) { return PyModule_Create(&module); }

@@ -1,0 +1,62 @@
+"""The submit path's optional C helper, `kvtier.engine._fast` (`_fast.c`), and whether it is in use.
+
+Why C: on the H200 boxes a submit runs on a cold host -- right after the previous job's
+enqueue, or after the caller's other work -- where every distinct numpy, torch or ctypes call
+costs 10-30 us instead of 0.3-2 (`benchmarks/host_states.py`: a 512-id check 5-9 us back to
+back, 28-230 us right after other work; on the CI CPU with its caches flushed `np.max` 1.2 -> 13
+us, `torch.from_numpy` 0.7 -> 12, one ctypes call 1.5 -> 13). So the two steps made of many such
+calls become one C call each:
+
+    check_ids  the ids copied to the job's own int64 array, range-checked, (loads) checked for
+               repeats -- instead of astype, max, two scatters and a count (`ids.IdCheck`)
+    replay     the ids narrowed into the graph's pinned buffer, then cudaMemcpyAsync,
+               cudaGraphLaunch and the job's cudaEventRecord -- instead of np.copyto and three
+               ctypes calls (`graphs.StagedGraphs`)
+
+Built by `make` (setup.py, optional: skipped without a C compiler) and by
+`benchmarks/device_run.sh`; `KVTIER_NATIVE=0` turns it off. Without it every step runs as
+before in numpy and ctypes, with the same results and errors (the tests run both).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+
+def _load():
+    if os.environ.get("KVTIER_NATIVE", "1") == "0":
+        return None, "off (KVTIER_NATIVE=0)"
+    try:
+        from kvtier.engine import _fast
+    except ImportError as e:
+        return None, f"not built ({e}); `make` builds it"
+    return _fast, ""
+
+
+fast, why = _load()  # the module or None, and why not
+
+
+@functools.cache
+def runtime_bound() -> bool:
+    """Give `fast.replay` the addresses of the runtime's calls (those of the libcudart torch
+    loaded); False without the helper or the runtime."""
+    if fast is None:
+        return False
+    from kvtier.device.cudart import runtime
+
+    lib = runtime()[0]
+    if lib is None:
+        return False
+    names = ("cudaMemcpyAsync", "cudaGraphLaunch", "cudaEventRecord", "cudaGetDevice", "cudaSetDevice")
+    try:
+        fast.set_runtime(*(ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names))
+    except (AttributeError, ValueError):  # a runtime without one of them
+        return False
+    return True
+
+
+def status() -> str:
+    """One line for reports: in use, or why not."""
+    return "in use" if fast is not None else why

@@ -1,0 +1,239 @@
+"""The C helper of the submit path (engine/_fast.c, engine/fast.py) on the CPU: `replay` against a
+fake CUDA runtime made of ctypes callbacks (the order of its calls, the ids it hands the copy,
+the step it names on a failure, the device it switches to and back), and the fused graph replay
+of graphs.py on it. The real runtime: the GPU graph tests (tests/test_engine_graphs_gpu.py)."""
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.engine import fast
+from kvtier.engine.graph_cache import Entry, Exec
+from kvtier.engine.graphs import StagedGraphs, graph_key
+from kvtier.engine.ids import HostRing
+from kvtier.reference import random_cache
+
+pytestmark = pytest.mark.skipif(fast.fast is None, reason=f"C helper: {fast.why}")
+
+STREAM, EXEC, EVENT, DEV32 = 0x5000, 0xE000, 0xEE00, 0xD000
+c_int, vp = ctypes.c_int, ctypes.c_void_p
+
+
+class FakeRuntime:
+    """cudaMemcpyAsync, cudaGraphLaunch, cudaEventRecord, cudaGetDevice, cudaSetDevice as ctypes
+    callbacks that log their arguments; `fail`: {name: cudaError} to return instead of 0."""
+
+    def __init__(self, device=0, fail=None):
+        self.log, self.device, self.fail = [], device, dict(fail or {})
+
+        def memcpy(dst, src, nbytes, kind, stream):
+            ids = list(np.frombuffer(ctypes.string_at(src, nbytes), dtype=np.int32))  # what the copy reads
+            self.log.append(("memcpy", dst, src, nbytes, kind, stream, ids))
+            return self.fail.get("memcpy", 0)
+
+        def launch(ex, stream):
+            self.log.append(("launch", ex, stream))
+            return self.fail.get("launch", 0)
+
+        def record(ev, stream):
+            self.log.append(("record", ev, stream))
+            return self.fail.get("record", 0)
+
+        def get_device(p):
+            p[0] = self.device
+            return 0
+
+        def set_device(d):
+            self.log.append(("set_device", d))
+            self.device = d
+            return self.fail.get("set_device", 0)
+
+        self._cbs = [  # kept alive: the C side holds their addresses
+            ctypes.CFUNCTYPE(c_int, vp, vp, ctypes.c_size_t, c_int, vp)(memcpy),
+            ctypes.CFUNCTYPE(c_int, vp, vp)(launch),
+            ctypes.CFUNCTYPE(c_int, vp, vp)(record),
+            ctypes.CFUNCTYPE(c_int, ctypes.POINTER(c_int))(get_device),
+            ctypes.CFUNCTYPE(c_int, c_int)(set_device),
+        ]
+
+    def bind(self):
+        fast.fast.set_runtime(*(ctypes.cast(cb, vp).value for cb in self._cbs))
+
+
+@pytest.fixture
+def runtime():
+    made = []
+
+    def make(**kw):
+        rt = FakeRuntime(**kw)
+        rt.bind()
+        made.append(rt)
+        return rt
+
+    yield make
+    fast.runtime_bound.cache_clear()  # the next user binds the real runtime again (where there is one)
+
+
+def _host(n):
+    t = torch.full((n,), -1, dtype=torch.int32)
+    return t, t.data_ptr()
+
+
+def test_replay_fills_copies_launches_records_in_order(runtime):
+    rt = runtime()
+    ids = np.array([7, 0, 2**31 - 1, 6], dtype=np.int64)
+    host, hp = _host(4)
+    assert fast.fast.replay(ids, 4, hp, DEV32, EXEC, STREAM, EVENT, 0) == 0
+    assert rt.log == [
+        ("memcpy", DEV32, hp, 16, 1, STREAM, [7, 0, 2**31 - 1, 6]),  # the ids are in place before the copy
+        ("launch", EXEC, STREAM),
+        ("record", EVENT, STREAM),
+    ]
+    assert host.tolist() == [7, 0, 2**31 - 1, 6]
+
+
+def test_replay_takes_an_address_and_skips_a_null_event(runtime):
+    rt = runtime()
+    ids = torch.tensor([3, 1, 4])
+    host, hp = _host(3)
+    assert fast.fast.replay(ids.data_ptr(), 3, hp, DEV32, EXEC, STREAM, 0, 0) == 0
+    assert [e[0] for e in rt.log] == ["memcpy", "launch"]  # no event: the caller records its own
+
+
+def test_replay_switches_to_the_streams_device_and_back(runtime):
+    rt = runtime(device=1)
+    host, hp = _host(2)
+    assert fast.fast.replay(np.array([1, 2]), 2, hp, DEV32, EXEC, STREAM, EVENT, 0) == 0
+    assert rt.log[0] == ("set_device", 0) and rt.log[-1] == ("set_device", 1) and rt.device == 1
+
+
+@pytest.mark.parametrize(
+    "fail, step, calls",
+    [("set_device", 4, ["set_device"]), ("memcpy", 1, ["memcpy"]), ("launch", 2, ["memcpy", "launch"]),
+     ("record", 3, ["memcpy", "launch", "record"])],
+)  # fmt: skip
+def test_replay_names_the_failed_step(runtime, fail, step, calls):
+    rt = runtime(device=1 if fail == "set_device" else 0, fail={fail: 700})
+    host, hp = _host(2)
+    rc = fast.fast.replay(np.array([1, 2]), 2, hp, DEV32, EXEC, STREAM, EVENT, 0)
+    assert (rc >> 32, rc & 0xFFFFFFFF) == (step, 700)
+    assert [e[0] for e in rt.log] == calls  # nothing after the failed call
+
+
+def test_bad_arguments_raise():
+    f = fast.fast
+    with pytest.raises(TypeError):
+        f.check_ids(1, 2)
+    with pytest.raises(ValueError, match="buffer of 8 bytes"):
+        f.check_ids(np.zeros(2, np.int64), 1, 2, 10, None, np.zeros(1, np.int64))  # out too small
+    with pytest.raises(ValueError):
+        f.check_ids(np.zeros(2, np.int64), 1, -1, 10, None, np.zeros(2, np.int64))
+    with pytest.raises(BufferError):
+        f.check_ids(np.zeros(2, np.int64), 1, 2, 10, None, b"0123456789abcdef")  # read-only out
+    with pytest.raises(ValueError, match="null function address"):
+        f.set_runtime(0, 1, 2, 3, 4)
+
+
+# ---- the fused graph replay (graphs.StagedGraphs._fused) on the fake runtime ------------------
+
+
+class FakeStream:
+    cuda_stream, device_index = STREAM, 0
+
+    def __init__(self):
+        self.synced = 0
+
+    def synchronize(self):
+        self.synced += 1
+
+
+class TorchLikeEvent:
+    """An event without a raw handle (as TorchEvent): the caller records it. Complete until recorded."""
+
+    def __init__(self):
+        self.stream, self.completed = None, True
+
+    def mark_recorded(self, stream):
+        self.stream, self.completed = stream, False
+
+    def query(self):
+        return self.completed
+
+
+class RawEvent(TorchLikeEvent):
+    """A raw event as CudaEvent: `handle` for the C helper to record, `mark_recorded` after."""
+
+    handle = EVENT
+
+
+class Nodes:
+    base = captured = 0x7F00_0000_0000
+
+
+def _graphs(n=4):
+    kv = random_cache("vllm_flash", 2, 8, 4, 2, 8, torch.bfloat16, seed=0)
+    g = StagedGraphs(kv, max_graphs=4)
+    g.direct = g.fused = True
+    main = Exec(EXEC, Nodes())
+
+    def buf():
+        t = torch.zeros(n, dtype=torch.int32)
+        from kvtier.engine.graph_cache import HostBuf
+
+        return HostBuf(t, t.numpy(), t.data_ptr())
+
+    ring = HostRing(buf, RawEvent, depth=2, max_depth=4)
+    entry = Entry(object(), torch.zeros(n, dtype=torch.int32), FakeStream(), Nodes(), ring, [main], main)
+    key = graph_key("save", 4096, n, 4, ())
+    g.cache.put(key, entry)
+    return g, key, entry
+
+
+def test_fused_replay_records_the_jobs_event_and_guards_the_buffer(runtime):
+    rt = runtime()
+    g, key, entry = _graphs()
+    done, on = RawEvent(), object()
+    assert g.replay(key, torch.tensor([5, 1, 6, 2]), FakeStream(), Nodes.base, done, on)
+    buf = entry.ring.buffers[0]
+    assert rt.log == [
+        ("memcpy", entry.ids_dev.data_ptr(), buf.ptr, 16, 1, STREAM, [5, 1, 6, 2]),
+        ("launch", EXEC, STREAM),
+        ("record", EVENT, STREAM),
+    ]
+    assert done.stream is on  # the engine sees it recorded and records nothing more
+    assert entry.ring._events[0] is done  # buffer 0 is rewritten only after the job's event
+    assert g.replay(key, np.array([0, 1, 2, 3]), FakeStream(), Nodes.base, RawEvent(), on)
+    assert rt.log[3][2] == entry.ring.buffers[1].ptr  # buffer 0 still read: the next one
+    assert g.stats.replays == 2
+
+
+def test_fused_replay_leaves_a_torch_event_to_the_caller(runtime):
+    rt = runtime()
+    g, key, _entry = _graphs()
+    done = TorchLikeEvent()
+    assert g.replay(key, torch.tensor([5, 1, 6, 2]), FakeStream(), Nodes.base, done, object())
+    assert [e[0] for e in rt.log] == ["memcpy", "launch"] and done.stream is None
+
+
+@pytest.mark.parametrize("fail, armed", [("memcpy", False), ("launch", True)])
+def test_fused_replay_failure_is_a_miss(runtime, fail, armed):
+    runtime(fail={fail: 1})
+    g, key, entry = _graphs()
+    done = RawEvent()
+    with pytest.warns(UserWarning, match="fused graph replay failed"):
+        assert not g.replay(key, torch.tensor([5, 1, 6, 2]), FakeStream(), Nodes.base, done, object())
+    assert not g.fused and g.stats.misses == 1 and g.stats.failures == 1 and done.stream is None
+    # A copy that was enqueued still reads buffer 0: it waits for the job's event (recorded after
+    # the eager path); one that was not leaves the buffer free.
+    assert (entry.ring._events[0] is done) == armed
+
+
+def test_fused_replay_failed_record_raises_after_the_copy_ran(runtime):
+    runtime(fail={"record": 2})
+    g, key, entry = _graphs()
+    stream = FakeStream()
+    with pytest.raises(RuntimeError, match="cudaEventRecord"):
+        g.replay(key, torch.tensor([5, 1, 6, 2]), stream, Nodes.base, RawEvent(), object())
+    assert stream.synced == 1  # the queued copy has read the buffer before anyone may reuse it
