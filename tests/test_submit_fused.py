@@ -73,7 +73,8 @@ def runtime():
         return rt
 
     yield make
-    fast.runtime_bound.cache_clear()  # the next user binds the real runtime again (where there is one)
+    fast.runtime_bound.cache_clear()
+    fast.runtime_bound()  # the real runtime again (where there is one): engines made before use it
 
 
 def _host(n):
@@ -173,6 +174,8 @@ class Nodes:
 
 
 def _graphs(n=4):
+    """A graph cache with one entry, replayed fused. Make it before binding a fake runtime: on a GPU
+    box StagedGraphs() binds the real one (whose calls must never see the fake handles)."""
     kv = random_cache("vllm_flash", 2, 8, 4, 2, 8, torch.bfloat16, seed=0)
     g = StagedGraphs(kv, max_graphs=4)
     g.direct = g.fused = True
@@ -192,8 +195,8 @@ def _graphs(n=4):
 
 
 def test_fused_replay_records_the_jobs_event_and_guards_the_buffer(runtime):
-    rt = runtime()
     g, key, entry = _graphs()
+    rt = runtime()
     done, on = RawEvent(), object()
     assert g.replay(key, torch.tensor([5, 1, 6, 2]), FakeStream(), Nodes.base, done, on)
     buf = entry.ring.buffers[0]
@@ -210,8 +213,8 @@ def test_fused_replay_records_the_jobs_event_and_guards_the_buffer(runtime):
 
 
 def test_fused_replay_leaves_a_torch_event_to_the_caller(runtime):
-    rt = runtime()
     g, key, _entry = _graphs()
+    rt = runtime()
     done = TorchLikeEvent()
     assert g.replay(key, torch.tensor([5, 1, 6, 2]), FakeStream(), Nodes.base, done, object())
     assert [e[0] for e in rt.log] == ["memcpy", "launch"] and done.stream is None
@@ -219,8 +222,8 @@ def test_fused_replay_leaves_a_torch_event_to_the_caller(runtime):
 
 @pytest.mark.parametrize("fail, armed", [("memcpy", False), ("launch", True)])
 def test_fused_replay_failure_is_a_miss(runtime, fail, armed):
-    runtime(fail={fail: 1})
     g, key, entry = _graphs()
+    runtime(fail={fail: 1})
     done = RawEvent()
     with pytest.warns(UserWarning, match="fused graph replay failed"):
         assert not g.replay(key, torch.tensor([5, 1, 6, 2]), FakeStream(), Nodes.base, done, object())
@@ -231,8 +234,8 @@ def test_fused_replay_failure_is_a_miss(runtime, fail, armed):
 
 
 def test_fused_replay_failed_record_raises_after_the_copy_ran(runtime):
-    runtime(fail={"record": 2})
     g, key, entry = _graphs()
+    runtime(fail={"record": 2})
     stream = FakeStream()
     with pytest.raises(RuntimeError, match="cudaEventRecord"):
         g.replay(key, torch.tensor([5, 1, 6, 2]), stream, Nodes.base, RawEvent(), object())
