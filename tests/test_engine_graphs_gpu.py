@@ -11,7 +11,7 @@ import statistics
 import pytest
 import torch
 
-from kvtier.engine import TransferEngine
+from kvtier.engine import TransferEngine, fast
 from kvtier.pool import PinnedPool
 from kvtier.reference import bits_equal, gather_ref, random_cache
 
@@ -50,9 +50,15 @@ def poison_blocks(kv, blocks, compute):
     return compute.record("e_poison")
 
 
-def test_replays_bit_exact_mixed_with_eager_and_kernel_jobs():
+@pytest.mark.parametrize("replay", ["c", "ctypes"])
+def test_replays_bit_exact_mixed_with_eager_and_kernel_jobs(replay):
+    """Replays through the C helper (ids fill, copy, launch and the job's event in one call) and
+    through one ctypes call each (`graphs.py`): the same bytes."""
+    if replay == "c" and fast.fast is None:
+        pytest.skip(f"C helper: {fast.why}")
     dev, kv, pool, eng = make()
     g, compute, rng = eng.mover.graphs, dev.current_stream(), random.Random(0)
+    g.fused = replay == "c"
     modes = []
     for _ in range(48):
         n = rng.choice([3, 8])
@@ -85,6 +91,7 @@ def test_replays_bit_exact_mixed_with_eager_and_kernel_jobs():
     replayed = sum(r for _, r in modes)
     print(f"\n{replayed} of {len(modes)} jobs replayed; stats {g.stats}")
     assert replayed >= 10 and g.stats.captures >= 4 and g.stats.failures == 0
+    assert g.fused == (replay == "c")  # no fused replay failed over to ctypes
     assert all(not r for m, r in modes if m != "auto")  # eager and kernel jobs never replay
     eng.close()
     assert pool.stats().used == 0

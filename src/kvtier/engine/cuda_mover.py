@@ -61,9 +61,7 @@ class CudaMover:
         if path is Path.BATCH and not self.batch_available:
             raise ValueError(f"path 'batch' unavailable: {batch.why_unavailable()}")
 
-    def save(
-        self, path: Path, ids: torch.Tensor, num_tokens: int | None, slot: Slot, stream: Stream, done=None
-    ) -> None:
+    def save(self, path: Path, ids, num_tokens: int | None, slot: Slot, stream: Stream, done=None) -> None:
         """Enqueue the save on `stream`; `done`: the job's event, to be recorded there after every
         copy of the job -- by the caller, unless a graph replay recorded it already (done.stream)."""
         kv, raw = self.kv, stream.raw
@@ -75,6 +73,7 @@ class CudaMover:
             if key is not None and self.graphs.replay(key, ids, raw, slot.ptr, done, stream):
                 return  # `done` recorded too where the C helper could (done.stream set)
             self._mark("graph_miss")
+            ids = torch.as_tensor(ids)  # numpy from the engine: a tensor view for the ops
             # Eager (also the warm-up of a capture). The last DMA is on `raw`: e_save follows it.
             ops.save_staged(
                 kv,
@@ -89,13 +88,14 @@ class CudaMover:
             if key is not None:
                 self.graphs.capture(key, slot.tensor, self._save_staging, self.gather_stream, raw)
                 self._mark("capture")
-        elif path is Path.KERNEL:
+        else:
+            ids = torch.as_tensor(ids)  # numpy from the engine: a tensor view for the ops
             with torch.cuda.stream(raw):
                 bid = checked_block_ids(kv, ids, False, num_tokens)  # one H2D; the engine checked them
-                ops.gather(kv, bid, slot.tensor, max_ctas=self.uva_ctas)
-        else:
-            with torch.cuda.stream(raw):
-                batch.copy(kv, checked_block_ids(kv, ids, False, num_tokens), slot, raw, save=True)
+                if path is Path.KERNEL:
+                    ops.gather(kv, bid, slot.tensor, max_ctas=self.uva_ctas)
+                else:
+                    batch.copy(kv, bid, slot, raw, save=True)
 
     def load(
         self, path: Path, ids, num_tokens, slot: Slot, stream: Stream, per_layer: bool, label: str, done=None
@@ -111,6 +111,7 @@ class CudaMover:
             if key is not None and self.graphs.replay(key, ids, raw, slot.ptr, done, stream):
                 return []  # the graph joined its scatters into `raw`: e_load follows them
             self._mark("graph_miss")
+            ids = torch.as_tensor(ids)  # numpy from the engine: a tensor view for the ops
             last = ops.load_staged(
                 kv,
                 ids,
@@ -128,7 +129,7 @@ class CudaMover:
                 self._mark("capture")
             return []
         with torch.cuda.stream(raw):
-            bid = checked_block_ids(kv, ids, True, num_tokens)  # one H2D; the engine checked them
+            bid = checked_block_ids(kv, torch.as_tensor(ids), True, num_tokens)  # one H2D; checked already
             if path is Path.BATCH:
                 batch.copy(kv, bid, slot, raw, save=False)
                 return []

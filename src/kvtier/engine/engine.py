@@ -119,10 +119,11 @@ class TransferEngine(Completion):
         t0, tr = time.perf_counter(), self._trace or NO_TRACE
         tr.begin("save")
         self._check_open()
-        ids, bset = self._check_ids.check(block_ids, False, num_tokens)  # bset: the same ids, checked
+        bset = self._check_ids.checked(block_ids, False, num_tokens)
+        ids = bset.ids  # int64 numpy, the job's own
         tr.mark("ids")
         p = self._path("save", path)
-        nbytes = len(bset.ids) * self._block_nbytes  # numpy's len: torch's is a Python call
+        nbytes = len(ids) * self._block_nbytes
         slot = self.slots.alloc(nbytes, timeout=timeout or 0.0, on_pressure=self._on_pressure)
         tr.mark("slot")
         try:
@@ -169,9 +170,10 @@ class TransferEngine(Completion):
         t0, tr = time.perf_counter(), self._trace or NO_TRACE
         tr.begin("load")
         self._check_open()
-        ids, bset = self._check_ids.check(block_ids, True, num_tokens)  # bset: the same ids, checked
+        bset = self._check_ids.checked(block_ids, True, num_tokens)
+        ids = bset.ids  # int64 numpy, the job's own
         tr.mark("ids")
-        nbytes = len(bset.ids) * self._block_nbytes  # numpy's len: torch's is a Python call
+        nbytes = len(ids) * self._block_nbytes
         if slot.nbytes != nbytes:
             raise ValueError(f"slot: holds {slot.nbytes} B, {len(ids)} blocks need {nbytes} B")
         p = self._path("load", path, per_layer)

@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from kvtier.device.base import Event, Stream
@@ -30,12 +31,17 @@ class _Job:
     engine: TransferEngine = field(repr=False)
     slot: Slot
     event: Event  # e_save / e_load: after it the whole job has landed
-    blocks: torch.Tensor  # int64 [n] block ids, CPU; read-only (the block tracker holds this memory)
+    ids: np.ndarray  # int64 [n] block ids; read-only (the block tracker holds this memory)
     nbytes: int
     path: str
     submit_s: float  # CPU seconds spent in save()/load()
     settled: bool = False
     slot_released: bool = False  # the owner let go of the slot before this job settled
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """The job's block ids as an int64 CPU tensor (a view of `ids`; read-only)."""
+        return torch.from_numpy(self.ids)
 
     def done(self) -> bool:
         """True once the job's event has completed (settles it on the way)."""

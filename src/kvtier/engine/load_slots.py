@@ -66,9 +66,8 @@ def load_slots(engine: TransferEngine, slots, block_ids, *, num_tokens: int | No
         events = [*layers, e_load]
         jobs, at = [], 0
         for s, c in zip(slots, counts, strict=True):
-            jobs.append(
-                LoadJob(engine, s, e_load, ids[at : at + c], s.nbytes, "kernel", 0.0, layer_events=events)
-            )
+            part = bset.ids[at : at + c]
+            jobs.append(LoadJob(engine, s, e_load, part, s.nbytes, "kernel", 0.0, layer_events=events))
             at += c
         engine._jobs.extend(jobs)
     spent = time.perf_counter() - t0

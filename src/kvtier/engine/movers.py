@@ -56,12 +56,10 @@ class SimMover:
                 "path 'batch' needs CUDA >= 12.8 (cudaMemcpyBatchAsync); SimDevice has no copy engine"
             )
 
-    def save(
-        self, path: Path, ids: torch.Tensor, num_tokens: int | None, slot: Slot, stream: Stream, done=None
-    ) -> None:
+    def save(self, path: Path, ids, num_tokens: int | None, slot: Slot, stream: Stream, done=None) -> None:
         from kvtier.reference import gather_ref
 
-        kv = self.kv
+        kv, ids = self.kv, torch.as_tensor(ids)  # the engine's numpy ids as a tensor view
         dst = slot.tensor if path is Path.KERNEL else torch.empty(slot.nbytes, dtype=torch.uint8)
 
         def gather() -> None:  # runs when the stream reaches it: reads the blocks then
@@ -77,7 +75,7 @@ class SimMover:
         """Enqueue the load; return the events of layers 0..L-2 (the engine records the last)."""
         from kvtier.reference import scatter_ref
 
-        kv, n = self.kv, len(ids)
+        kv, n, ids = self.kv, len(ids), torch.as_tensor(ids)  # the engine's numpy ids as a tensor view
         src = slot.tensor
         if path is Path.STAGED:
             src = torch.empty(slot.nbytes, dtype=torch.uint8)
