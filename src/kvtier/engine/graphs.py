@@ -205,6 +205,8 @@ class StagedGraphs:
         if entry.nodes is None:
             return entry.main  # pinned: its key holds this slot's address
         execs = entry.execs if self.direct else [entry.main]
+        if execs[0].nodes.base == slot_ptr:
+            return execs[0]  # the usual case: the most recently used exec points at this slot already
         ex = next((x for x in execs if x.nodes.base == slot_ptr), None)
         if ex is None and self.direct and len(entry.execs) < self.slot_execs:
             ex = self._new_exec(entry)
