@@ -96,6 +96,9 @@ def environment(device: str = "cpu") -> dict:
             # What CudaDevice's events are (a submit's host cost depends on it): raw or torch.
             chosen = os.environ.get("KVTIER_EVENTS", "").strip()
             env["events"] = chosen or ("raw" if event_api()[0] is not None else "torch")
+            from kvtier.engine.fast import status
+
+            env["c_helper"] = status()  # the submit's C helper: "in use", or why not
     except ImportError:
         pass
     try:

@@ -84,7 +84,8 @@ class LoadJob(_Job):
         self.engine._note_wait(stream, ev)
 
 
-CALL_PHASES = ("ids_h2d", "launch", "event")  # one runtime call each on a staged graph replay
+# One runtime call each on a staged graph replay ("launch" alone: the C helper's one call, all three).
+CALL_PHASES = ("ids_h2d", "launch", "event")
 
 
 class SubmitTrace:
