@@ -17,16 +17,18 @@ from kvtier.reference import random_cache
 
 pytestmark = pytest.mark.skipif(fast.fast is None, reason=f"C helper: {fast.why}")
 
-STREAM, EXEC, EVENT, DEV32 = 0x5000, 0xE000, 0xEE00, 0xD000
+STREAM, EXEC, EVENT, DEV32, GUARD = 0x5000, 0xE000, 0xEE00, 0xD000, 0xEF00
+NOT_READY = 600
 c_int, vp = ctypes.c_int, ctypes.c_void_p
 
 
 class FakeRuntime:
-    """cudaMemcpyAsync, cudaGraphLaunch, cudaEventRecord, cudaGetDevice, cudaSetDevice as ctypes
-    callbacks that log their arguments; `fail`: {name: cudaError} to return instead of 0."""
+    """cudaMemcpyAsync, cudaGraphLaunch, cudaEventRecord, cudaGetDevice, cudaSetDevice,
+    cudaEventQuery as ctypes callbacks that log their arguments; `fail`: {name: cudaError} to
+    return instead of 0; `busy`: event handles whose query says "not ready"."""
 
-    def __init__(self, device=0, fail=None):
-        self.log, self.device, self.fail = [], device, dict(fail or {})
+    def __init__(self, device=0, fail=None, busy=()):
+        self.log, self.device, self.fail, self.busy = [], device, dict(fail or {}), set(busy)
 
         def memcpy(dst, src, nbytes, kind, stream):
             ids = list(np.frombuffer(ctypes.string_at(src, nbytes), dtype=np.int32))  # what the copy reads
@@ -50,12 +52,17 @@ class FakeRuntime:
             self.device = d
             return self.fail.get("set_device", 0)
 
+        def query(ev):
+            self.log.append(("query", ev))
+            return NOT_READY if ev in self.busy else self.fail.get("query", 0)
+
         self._cbs = [  # kept alive: the C side holds their addresses
             ctypes.CFUNCTYPE(c_int, vp, vp, ctypes.c_size_t, c_int, vp)(memcpy),
             ctypes.CFUNCTYPE(c_int, vp, vp)(launch),
             ctypes.CFUNCTYPE(c_int, vp, vp)(record),
             ctypes.CFUNCTYPE(c_int, ctypes.POINTER(c_int))(get_device),
             ctypes.CFUNCTYPE(c_int, c_int)(set_device),
+            ctypes.CFUNCTYPE(c_int, vp)(query),
         ]
 
     def bind(self):
@@ -86,7 +93,7 @@ def test_replay_fills_copies_launches_records_in_order(runtime):
     rt = runtime()
     ids = np.array([7, 0, 2**31 - 1, 6], dtype=np.int64)
     host, hp = _host(4)
-    assert fast.fast.replay(ids, 4, hp, DEV32, EXEC, STREAM, EVENT, 0) == 0
+    assert fast.fast.replay(ids, 4, hp, DEV32, EXEC, STREAM, EVENT, 0, 0) == 0
     assert rt.log == [
         ("memcpy", DEV32, hp, 16, 1, STREAM, [7, 0, 2**31 - 1, 6]),  # the ids are in place before the copy
         ("launch", EXEC, STREAM),
@@ -99,28 +106,36 @@ def test_replay_takes_an_address_and_skips_a_null_event(runtime):
     rt = runtime()
     ids = torch.tensor([3, 1, 4])
     host, hp = _host(3)
-    assert fast.fast.replay(ids.data_ptr(), 3, hp, DEV32, EXEC, STREAM, 0, 0) == 0
+    assert fast.fast.replay(ids.data_ptr(), 3, hp, DEV32, EXEC, STREAM, 0, 0, 0) == 0
     assert [e[0] for e in rt.log] == ["memcpy", "launch"]  # no event: the caller records its own
 
 
 def test_replay_switches_to_the_streams_device_and_back(runtime):
     rt = runtime(device=1)
     host, hp = _host(2)
-    assert fast.fast.replay(np.array([1, 2]), 2, hp, DEV32, EXEC, STREAM, EVENT, 0) == 0
+    assert fast.fast.replay(np.array([1, 2]), 2, hp, DEV32, EXEC, STREAM, EVENT, 0, 0) == 0
     assert rt.log[0] == ("set_device", 0) and rt.log[-1] == ("set_device", 1) and rt.device == 1
 
 
 @pytest.mark.parametrize(
     "fail, step, calls",
-    [("set_device", 4, ["set_device"]), ("memcpy", 1, ["memcpy"]), ("launch", 2, ["memcpy", "launch"]),
-     ("record", 3, ["memcpy", "launch", "record"])],
+    [("query", 5, []), ("set_device", 4, ["set_device"]), ("memcpy", 1, ["memcpy"]),
+     ("launch", 2, ["memcpy", "launch"]), ("record", 3, ["memcpy", "launch", "record"])],
 )  # fmt: skip
 def test_replay_names_the_failed_step(runtime, fail, step, calls):
     rt = runtime(device=1 if fail == "set_device" else 0, fail={fail: 700})
     host, hp = _host(2)
-    rc = fast.fast.replay(np.array([1, 2]), 2, hp, DEV32, EXEC, STREAM, EVENT, 0)
+    rc = fast.fast.replay(np.array([1, 2]), 2, hp, DEV32, EXEC, STREAM, EVENT, 0, GUARD)
     assert (rc >> 32, rc & 0xFFFFFFFF) == (step, 700)
-    assert [e[0] for e in rt.log] == calls  # nothing after the failed call
+    assert [e[0] for e in rt.log] == ["query", *calls]  # nothing after the failed call
+
+
+def test_replay_waits_for_nothing_while_its_buffer_is_still_read(runtime):
+    rt = runtime(busy={GUARD})
+    host, hp = _host(2)
+    rc = fast.fast.replay(np.array([1, 2]), 2, hp, DEV32, EXEC, STREAM, EVENT, 0, GUARD)
+    assert (rc >> 32, rc & 0xFFFFFFFF) == (5, NOT_READY)
+    assert rt.log == [("query", GUARD)] and host.tolist() == [-1, -1]  # nothing written or enqueued
 
 
 def test_bad_arguments_raise():
@@ -134,7 +149,9 @@ def test_bad_arguments_raise():
     with pytest.raises(BufferError):
         f.check_ids(np.zeros(2, np.int64), 1, 2, 10, None, b"0123456789abcdef")  # read-only out
     with pytest.raises(ValueError, match="null function address"):
-        f.set_runtime(0, 1, 2, 3, 4)
+        f.set_runtime(0, 1, 2, 3, 4, 5)
+    with pytest.raises(TypeError):
+        f.replay(np.array([1]), 1, np.zeros(1, np.int32), DEV32, EXEC, STREAM, 0, 0)  # no guard
 
 
 # ---- the fused graph replay (graphs.StagedGraphs._fused) on the fake runtime ------------------
@@ -240,3 +257,23 @@ def test_fused_replay_failed_record_raises_after_the_copy_ran(runtime):
     with pytest.raises(RuntimeError, match="cudaEventRecord"):
         g.replay(key, torch.tensor([5, 1, 6, 2]), stream, Nodes.base, RawEvent(), object())
     assert stream.synced == 1  # the queued copy has read the buffer before anyone may reuse it
+
+
+def test_fused_replay_asks_the_guard_in_c_and_grows_the_ring_when_busy(runtime):
+    g, key, entry = _graphs()
+    rt = runtime(busy={EVENT})
+    on, first = object(), [RawEvent(), RawEvent()]
+    for k, d in enumerate(first):
+        assert g.replay(key, torch.full((4,), k), FakeStream(), Nodes.base, d, on)
+    old = [b.ptr for b in entry.ring.buffers]
+    rt.log.clear()
+    assert g.replay(key, torch.tensor([0, 1, 2, 3]), FakeStream(), Nodes.base, RawEvent(), on)
+    assert rt.log[0] == ("query", EVENT)  # buffer 0's copy may not have read it yet: not rewritten
+    assert rt.log[1][0] == "memcpy" and rt.log[1][2] not in old and entry.ring.grown == 1
+    assert sorted(b.array[0] for b in entry.ring.buffers) == [0, 0, 1]  # each still holds its ids
+    rt.busy.clear()
+    for d in first:
+        d.completed = True
+    rt.log.clear()
+    assert g.replay(key, torch.tensor([3, 2, 1, 0]), FakeStream(), Nodes.base, RawEvent(), on)
+    assert rt.log[0] == ("query", EVENT) and rt.log[1][2] == old[0]  # done now: rewritten in place

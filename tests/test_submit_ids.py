@@ -143,7 +143,7 @@ def test_random_ids_as_numpy_would_check_them(dtype):
             else:
                 got = check(src, unique=unique)
                 assert got.dtype == torch.int64 and np.array_equal(got.numpy(), a)
-            assert not check._seen.any()
+            assert not check._seen.any() and not check._bits.any()
 
 
 def test_strided_and_foreign_inputs_take_the_numpy_path():

@@ -4,8 +4,8 @@
  * it kvtier runs the same steps in numpy and ctypes (engine/ids.py, engine/graphs.py).
  *
  *   check_ids(src, wide, n, num_blocks, seen, out) -> 0 ok | 1 an id out of range | 2 a repeat
- *   set_runtime(memcpy_async, graph_launch, event_record, get_device, set_device)
- *   replay(ids, n, host32, dev32, exec, stream, event, device) -> 0 | step << 32 | cudaError
+ *   set_runtime(memcpy_async, graph_launch, event_record, get_device, set_device, event_query)
+ *   replay(ids, n, host32, dev32, exec, stream, event, device, guard) -> 0 | step << 32 | cudaError
  *
  * No CUDA headers: the runtime's functions arrive as addresses (those of the libcudart torch
  * loaded), with the prototypes below (CUDA 12 and 13 runtime API).
@@ -20,15 +20,17 @@ typedef int (*graph_launch_t)(void *exec, void *stream);
 typedef int (*event_record_t)(void *event, void *stream);
 typedef int (*get_device_t)(int *device);
 typedef int (*set_device_t)(int device);
+typedef int (*event_query_t)(void *event);
 
 static memcpy_async_t memcpy_async;
 static graph_launch_t graph_launch;
 static event_record_t event_record;
 static get_device_t get_device;
 static set_device_t set_device;
+static event_query_t event_query;
 
 enum { H2D = 1 };                                     /* cudaMemcpyHostToDevice */
-enum { STEP_DEVICE = 4, STEP_COPY = 1, STEP_LAUNCH = 2, STEP_RECORD = 3 };
+enum { STEP_COPY = 1, STEP_LAUNCH = 2, STEP_RECORD = 3, STEP_DEVICE = 4, STEP_GUARD = 5 };
 
 /* An address: an int, or an object with the buffer protocol (C-contiguous, at least `need`
  * bytes). `view->obj` is set when a buffer was taken: release it with PyBuffer_Release. */
@@ -58,8 +60,9 @@ static int int_arg(PyObject *o, long long *v) {
 
 /* check_ids: copy n ids (int64 if `wide`, else int32) from `src` to the int64 buffer `out`,
  * checking 0 <= id < num_blocks (one unsigned compare: a negative id wraps to a huge value);
- * with `seen` (num_blocks bytes, all zero; None: no check) also that no id repeats, leaving
- * `seen` all zero again. Returns 0, 1 (an id out of range) or 2 (a repeated id). */
+ * with `seen` (a bit per block, (num_blocks + 7) / 8 bytes, all zero; None: no check) also that
+ * no id repeats, leaving `seen` all zero again. A bit, not a byte: the marks of a big load touch
+ * an eighth of the cache lines. Returns 0, 1 (an id out of range) or 2 (a repeated id). */
 static PyObject *check_ids(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6) {
         PyErr_SetString(PyExc_TypeError, "check_ids(src, wide, n, num_blocks, seen, out)");
@@ -81,7 +84,7 @@ static PyObject *check_ids(PyObject *self, PyObject *const *args, Py_ssize_t nar
         if (vs.obj) PyBuffer_Release(&vs);
         return NULL;
     }
-    if (args[4] != Py_None && address(args[4], num_blocks, 1, &seenp, &vm) < 0) {
+    if (args[4] != Py_None && address(args[4], (num_blocks + 7) / 8, 1, &seenp, &vm) < 0) {
         if (vs.obj) PyBuffer_Release(&vs);
         if (vo.obj) PyBuffer_Release(&vo);
         return NULL;
@@ -106,11 +109,12 @@ static PyObject *check_ids(PyObject *self, PyObject *const *args, Py_ssize_t nar
         uint8_t *seen = (uint8_t *)seenp;
         long long i = 0;
         for (; i < n; i++) {
-            if (seen[out[i]]) { rc = 2; break; }
-            seen[out[i]] = 1;
+            const uint8_t bit = (uint8_t)(1u << (out[i] & 7));
+            if (seen[out[i] >> 3] & bit) { rc = 2; break; }
+            seen[out[i] >> 3] |= bit;
         }
         for (long long j = 0; j < i; j++)
-            seen[out[j]] = 0;                         /* all zero again for the next call */
+            seen[out[j] >> 3] = 0;                    /* all zero again for the next call */
     }
     if (vs.obj) PyBuffer_Release(&vs);
     if (vo.obj) PyBuffer_Release(&vo);
@@ -119,12 +123,13 @@ static PyObject *check_ids(PyObject *self, PyObject *const *args, Py_ssize_t nar
 }
 
 static PyObject *set_runtime(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "set_runtime(memcpy_async, graph_launch, event_record, get_device, set_device)");
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "set_runtime(memcpy_async, graph_launch, event_record, get_device, set_device, event_query)");
         return NULL;
     }
-    void *p[5];
-    for (int i = 0; i < 5; i++) {
+    void *p[6];
+    for (int i = 0; i < 6; i++) {
         p[i] = PyLong_AsVoidPtr(args[i]);
         if (p[i] == NULL) {
             if (!PyErr_Occurred())
@@ -137,17 +142,20 @@ static PyObject *set_runtime(PyObject *self, PyObject *const *args, Py_ssize_t n
     event_record = (event_record_t)p[2];
     get_device = (get_device_t)p[3];
     set_device = (set_device_t)p[4];
+    event_query = (event_query_t)p[5];
     Py_RETURN_NONE;
 }
 
-/* replay: narrow n int64 ids (checked: 0 <= id < 2**31) into the pinned int32 buffer `host32`,
- * then on `stream`, with `device` current: cudaMemcpyAsync(dev32 <- host32), cudaGraphLaunch
- * (exec), and cudaEventRecord(event) unless event is 0. Returns 0, or (step << 32) | cudaError:
- * step 4 switching device (nothing enqueued), 1 the copy (nothing enqueued), 2 the launch (the
- * copy enqueued, the graph not), 3 the record (copy and graph enqueued, the event not recorded). */
+/* replay: unless `guard` (an event, 0: none) has yet to complete, narrow n int64 ids (checked:
+ * 0 <= id < 2**31) into the pinned int32 buffer `host32`, then on `stream`, with `device` current:
+ * cudaMemcpyAsync(dev32 <- host32), cudaGraphLaunch(exec), and cudaEventRecord(event) unless
+ * event is 0. Returns 0, or (step << 32) | cudaError: step 5 the guard (cudaErrorNotReady: the
+ * buffer is still read by an earlier copy; nothing written or enqueued), 4 switching device
+ * (nothing enqueued), 1 the copy (nothing enqueued), 2 the launch (the copy enqueued, the graph
+ * not), 3 the record (copy and graph enqueued, the event not recorded). */
 static PyObject *replay(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "replay(ids, n, host32, dev32, exec, stream, event, device)");
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "replay(ids, n, host32, dev32, exec, stream, event, device, guard)");
         return NULL;
     }
     if (memcpy_async == NULL) {
@@ -161,7 +169,7 @@ static PyObject *replay(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "n must be >= 0");
         return NULL;
     }
-    void *ids_p, *host_p, *dev32, *exec, *stream, *event;
+    void *ids_p, *host_p, *dev32, *exec, *stream, *event, *guard;
     Py_buffer vi, vh;
     if (address(args[0], n * 8, 0, &ids_p, &vi) < 0)
         return NULL;
@@ -169,22 +177,26 @@ static PyObject *replay(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (vi.obj) PyBuffer_Release(&vi);
         return NULL;
     }
-    PyObject *const *rest = args + 3;
-    void **dst[4] = {&dev32, &exec, &stream, &event};
-    for (int i = 0; i < 4; i++) {
-        *dst[i] = PyLong_AsVoidPtr(rest[i]);
+    PyObject *const ptr_args[5] = {args[3], args[4], args[5], args[6], args[8]};
+    void **dst[5] = {&dev32, &exec, &stream, &event, &guard};
+    for (int i = 0; i < 5; i++) {
+        *dst[i] = PyLong_AsVoidPtr(ptr_args[i]);
         if (*dst[i] == NULL && PyErr_Occurred()) {
             if (vi.obj) PyBuffer_Release(&vi);
             if (vh.obj) PyBuffer_Release(&vh);
             return NULL;
         }
     }
+    long long out = 0;
+    int rc, prev = -1;
+    if (guard != NULL && (rc = event_query(guard)) != 0) {
+        out = ((long long)STEP_GUARD << 32) | (unsigned)rc;   /* the buffer's last copy may not have read it */
+        goto done;
+    }
     const int64_t *ids = (const int64_t *)ids_p;
     int32_t *host32 = (int32_t *)host_p;
     for (long long i = 0; i < n; i++)
         host32[i] = (int32_t)ids[i];
-    long long out = 0;
-    int rc, prev = -1;
     if ((rc = get_device(&prev)) != 0) {
         out = ((long long)STEP_DEVICE << 32) | (unsigned)rc;
         goto done;

@@ -9,9 +9,9 @@ calls become one C call each:
 
     check_ids  the ids copied to the job's own int64 array, range-checked, (loads) checked for
                repeats -- instead of astype, max, two scatters and a count (`ids.IdCheck`)
-    replay     the ids narrowed into the graph's pinned buffer, then cudaMemcpyAsync,
-               cudaGraphLaunch and the job's cudaEventRecord -- instead of np.copyto and three
-               ctypes calls (`graphs.StagedGraphs`)
+    replay     the query of the event guarding the graph's pinned ids buffer, the ids narrowed
+               into it, then cudaMemcpyAsync, cudaGraphLaunch and the job's cudaEventRecord --
+               instead of np.copyto and four ctypes calls (`graphs.StagedGraphs`)
 
 Built by `make` (setup.py, optional: skipped without a C compiler) and by
 `benchmarks/device_run.sh`; `KVTIER_NATIVE=0` turns it off. Without it every step runs as
@@ -49,7 +49,8 @@ def runtime_bound() -> bool:
     lib = runtime()[0]
     if lib is None:
         return False
-    names = ("cudaMemcpyAsync", "cudaGraphLaunch", "cudaEventRecord", "cudaGetDevice", "cudaSetDevice")
+    names = ("cudaMemcpyAsync", "cudaGraphLaunch", "cudaEventRecord", "cudaGetDevice", "cudaSetDevice",
+             "cudaEventQuery")  # fmt: skip
     try:
         fast.set_runtime(*(ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names))
     except (AttributeError, ValueError):  # a runtime without one of them

@@ -44,6 +44,7 @@ import warnings
 import numpy as np
 import torch
 
+from kvtier.device.cuda_events import NOT_READY
 from kvtier.engine.fast import fast as _fast
 from kvtier.engine.fast import runtime_bound
 from kvtier.engine.graph_cache import LRU, GraphStats, HostBuf, graph_key, pinned_key
@@ -113,10 +114,10 @@ class StagedGraphs:
         """The ids copy then the launch, on `stream` (the entry's copy stream); False: nothing
         of the graph was launched (the job goes eager)."""
         tr, ring = self.trace or NO_TRACE, entry.ring
+        if self.fused and done is not None and ex.handle:
+            return self._fused(entry, ex, ids, stream, done, done_on)
         i = ring.take()  # a buffer no queued copy reads any more
         buf = ring.buffers[i]
-        if self.fused and done is not None and ex.handle:
-            return self._fused(entry, ex, buf, i, ids, stream, done, done_on)
         np.copyto(buf.array, ids.numpy() if isinstance(ids, torch.Tensor) else ids, casting="unsafe")
         tr.mark("ids_fill")
         # The graph reads its ids buffer: the new ids land first, on the stream that replays it (and
@@ -155,16 +156,29 @@ class StagedGraphs:
         tr.mark("launch")
         return True
 
-    def _fused(self, entry: _Entry, ex: _Exec, buf: HostBuf, i: int, ids, stream, done, done_on) -> bool:
-        """Fill, copy, launch and (a raw `done`) record in one C call (`fast.py`)."""
-        tr = self.trace or NO_TRACE
+    def _fused(self, entry: _Entry, ex: _Exec, ids, stream, done, done_on) -> bool:
+        """Guard query, fill, copy, launch and (a raw `done`) record in one C call (`fast.py`)."""
+        tr, ring = self.trace or NO_TRACE, entry.ring
         ev = getattr(done, "handle", 0) if done_on is not None else 0  # torch's events: the caller records
         if isinstance(ids, torch.Tensor):
             n, ptr = ids.shape[0], ids.data_ptr()
         else:
             n, ptr = ids.shape[0], ids
         h, dev = stream.cuda_stream, stream.device_index
-        rc = _fast.replay(ptr, n, buf.ptr, entry.ids_ptr, ex.handle, h, ev, dev)
+        i, g = ring.peek()
+        gh = None if g is None else getattr(g, "handle", None)
+        if gh is None and g is not None:  # not a raw event: asked in Python (it may grow the ring)
+            i, gh = ring.take(), 0
+        elif gh is not None and g.stream is None:
+            gh = 0  # never recorded: complete, whatever its reused handle last did
+        rc = _fast.replay(ptr, n, ring.buffers[i].ptr, entry.ids_ptr, ex.handle, h, ev, dev, gh or 0)
+        if rc >> 32 == 5 and rc & 0xFFFFFFFF == NOT_READY:
+            from kvtier.device.cudart import clear_last_error
+
+            clear_last_error()  # "not ready" is no failure: torch's next check must not see it
+            # Its last copy may not have read the buffer yet: another buffer (or wait for that copy).
+            i = ring.take()
+            rc = _fast.replay(ptr, n, ring.buffers[i].ptr, entry.ids_ptr, ex.handle, h, ev, dev, 0)
         tr.mark("launch")
         if rc == 0:
             # The buffer is rewritten only after the job's event: its copy has read the ids by then.
@@ -185,7 +199,7 @@ class StagedGraphs:
             entry.ring.arm_with(i, done)  # the copy was enqueued: the buffer waits for the job's event
         self.fused = False
         self.stats.failures += 1
-        what = {4: "cudaSetDevice", 1: "cudaMemcpyAsync", 2: "cudaGraphLaunch"}.get(step, f"step {step}")
+        what = {5: "cudaEventQuery", 4: "cudaSetDevice", 1: "cudaMemcpyAsync", 2: "cudaGraphLaunch"}.get(step)
         msg = f"kvtier: fused graph replay failed ({what}: cudaError {err}), replays go through ctypes"
         warnings.warn(msg, stacklevel=5)
         return False

@@ -33,6 +33,7 @@ class IdCheck:
         self.num_blocks, self.block_size = num_blocks, block_size
         self._lock = threading.Lock()
         self._seen = np.zeros(num_blocks, dtype=bool)  # scratch of the duplicate check, all False between
+        self._bits = np.zeros((num_blocks + 7) // 8, dtype=np.uint8)  # the C check's: a bit per block
 
     def __call__(self, block_ids, unique: bool, num_tokens: int | None = None) -> torch.Tensor:
         """int64 [n] CPU block ids (the job's own copy), in range (distinct when `unique`),
@@ -90,7 +91,7 @@ class IdCheck:
         a = np.empty(n, dtype=np.int64)  # the job's own copy
         if unique:
             with self._lock:  # the scratch mask is shared: one check at a time marks it
-                rc = _fast.check_ids(src, wide, n, self.num_blocks, self._seen, a)
+                rc = _fast.check_ids(src, wide, n, self.num_blocks, self._bits, a)
         else:
             rc = _fast.check_ids(src, wide, n, self.num_blocks, None, a)
         if rc == 1:
@@ -176,6 +177,12 @@ class HostRing:
         self.buffers.insert(i, self._make_buffer())
         self._events.insert(i, None)
         self._own.insert(i, None)
+
+    def peek(self) -> tuple[int, Any]:
+        """The buffer `take` would try first and its guard (None: never used), without querying
+        it: a caller that queries the guard itself (the C helper) calls `take` only if it is busy."""
+        i = self._next
+        return i, self._events[i]
 
     def take(self) -> int:
         """The index of a buffer the host may write now; then enqueue its copy and `arm` it."""
