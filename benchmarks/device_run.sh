@@ -40,10 +40,13 @@ $py -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torc
 
 # The submit path's C helper (engine/fast.py) for this box's Python: no install here, so built in place.
 if [ "${KVTIER_NATIVE:-1}" != 0 ]; then
-  so=src/kvtier/engine/_fast$($py -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
-  gcc -O2 -shared -fPIC -I"$($py -c "import sysconfig; print(sysconfig.get_paths()['include'])")" \
-    src/kvtier/engine/_fast.c -o "$so" 2>&1 | tail -3
-  $py -c "from kvtier.engine.fast import status; print('C helper:', status())"
+  suffix=$($py -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+  for tree in . ${AB_OLD:-.ab_old}; do  # an A/B's older side too, where it has the helper
+    [ -f $tree/src/kvtier/engine/_fast.c ] || continue
+    gcc -O2 -shared -fPIC -I"$($py -c "import sysconfig; print(sysconfig.get_paths()['include'])")" \
+      $tree/src/kvtier/engine/_fast.c -o "$tree/src/kvtier/engine/_fast$suffix" 2>&1 | tail -3
+    PYTHONPATH=$tree/src $py -c "from kvtier.engine.fast import status; print('C helper ($tree):', status())"
+  done
 fi
 
 gpu_tests() {  # $GPU_TESTS: pytest arguments, the GPU tests a change touched
