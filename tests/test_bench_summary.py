@@ -41,3 +41,11 @@ def test_submit_figure_shows_the_hot_submit():
     assert _engine_figure({"params": {"submit_us": 500.0, "blocks": 512}}) == "submit 500 us for 512 blocks"
     hot = _engine_figure({"params": {"submit_us": 500.0, "submit_hot_us": 90.0, "blocks": 512}})
     assert hot == "submit 500 us, 90 us hot for 512 blocks"
+
+
+def test_submit_verdict_says_how_the_hot_and_busy_submits_fare():
+    from kvtier.bench.summary import _verdict
+
+    assert _verdict({}) == "-" and _verdict({"meets_target": True}) == "yes"
+    p = {"meets_target": False, "meets_target_hot": True, "meets_target_busy": False}
+    assert _verdict(p) == "no (hot yes, busy no)"

@@ -112,6 +112,15 @@ def _engine_figure(r: dict) -> str:
     return "-"
 
 
+def _verdict(p: dict) -> str:
+    """yes / no / -; a submit row also says how its hot and busy submits fare (P6 reads the cold one)."""
+    meets = p.get("meets_target")
+    out = "-" if meets is None else ("yes" if meets else "no")
+    kinds = [k for k in ("hot", "busy") if f"meets_target_{k}" in p]
+    more = [f"{k} {'yes' if p[f'meets_target_{k}'] else 'no'}" for k in kinds]
+    return f"{out} ({', '.join(more)})" if more and meets is not None else out
+
+
 def engine_markdown(doc: dict) -> str:
     """Every row of the engine and store suites (P4 bidir, P5 save beside matmul, P6 submit
     overhead; store lookup cost and per-tier throughput)."""
@@ -122,9 +131,8 @@ def engine_markdown(doc: dict) -> str:
     for r in doc["rows"]:
         if r["suite"] not in ENGINE_SUITES:
             continue
-        meets = r["params"].get("meets_target")
         lines.append(
             f"| {r['suite']} | {r['case']} | {r['gbps']:,.1f} | {r['ratio']:.1%} of {r['ceiling']} "
-            f"| {_engine_figure(r)} | {'-' if meets is None else ('yes' if meets else 'no')} |"
+            f"| {_engine_figure(r)} | {_verdict(r['params'])} |"
         )
     return "\n".join(lines) if len(lines) > 2 else ""
