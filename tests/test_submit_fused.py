@@ -277,3 +277,19 @@ def test_fused_replay_asks_the_guard_in_c_and_grows_the_ring_when_busy(runtime):
     rt.log.clear()
     assert g.replay(key, torch.tensor([3, 2, 1, 0]), FakeStream(), Nodes.base, RawEvent(), on)
     assert rt.log[0] == ("query", EVENT) and rt.log[1][2] == old[0]  # done now: rewritten in place
+
+
+def test_fused_replay_asks_a_torch_guard_in_python(runtime):
+    """A buffer guarded by an event without a raw handle (torch's): queried by the ring in Python
+    (no cudaEventQuery of a handle it does not have), busy -> another buffer."""
+    g, key, entry = _graphs()
+    rt = runtime()
+    guards = [TorchLikeEvent(), TorchLikeEvent()]
+    for d in guards:
+        assert g.replay(key, torch.tensor([5, 1, 6, 2]), FakeStream(), Nodes.base, d, object())
+    old = [b.ptr for b in entry.ring.buffers]
+    guards[0].completed = False  # its copy has not run yet
+    rt.log.clear()
+    assert g.replay(key, torch.tensor([0, 1, 2, 3]), FakeStream(), Nodes.base, TorchLikeEvent(), object())
+    assert "query" not in [e[0] for e in rt.log]
+    assert rt.log[0][2] not in old and entry.ring.grown == 1  # a new buffer, buffer 0 untouched
