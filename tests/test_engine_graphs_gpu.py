@@ -20,10 +20,10 @@ BS = 16
 SLEEP = 50_000_000  # GPU cycles (~25 ms): a slow kernel on the compute stream
 
 
-def make(layers=4, blocks=64, slots=4, n=8, **kw):
+def make(layers=4, blocks=64, slots=4, n=8, events=None, **kw):
     from kvtier.device import CudaDevice
 
-    dev = CudaDevice()
+    dev = CudaDevice() if events is None else CudaDevice(events=events)
     kv = random_cache("vllm_flash", layers, blocks, BS, 8, 128, torch.bfloat16, "cuda", seed=1)
     # >= 2 MiB: the pool registers its slab (cudaHostRegister), as in production.
     pool = PinnedPool(dev, slots * kv.chunk_nbytes(n))
@@ -50,15 +50,16 @@ def poison_blocks(kv, blocks, compute):
     return compute.record("e_poison")
 
 
-@pytest.mark.parametrize("replay", ["c", "ctypes"])
+@pytest.mark.parametrize("replay", ["c", "ctypes", "c, torch events"])
 def test_replays_bit_exact_mixed_with_eager_and_kernel_jobs(replay):
-    """Replays through the C helper (ids fill, copy, launch and the job's event in one call) and
-    through one ctypes call each (`graphs.py`): the same bytes."""
-    if replay == "c" and fast.fast is None:
+    """Replays through the C helper (ids fill, copy, launch and the job's event in one call),
+    through one ctypes call each (`graphs.py`), and through the C helper with torch's events (the
+    engine records the job's event itself): the same bytes."""
+    if replay.startswith("c") and fast.fast is None:
         pytest.skip(f"C helper: {fast.why}")
-    dev, kv, pool, eng = make()
+    dev, kv, pool, eng = make(events="torch" if "torch" in replay else None)
     g, compute, rng = eng.mover.graphs, dev.current_stream(), random.Random(0)
-    g.fused = replay == "c"
+    g.fused = replay.startswith("c")
     modes = []
     for _ in range(48):
         n = rng.choice([3, 8])
@@ -91,7 +92,7 @@ def test_replays_bit_exact_mixed_with_eager_and_kernel_jobs(replay):
     replayed = sum(r for _, r in modes)
     print(f"\n{replayed} of {len(modes)} jobs replayed; stats {g.stats}")
     assert replayed >= 10 and g.stats.captures >= 4 and g.stats.failures == 0
-    assert g.fused == (replay == "c")  # no fused replay failed over to ctypes
+    assert g.fused == replay.startswith("c")  # no fused replay failed over to ctypes
     assert all(not r for m, r in modes if m != "auto")  # eager and kernel jobs never replay
     eng.close()
     assert pool.stats().used == 0
