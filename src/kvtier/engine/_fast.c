@@ -9,6 +9,10 @@
  *
  * No CUDA headers: the runtime's functions arrive as addresses (those of the libcudart torch
  * loaded), with the prototypes below (CUDA 12 and 13 runtime API).
+ *
+ * Both hold the GIL throughout (as torch's launches do): the runtime calls take microseconds, and
+ * giving the GIL away around them (as ctypes does) could leave the submit waiting a whole switch
+ * interval (5 ms) to get it back from another Python thread.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
