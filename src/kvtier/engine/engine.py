@@ -45,9 +45,8 @@ class TransferEngine(Completion):
         compute_beside: the model computes while jobs run (steers "auto" to copy-engine paths;
             "auto" is decided once per direction from it and the cache: set it at construction).
         graphs: on CUDA, replay staged jobs from CUDA graphs captured once per direction / slot
-            size / block count / last-block tokens and pointed at each job's slot before replay
-            (`graphs.py`): fewer Python calls per job (H200: 0.5-0.6 ms per 1 GiB job against
-            1.1-3 ms eager). Ignored on SimDevice. max_graphs: size of that LRU cache.
+            size / block count / last-block tokens, each pointed at the job's slot (`graphs.py`;
+            one call of the C helper per replay, `fast.py`). max_graphs: size of that LRU cache.
         graph_execs: execs kept per graph, each pointed at a recent slot: a job on one of those
             slots replays without first moving the graph's DMA nodes (one runtime call per
             256 MiB chunk, ~20 us per 1 GiB job on the H200). Slots are reused lowest address
@@ -140,9 +139,8 @@ class TransferEngine(Completion):
                 e_save = self.device.new_event(f"e_save#{k}")
                 self.mover.save(p, ids, num_tokens, slot, self.save_stream, e_save)
                 tr.mark("mover")
-                if e_save.stream is None:  # else the mover's graph replay recorded it right after its copies
-                    # After every copy of the job: then the slot is READY and the ids buffer free.
-                    e_save.record(self.save_stream)
+                if e_save.stream is None:  # not recorded by a graph replay right after its copies
+                    e_save.record(self.save_stream)  # after every copy: then the slot is READY
                 tr.mark("event")
                 waited = waits + ([after] if after is not None else [])
                 self.blocks.begin_save(bset, e_save, waited=waited)
@@ -197,9 +195,8 @@ class TransferEngine(Completion):
                 p, ids, num_tokens, slot, self.load_stream, per_layer, f"e_load#{k}", e_load
             )
             tr.mark("mover")
-            if e_load.stream is None:  # else the mover's graph replay recorded it right after its copies
-                # After every copy of the job: then the blocks have landed and the slot is free.
-                e_load.record(self.load_stream)
+            if e_load.stream is None:  # not recorded by a graph replay right after its copies
+                e_load.record(self.load_stream)  # after every copy: the blocks landed, the slot free
             tr.mark("event")
             self.slots.begin_read(slot, e_load)  # the slot may be freed only after e_load
             self.blocks.begin_load(bset, e_load, waited=waits)
@@ -280,14 +277,9 @@ class TransferEngine(Completion):
         p = parse_path(path) if path is not None else self.path
         auto = p is Path.AUTO
         if auto:
-            piece = self.kv.piece_numel * self.kv.dtype.itemsize
-            p = choose_path(
-                direction,
-                piece_nbytes=piece,
-                per_layer=per_layer,
-                compute_beside=self.compute_beside,
-                batch_ok=self.mover.batch_available,
-            )
+            piece, beside = self.kv.piece_numel * self.kv.dtype.itemsize, self.compute_beside
+            p = choose_path(direction, piece_nbytes=piece, per_layer=per_layer, compute_beside=beside,
+                            batch_ok=self.mover.batch_available)  # fmt: skip
         self.mover.check_path(p)
         if auto and path is None:
             self._auto[(direction, per_layer)] = p

@@ -6,8 +6,8 @@ event pair per chunk); a replay is one small H2D copy of the block ids into the 
 device buffer and one `cudaGraphLaunch`, both on the engine's copy stream, as two runtime calls
 on raw handles (`graph_nodes.Launcher`; torch's copy_ / replay where those are unavailable).
 With the C helper (`fast.py`) the fill of the pinned ids buffer, those two calls and the record of
-the job's event are one C call (`_fused`); the event is then recorded right after the launch, as
-the engine would have.
+the job's event are one C call (`graph_fused.py`); the event is then recorded right after the
+launch, as the engine would have.
 
 Key: everything the graph bakes in besides the ids and the slot address -- direction, slot size,
 number of blocks, valid tokens of the last block, the staging buffers. The ids are data: each
@@ -44,13 +44,12 @@ import warnings
 import numpy as np
 import torch
 
-from kvtier.device.cuda_events import NOT_READY
-from kvtier.engine.fast import fast as _fast
 from kvtier.engine.fast import runtime_bound
 from kvtier.engine.graph_cache import LRU, GraphStats, HostBuf, graph_key, pinned_key
 from kvtier.engine.graph_cache import Entry as _Entry
 from kvtier.engine.graph_cache import Exec as _Exec
 from kvtier.engine.graph_capture import capture_entry
+from kvtier.engine.graph_fused import replay_fused
 from kvtier.engine.graph_nodes import Launcher, NodeError
 from kvtier.engine.ids import HostRing
 from kvtier.engine.jobs import NO_TRACE
@@ -115,7 +114,7 @@ class StagedGraphs:
         of the graph was launched (the job goes eager)."""
         tr, ring = self.trace or NO_TRACE, entry.ring
         if self.fused and done is not None and ex.handle:
-            return self._fused(entry, ex, ids, stream, done, done_on)
+            return replay_fused(self, entry, ex, ids, stream, done, done_on)
         i = ring.take()  # a buffer no queued copy reads any more
         buf = ring.buffers[i]
         np.copyto(buf.array, ids.numpy() if isinstance(ids, torch.Tensor) else ids, casting="unsafe")
@@ -155,54 +154,6 @@ class StagedGraphs:
             return False
         tr.mark("launch")
         return True
-
-    def _fused(self, entry: _Entry, ex: _Exec, ids, stream, done, done_on) -> bool:
-        """Guard query, fill, copy, launch and (a raw `done`) record in one C call (`fast.py`)."""
-        tr, ring = self.trace or NO_TRACE, entry.ring
-        ev = getattr(done, "handle", 0) if done_on is not None else 0  # torch's events: the caller records
-        if isinstance(ids, torch.Tensor):
-            n, ptr = ids.shape[0], ids.data_ptr()
-        else:
-            n, ptr = ids.shape[0], ids
-        h, dev = stream.cuda_stream, stream.device_index
-        i, g = ring.peek()
-        gh = None if g is None else getattr(g, "handle", None)
-        if gh is None and g is not None:  # not a raw event: asked in Python (it may grow the ring)
-            i, gh = ring.take(), 0
-        elif gh is not None and g.stream is None:
-            gh = 0  # never recorded: complete, whatever its reused handle last did
-        rc = _fast.replay(ptr, n, ring.buffers[i].ptr, entry.ids_ptr, ex.handle, h, ev, dev, gh or 0)
-        if rc >> 32 == 5 and rc & 0xFFFFFFFF == NOT_READY:
-            from kvtier.device.cudart import clear_last_error
-
-            clear_last_error()  # "not ready" is no failure: torch's next check must not see it
-            # Its last copy may not have read the buffer yet: another buffer (or wait for that copy).
-            i = ring.take()
-            rc = _fast.replay(ptr, n, ring.buffers[i].ptr, entry.ids_ptr, ex.handle, h, ev, dev, 0)
-        tr.mark("launch")
-        if rc == 0:
-            # The buffer is rewritten only after the job's event: its copy has read the ids by then.
-            entry.ring.arm_with(i, done)
-            if ev:
-                done.mark_recorded(done_on)
-            return True
-        step, err = rc >> 32, rc & 0xFFFFFFFF
-        from kvtier.device.cudart import clear_last_error
-
-        clear_last_error()  # handled here: torch's next check must not report it at an unrelated launch
-        if step == 3:  # copy and graph enqueued, the event not: as a failed record of the engine's
-            with contextlib.suppress(Exception):
-                # The queued copy reads the ids buffer: it must have run before the buffer is reused.
-                stream.synchronize()
-            raise RuntimeError(f"cudaEventRecord after a graph replay failed: cudaError {err}")
-        if step == 2:
-            entry.ring.arm_with(i, done)  # the copy was enqueued: the buffer waits for the job's event
-        self.fused = False
-        self.stats.failures += 1
-        what = {5: "cudaEventQuery", 4: "cudaSetDevice", 1: "cudaMemcpyAsync", 2: "cudaGraphLaunch"}.get(step)
-        msg = f"kvtier: fused graph replay failed ({what}: cudaError {err}), replays go through ctypes"
-        warnings.warn(msg, stacklevel=5)
-        return False
 
     def _torch_launch(self, entry: _Entry, buf: HostBuf, i: int, stream, done=None) -> None:
         tr = self.trace or NO_TRACE
