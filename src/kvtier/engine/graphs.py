@@ -85,14 +85,13 @@ class StagedGraphs:
         self.direct = self._launcher is not None
         self.fused = self.direct and runtime_bound()  # replays as one call of the C helper
 
-    def replay(
-        self, key, ids: torch.Tensor, stream: torch.cuda.Stream, slot_ptr: int, done=None, done_on=None
-    ) -> bool:
+    def replay(self, key, ids, stream: torch.cuda.Stream, slot_ptr: int, done=None, done_on=None) -> bool:
         """Replay the graph of `key` for the slot at `slot_ptr` with block ids `ids` (int64 CPU,
-        checked); False on a miss. `done`: the job's event, recorded on `stream` after the graph
-        (it guards the ids buffer instead of an event record of its own). With `done_on` (the
-        device stream wrapping `stream`) the C helper may record a raw `done` itself, right after
-        the launch; `done.stream` is then set, and the caller records it only while it is None."""
+        checked: the engine's numpy array, or a tensor); False on a miss. `done`: the job's event,
+        recorded on `stream` after the graph (it guards the ids buffer instead of an event record
+        of its own). With `done_on` (the device stream wrapping `stream`) the C helper may record
+        a raw `done` itself, right after the launch; `done.stream` is then set, and the caller
+        records it only while it is None."""
         tr = self.trace or NO_TRACE
         entry = self.cache.get(key) if self.enabled else None
         if entry is None and self.enabled:
