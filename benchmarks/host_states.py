@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from kvtier.bench.hostref import _matmul_s
 from kvtier.engine.ids import IdCheck
 
 GIB = 1 << 30
@@ -101,15 +102,7 @@ class Rig:
         return ev
 
     def calibrate(self) -> None:
-        for _ in range(3):
-            self.mat @ self.mat
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(5):
-            self.mat @ self.mat
-        e.record()
-        e.synchronize()  # elapsed_time needs the end event complete
-        self.matmul_ms = s.elapsed_time(e) / 5
+        self.matmul_ms = _matmul_s(self.mat) * 1e3  # hostref's: one `mat @ mat` after a warm-up
 
 
 def busy(ms: float) -> None:

@@ -48,14 +48,17 @@ class IdCheck:
     def checked(self, block_ids, unique: bool, num_tokens: int | None = None) -> CheckedBlocks:
         """The checked ids as `CheckedBlocks` only: `.ids` is the job's own int64 numpy array (no
         torch view made: one call fewer on a submit, whose movers take numpy ids)."""
-        a = self._native(block_ids, unique) if _fast is not None else None
-        if a is None:
+        got = self._native(block_ids, unique) if _fast is not None else None
+        if got is None:
             a = self._array(block_ids)
             hi = int(a.view(np.uint64).max())  # one pass: negatives wrap to huge values
-            if hi >= self.num_blocks:
-                raise ValueError(f"block_ids: out of range; the cache has {self.num_blocks} blocks")
-            if unique and self.has_duplicates(a, hi):
-                raise ValueError("block_ids: duplicate ids; a load cannot write one block twice")
+            bad = 1 if hi >= self.num_blocks else 2 if unique and self.has_duplicates(a, hi) else 0
+        else:
+            a, bad = got
+        if bad == 1:
+            raise ValueError(f"block_ids: out of range; the cache has {self.num_blocks} blocks")
+        if bad == 2:
+            raise ValueError("block_ids: duplicate ids; a load cannot write one block twice")
         n = len(a)
         if num_tokens is not None:
             bs = self.block_size
@@ -67,9 +70,10 @@ class IdCheck:
                 raise ValueError(f"num_tokens: {num_tokens!r} does not fit {n} blocks of {bs} tokens")
         return CheckedBlocks(a, self.num_blocks)
 
-    def _native(self, block_ids, unique: bool) -> np.ndarray | None:
+    def _native(self, block_ids, unique: bool) -> tuple[np.ndarray, int] | None:
         """The usual input -- a contiguous 1-D int64/int32 CPU tensor or numpy array -- copied and
-        checked in one C call (`fast.py`); None for anything else (the numpy path handles it)."""
+        checked in one C call (`fast.py`): (the copy, 0 / 1 out of range / 2 a repeat); None for
+        anything else (the numpy path handles it)."""
         if type(block_ids) is torch.Tensor:
             dt = block_ids.dtype
             if not (block_ids.is_cpu and block_ids.ndim == 1 and block_ids.is_contiguous()):
@@ -94,11 +98,7 @@ class IdCheck:
                 rc = _fast.check_ids(src, wide, n, self.num_blocks, self._bits, a)
         else:
             rc = _fast.check_ids(src, wide, n, self.num_blocks, None, a)
-        if rc == 1:
-            raise ValueError(f"block_ids: out of range; the cache has {self.num_blocks} blocks")
-        if rc == 2:
-            raise ValueError("block_ids: duplicate ids; a load cannot write one block twice")
-        return a
+        return a, rc
 
     @staticmethod
     def _array(block_ids) -> np.ndarray:
