@@ -8,6 +8,7 @@ set ``KVTIER_REDIS_SERVER=valkey-server KVTIER_REDIS_CLI=valkey-cli``.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -34,13 +35,20 @@ def _bindable(port: int) -> bool:
 
 
 def free_port(with_bus: bool = False) -> int:
-    """A free loopback port; ``with_bus``: port + 10000 (the cluster bus) is free too."""
+    """A free loopback port; ``with_bus``: port + 10000 (the cluster bus) is free too.
+
+    Cluster ports come from 12000-22767, so port and bus (22000-32767) both lie below Linux's
+    ephemeral range (32768+): no outgoing connection can take them before the node binds.
+    """
     for _ in range(200):
+        if with_bus:
+            port = random.randrange(12000, 22768)
+            if _bindable(port) and _bindable(port + 10000):
+                return port
+            continue
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not with_bus or (port + 10000 <= 65535 and _bindable(port + 10000)):
-            return port
+            return s.getsockname()[1]
     raise RuntimeError("no free loopback port found")
 
 
@@ -91,12 +99,12 @@ class RedisServer:
             time.sleep(0.02)  # poll, not a fixed delay: a slow CI host just takes longer
         raise RuntimeError(f"redis-server on port {self.port} did not answer within {timeout_s}s")
 
-    def cli(self, *args: str, check: bool = True) -> str:
+    def cli(self, *args: str, check: bool = True, timeout_s: float = 10.0) -> str:
         done = subprocess.run(
             [REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), *args],
             capture_output=True,
             text=True,
-            timeout=10,
+            timeout=timeout_s,
         )
         if check and done.returncode:
             raise RuntimeError(f"redis-cli {args}: {done.stderr}")
@@ -135,6 +143,10 @@ class RedisClusterProcs:
     """Three masters on loopback, no replicas, all 16384 slots assigned."""
 
     def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.nodes: list[RedisServer] = []
+
+    def _make_nodes(self, attempt: int) -> None:
         self.nodes = []
         for i in range(3):
             extra = (
@@ -145,17 +157,32 @@ class RedisClusterProcs:
                 "--cluster-node-timeout",
                 "2000",
             )
-            self.nodes.append(RedisServer(root / f"node{i}", extra_args=extra))
+            self.nodes.append(RedisServer(self.root / f"try{attempt}" / f"node{i}", extra_args=extra))
 
     @property
     def url(self) -> str:
         return self.nodes[0].url
 
-    def start(self, timeout_s: float = 20.0) -> RedisClusterProcs:
+    def start(self, timeout_s: float = 30.0, attempts: int = 3) -> RedisClusterProcs:
+        """Start three fresh nodes and join them; a join that stalls is retried on new ports."""
+        errors = []
+        for attempt in range(attempts):
+            self._make_nodes(attempt)
+            try:
+                return self._join(timeout_s)
+            except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                errors.append(f"attempt {attempt}: {exc}")
+                self.stop()  # a half-joined cluster must not hold its ports into the next try
+        raise RuntimeError("redis cluster did not come up: " + "; ".join(errors))
+
+    def _join(self, timeout_s: float) -> RedisClusterProcs:
         for node in self.nodes:
             node.start()
         addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
-        self.nodes[0].cli("--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes")
+        # redis-cli waits for the join over the cluster bus; a loaded CI host can take seconds.
+        self.nodes[0].cli(
+            "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes", timeout_s=timeout_s
+        )
         deadline = time.monotonic() + timeout_s
         # Wait for every node to agree the cluster is up: slots are gossiped, not instant.
         while time.monotonic() < deadline:
