@@ -22,6 +22,8 @@
 #   ab: ($GPU_TESTS) profile_submit.py --hot (and --spin-ms 3) with this tree's src and $AB_OLD's
 #       (a worktree of an older commit, carried), $AB_ROUNDS rounds (2); $AB_X: a third side's
 #       arguments; suites $P6_SUITES if set
+#   verdict: ($GPU_TESTS) suites $P6_SUITES (default bidir save_beside_matmul submit_overhead), then
+#       submit_overhead $P6_REPEAT more times (default 0) into $out/again<i>/: the figures at one commit
 #   multi: (2+ GPUs) handoff/probe GPU tests, memcheck/racecheck of a handoff, probe --all-gpus,
 #          suites handoff + contention, `kvtier path` with the measured sharing
 set -uo pipefail
@@ -58,7 +60,7 @@ gpu_tests() {  # $GPU_TESTS: pytest arguments, the GPU tests a change touched
 p6_suites() {  # $P6_SUITES: kvtier bench suites
   if [ -n "${P6_SUITES:-}" ]; then
     echo "== bench $P6_SUITES"
-    timeout 360 $py -m kvtier bench --out "$out" $(for s in $P6_SUITES; do echo --suite $s; done) \
+    timeout ${BENCH_TIMEOUT:-360} $py -m kvtier bench --out "$out" $(for s in $P6_SUITES; do echo --suite $s; done) \
       2>&1 | tee "$out/bench.log" | tail -40
   fi
 }
@@ -185,6 +187,18 @@ if [ "$mode" = p6 ]; then
     timeout 150 $py benchmarks/probe_ce_gather.py 2>&1 | tee "$out/probe_ce_gather.txt"
   fi
   P6_SUITES=${P6_SUITES:-bidir submit_overhead} p6_suites
+  exit 0
+fi
+if [ "$mode" = verdict ]; then
+  gpu_tests
+  P6_SUITES=${P6_SUITES:-bidir save_beside_matmul submit_overhead} BENCH_TIMEOUT=${BENCH_TIMEOUT:-420} p6_suites
+  for i in $(seq 1 "${P6_REPEAT:-0}"); do  # the same suite again on the same box: how much the verdict moves
+    echo "== bench submit_overhead, again ($i)"
+    mkdir -p "$out/again$i"
+    timeout 240 $py -m kvtier bench --out "$out/again$i" --suite submit_overhead 2>&1 \
+      | tee "$out/again$i/bench.log" | tail -16
+    rm -f "$out/again$i"/*.png  # the json and log carry the figures; the file count back is limited
+  done
   exit 0
 fi
 if [ "$mode" = events-ab ]; then  # the submit with raw runtime events against torch's, on one box

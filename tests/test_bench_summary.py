@@ -48,4 +48,17 @@ def test_submit_verdict_says_how_the_hot_and_busy_submits_fare():
 
     assert _verdict({}) == "-" and _verdict({"meets_target": True}) == "yes"
     p = {"meets_target": False, "meets_target_hot": True, "meets_target_busy": False}
-    assert _verdict(p) == "no (hot yes, busy no)"
+    assert _verdict(p) == "no (hot yes, busy no)"  # a file from before the hot verdict
+    p = {"meets_target": True, "meets_target_cold": False, "meets_target_busy": False, "p6_reads": "hot"}
+    assert _verdict(p) == "yes (after a wait no, busy no)"
+
+
+def test_submit_figure_leads_with_what_the_verdict_reads():
+    from kvtier.bench.summary import _engine_figure
+
+    p = {"submit_us": 412.0, "submit_hot_us": 64.0, "blocks": 512, "p6_reads": "hot"}
+    p |= {"submit_hot_py_us": 40.0, "submit_hot_calls_us": 24.0, "submit_busy_us": 150.0, "busy_ms": 3.0}
+    assert _engine_figure({"params": p}) == (
+        "submit 64 us hot (40 Python + 24 runtime calls), 412 us after a GPU wait,"
+        " 150 us after 3 ms of host work for 512 blocks"
+    )

@@ -55,11 +55,30 @@ def test_submit_overhead_dry_pass_on_sim():
         assert r.ceiling == "host_memcpy" and r.gbps > 0
         p = r.params
         assert 0 < p["submit_us_min"] <= p["submit_us"] <= p["submit_us_max"]
-        assert p["job_submit_us"] > 0 and p["flat_ratio"] >= 1
+        assert p["job_submit_us"] > 0 and p["flat_ratio"] >= 1 and p["flat_ratio_cold"] >= 1
+        # P6's verdict reads the hot median; the figure after a GPU wait has a verdict of its own
+        assert p["p6_row"] and p["p6_reads"] == "hot" and p["meets_target"] == (p["submit_hot_us"] <= 100.0)
+        assert p["meets_target_cold"] == (p["submit_us"] <= 100.0)
+        assert 0 < p["submit_hot_us_min"] <= p["submit_hot_us"] <= p["submit_hot_us_max"]
         assert p["engine_path"] in ("staged", "kernel")
         assert p["host_ref_hot_us"] > 0 and p["host_ref_after_wait_us"] > 0  # the host's yardstick
         assert p["submit_busy_us"] > 0 and p["busy_ms"] > 0 and isinstance(p["meets_target_busy"], bool)
         assert p["submit_hot_py_us"] > 0 and p["submit_hot_calls_us"] > 0  # the sim's event record
+
+
+def test_flat_ratio_reads_p6_rows_only():
+    from types import SimpleNamespace
+
+    from kvtier.bench.suites.submit import _flat_ratios
+
+    def row(case, hot, cold, p6=True):
+        return SimpleNamespace(case=case, params={"submit_hot_us": hot, "submit_us": cold, "p6_row": p6})
+
+    rows = [row("save bs1", 80, 300), row("save bs16", 40, 100), row("save bs16 4GiB", 400, 900, False)]
+    rows += [row("load bs1", 50, 200), row("load bs16", 50, 250)]
+    _flat_ratios(rows)
+    assert [r.params.get("flat_ratio") for r in rows] == [2.0, 2.0, None, 1.0, 1.0]
+    assert rows[0].params["flat_ratio_cold"] == 3.0 and rows[3].params["flat_ratio_cold"] == 1.25
 
 
 def test_host_reference_checks_and_times():

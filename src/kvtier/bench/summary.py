@@ -96,15 +96,7 @@ def _engine_figure(r: dict) -> str:
     if "slowdown_pct" in p:
         return f"matmul time {p['slowdown_pct']:+.1f}% (alone spread {p.get('alone_spread_pct', 0):.1f}%)"
     if "submit_us" in p:
-        hot = f", {p['submit_hot_us']:,.0f} us hot" if p.get("submit_hot_us") is not None else ""
-        if p.get("submit_hot_py_us") is not None:  # kvtier's Python apart from its runtime calls
-            hot += f" ({p['submit_hot_py_us']:,.0f} Python + {p['submit_hot_calls_us']:,.0f} runtime calls)"
-        if p.get("submit_busy_us") is not None:
-            hot += f", {p['submit_busy_us']:,.0f} us after {p.get('busy_ms', 0):g} ms of host work"
-        ref = ""
-        if p.get("host_ref_hot_us") is not None:  # the host's own first step, hot / after a wait
-            ref = f" (host: 512-id check {p['host_ref_hot_us']:.1f} / {p['host_ref_after_wait_us']:.0f} us)"
-        return f"submit {p['submit_us']:,.0f} us{hot} for {p.get('blocks', '?')} blocks{ref}"
+        return _submit_figure(p)
     if "us_per_chunk" in p:
         return f"{p['us_per_chunk']:.2f} us per chunk, {p['us_per_prompt']:,.0f} us per prompt"
     if "vs_path" in p:
@@ -112,12 +104,41 @@ def _engine_figure(r: dict) -> str:
     return "-"
 
 
+def _submit_figure(p: dict) -> str:
+    """A submit row: the figure its verdict reads first (hot, or in files before the hot verdict
+    the one after a wait), then the others, the split of the hot one and the host's yardstick."""
+    hot = p.get("submit_hot_us")
+    split = ""
+    if p.get("submit_hot_py_us") is not None:  # kvtier's Python apart from its runtime calls
+        split = f" ({p['submit_hot_py_us']:,.0f} Python + {p['submit_hot_calls_us']:,.0f} runtime calls)"
+    busy = ""
+    if p.get("submit_busy_us") is not None:
+        busy = f", {p['submit_busy_us']:,.0f} us after {p.get('busy_ms', 0):g} ms of host work"
+    if p.get("p6_reads") == "hot":
+        head = f"submit {hot:,.0f} us hot{split}, {p['submit_us']:,.0f} us after a GPU wait{busy}"
+    else:
+        head = (
+            f"submit {p['submit_us']:,.0f} us"
+            + (f", {hot:,.0f} us hot{split}" if hot is not None else "")
+            + busy
+        )
+    ref = ""
+    if p.get("host_ref_hot_us") is not None:  # the host's own first step, hot / after a wait
+        ref = f" (host: 512-id check {p['host_ref_hot_us']:.1f} / {p['host_ref_after_wait_us']:.0f} us)"
+    return f"{head} for {p.get('blocks', '?')} blocks{ref}"
+
+
 def _verdict(p: dict) -> str:
-    """yes / no / -; a submit row also says how its hot and busy submits fare (P6 reads the cold one)."""
+    """yes / no / -; a submit row also says how its other figures fare (P6's verdict reads the
+    hot submit; files written before it read the one after a wait and carry `meets_target_hot`)."""
     meets = p.get("meets_target")
     out = "-" if meets is None else ("yes" if meets else "no")
-    kinds = [k for k in ("hot", "busy") if f"meets_target_{k}" in p]
-    more = [f"{k} {'yes' if p[f'meets_target_{k}'] else 'no'}" for k in kinds]
+    names = {"hot": "hot", "cold": "after a wait", "busy": "busy"}
+    more = [
+        f"{n} {'yes' if p[f'meets_target_{k}'] else 'no'}"
+        for k, n in names.items()
+        if f"meets_target_{k}" in p
+    ]
     return f"{out} ({', '.join(more)})" if more and meets is not None else out
 
 

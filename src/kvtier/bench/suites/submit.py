@@ -1,11 +1,16 @@
 """The submit_overhead suite of the transfer engine (PERF.md P6: <= 100 us, flat in block count).
 
 CPU time to submit one save / load job: 1 GiB at block sizes 1..256 tokens (8192..32 blocks) and
-4 GiB of 16-token blocks. Per row: the submit right after waiting for the job before (`submit_us`),
-right after another submit (`submit_hot_us`), after 3 ms of other host work (`submit_busy_us`),
-the hot submit split into kvtier's Python and its runtime calls (a traced pass of its own), and
-this host's yardstick (`hostref.py`: a 512-id check, hot and right after a wait). The job itself
-is timed with device events against the pinned copy ceilings, as the other engine suites.
+4 GiB of 16-token blocks. Per row: the submit right after another submit (`submit_hot_us`, the
+steady state PERF.md's method times -- warmed up, repeated, the median -- and what P6's verdict
+reads), right after waiting for the job before (`submit_us`), after 3 ms of other host work
+(`submit_busy_us`), the hot submit split into kvtier's Python and its runtime calls (a traced pass
+of its own), and this host's yardstick (`hostref.py`: a 512-id check, hot and right after a wait).
+On the lent VMs code not run for a few ms runs 10-40x slower, one cudaGraphLaunch included
+(77-87 us after a 20 ms sleep, `benchmarks/probe_graph_launch.py`): the figures after a wait or
+after other work measure that host as much as kvtier, and are reported beside the verdict.
+The job itself is timed with device events against the pinned copy ceilings, as the other
+engine suites.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from kvtier.bench.suites.kv import Work
 
 P6_US = 100.0
 BUSY_MS = 3.0  # host work between the two submits of a busy sample
+HOT_REPS = 50  # hot samples per row (full run): cheap, and the median steadier on a noisy host
 
 
 @register("submit_overhead", description="CPU time to submit one save / load job, 32..32768 blocks (P6)")
@@ -45,7 +51,8 @@ def submit_overhead(ctx: Context):
             try:
                 w = Work(ctx, 4 * GiB)
                 kv, src, dst = w.request(16)
-                rows += _submit_rows(ctx, dev, kv, src.cpu, dst.cpu, w.payload, reps, w.params(16, "auto"))
+                params = w.params(16, "auto") | {"p6_row": False}  # P6 names 1 GiB jobs: this one, for scale
+                rows += _submit_rows(ctx, dev, kv, src.cpu, dst.cpu, w.payload, reps, params)
             except (RuntimeError, torch.OutOfMemoryError) as e:  # pinned registration or HBM too small
                 ctx.skip("submit 4 GiB bs16", f"{type(e).__name__}: {e}"[:300])
     else:
@@ -60,11 +67,7 @@ def submit_overhead(ctx: Context):
                 )
         finally:
             dev.close()
-    for direction in ("save", "load"):  # flat in block count: the spread of the medians across cases
-        mine = [r for r in rows if r.case.startswith(direction)]
-        us = [r.params["submit_us"] for r in mine]
-        for r in mine:
-            r.params["flat_ratio"] = max(us) / min(us)
+    _flat_ratios(rows)
     wait = ref["after_gpu_wait_us"] if ref["after_gpu_wait_us"] is not None else ref["after_sleep_us"]
     for r in rows:  # the yardstick: the same host's first submit step, hot and right after a wait
         r.params |= {"host_ref_hot_us": ref["hot_us"], "host_ref_after_wait_us": wait}
@@ -98,18 +101,20 @@ def _submit_rows(ctx, dev, kv, src, dst, nbytes, reps, params) -> list:
 
             g0 = _graph_counts(eng)
             t = _time_jobs(dev, submit, lambda js: _settle(eng, js), reps)
-            hot = _hot_submits(eng, call, reps)
+            hot = _hot_submits(eng, call, max(reps, 10 if ctx.quick else HOT_REPS))
             busy = _hot_submits(eng, call, reps, work_ms=BUSY_MS)
             split = _traced_split(eng, call, reps, direction)
             g1 = _graph_counts(eng)
             us, job_us = us[2:], job_us[2:]  # drop the warm-up runs
-            med = statistics.median(us)
-            p = params | dict(
+            med, hot_med = statistics.median(us), statistics.median(hot)
+            p6 = params.get("p6_row", True)
+            p = {"p6_row": True} | params | dict(
                 blocks=len(src), submit_us=med, submit_us_min=min(us), submit_us_max=max(us),
                 job_submit_us=statistics.median(job_us), engine_path=",".join(sorted(paths)),
-                target="P6 <= 100 us, flat in block count", meets_target=med <= P6_US,
-                submit_hot_us=statistics.median(hot), submit_hot_us_max=max(hot),
-                meets_target_hot=statistics.median(hot) <= P6_US,
+                target="P6 <= 100 us hot (right after another submit), flat in block count"
+                if p6 else "none: P6 names 1 GiB jobs; this row shows how the submit grows with bytes",
+                p6_reads="hot", meets_target=hot_med <= P6_US if p6 else None, meets_target_cold=med <= P6_US,
+                submit_hot_us=hot_med, submit_hot_us_min=min(hot), submit_hot_us_max=max(hot),
                 submit_busy_us=statistics.median(busy), busy_ms=BUSY_MS,
                 meets_target_busy=statistics.median(busy) <= P6_US,
                 submit_hot_py_us=split["py_us"], submit_hot_calls_us=split["calls_us"],
@@ -126,32 +131,50 @@ def _submit_rows(ctx, dev, kv, src, dst, nbytes, reps, params) -> list:
     return rows
 
 
-def _hot_submits(eng, call, reps: int, work_ms: float = 0.0) -> list[float]:
+def _flat_ratios(rows) -> None:
+    """Flat in block count: per direction, the largest median over the smallest across P6's rows
+    (1 GiB at every block size; a row of another size measures bytes, not blocks: left out)."""
+    for direction in ("save", "load"):
+        mine = [r for r in rows if r.case.startswith(direction) and r.params["p6_row"]]
+        for key, name in (("submit_hot_us", "flat_ratio"), ("submit_us", "flat_ratio_cold")):
+            us = [r.params[key] for r in mine]
+            for r in mine:
+                r.params[name] = max(us) / min(us)
+
+
+def _hot_submits(eng, call, reps: int, work_ms: float = 0.0, trace=None) -> list[float]:
     """µs of a submit right after another one (the host's caches and clocks warm, as in a serving
     loop that submits jobs back to back); `submit_us` is the cold one, after waiting on the GPU.
     work_ms: that long of other host work between the two (`hostref.host_work`, a scheduler
-    step's stand-in): the busy figure, what a serving loop sees between its submits."""
+    step's stand-in): the busy figure, what a serving loop sees between its submits.
+    trace: a SubmitTrace that records the timed submit only (not the warming one before it)."""
     out = []
     for _ in range(reps):
         first = call(None)  # the same Python path, just before: warms the host, not the GPU
         if work_ms:
             host_work(work_ms)
+        if trace is not None:
+            eng.trace = trace
         t0 = time.perf_counter()
         job = call(None)
         out.append((time.perf_counter() - t0) * 1e6)  # submitted, not done: the CPU cost
+        if trace is not None:
+            eng.trace = None
         _settle(eng, [first, job])  # waits both: the slots come back only after their copies
     return out
 
 
 def _traced_split(eng, call, reps: int, direction: str) -> dict:
     """Hot submits once more, traced (`SubmitTrace`: a few us of marks, so apart from the figures
-    above): kvtier's Python per job (`py_us`) apart from its runtime calls (`calls_us`), medians."""
+    above): kvtier's Python per job (`py_us`) apart from its runtime calls (`calls_us`), medians
+    over the timed submits only (the warming one before each is not traced)."""
     from kvtier.engine.jobs import SubmitTrace
 
-    prev, eng.trace = eng.trace, SubmitTrace()
+    prev, tr = eng.trace, SubmitTrace()
     try:
-        _hot_submits(eng, call, reps)
-        return eng.trace.split(direction)
+        eng.trace = None
+        _hot_submits(eng, call, reps, trace=tr)
+        return tr.split(direction)
     finally:
         eng.trace = prev
 
