@@ -102,11 +102,11 @@ def main() -> None:
         try:
             cold = kvt.cache(ids)
             cold.finish(generate(model, ids, cold)).wait(600)
-            rec = median_ms(lambda: lean.first_token(ids), a.reps)
+            rec = median_ms(lambda ids=ids: lean.first_token(ids), a.reps)
             res = Resident(prefilled(model, ids, n), n)
-            floor = median_ms(lambda: lean.first_token(ids, res), a.reps)
+            floor = median_ms(lambda ids=ids, res=res: lean.first_token(ids, res), a.reps)
             sync()
-            launch = median_ms(lambda: lean.logits(ids, res), a.reps)  # queued only
+            launch = median_ms(lambda ids=ids, res=res: lean.logits(ids, res), a.reps)  # queued only
             sync()
             runs = [hit(kvt, lean, ids) for _ in range(a.reps + 1)][1:]
             med = {k: statistics.median(r.get(k, 0.0) for r in runs) for k in runs[0]}

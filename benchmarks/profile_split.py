@@ -39,7 +39,9 @@ def main() -> None:
     ap.add_argument("--shape", default="llama-3-8b")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--remote-gbps", type=float, default=2.0)
-    ap.add_argument("--o-direct", action="store_true", help="disk reads bypass the page cache (as the suite's)")
+    ap.add_argument(
+        "--o-direct", action="store_true", help="disk reads bypass the page cache (as the suite's)"
+    )
     a = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32

@@ -31,4 +31,5 @@ for name, ids in (("random", perm), ("sorted", perm.sort().values), ("contiguous
     ts = timer.time(lambda bid=bid: ops.scatter(kv, bid, chunk), flush_l2=True, graph=True)
     for op, t in (("gather", tg), ("scatter", ts)):
         r = 2 * payload / t.median_s / 1e9 / ceiling
-        print(f"{op:8s} {name:10s} {payload / t.median_s / 1e9:8,.0f} GB/s payload = {r:6.1%} of copy  bit-exact={ok}")
+        gbps = payload / t.median_s / 1e9
+        print(f"{op:8s} {name:10s} {gbps:8,.0f} GB/s payload = {r:6.1%} of copy  bit-exact={ok}")
