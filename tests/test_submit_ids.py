@@ -146,6 +146,23 @@ def test_random_ids_as_numpy_would_check_them(dtype):
             assert not check._seen.any() and not check._bits.any()
 
 
+@pytest.mark.parametrize("num_blocks", [64, 1 << 20])
+def test_repeat_check_leaves_the_mask_clear(num_blocks):
+    """The C check clears its mask by one sweep where the mask is small against the ids it marked,
+    else id by id: either way all clear after a pass, a repeat found late and one found early."""
+    check = IdCheck(num_blocks=num_blocks, block_size=16)
+    rng = np.random.default_rng(num_blocks)
+    ids = rng.permutation(num_blocks)[:48].astype(np.int64)
+    assert np.array_equal(check(ids, unique=True).numpy(), ids)
+    assert not check._bits.any()
+    for at in (47, 1):  # the repeat is the last id, then the second
+        bad = ids.copy()
+        bad[at] = bad[0]
+        with pytest.raises(ValueError, match="duplicate"):
+            check(bad, unique=True)
+        assert not check._bits.any()
+
+
 def test_strided_and_foreign_inputs_take_the_numpy_path():
     check = IdCheck(num_blocks=10, block_size=4)
     t = torch.tensor([1, 9, 2, 9, 3, 9])[::2]  # not contiguous

@@ -117,8 +117,12 @@ static PyObject *check_ids(PyObject *self, PyObject *const *args, Py_ssize_t nar
             if (seen[out[i] >> 3] & bit) { rc = 2; break; }
             seen[out[i] >> 3] |= bit;
         }
-        for (long long j = 0; j < i; j++)
-            seen[out[j] >> 3] = 0;                    /* all zero again for the next call */
+        const long long nbytes = (num_blocks + 7) / 8;
+        if (nbytes <= 8 * i)                          /* all zero again for the next call: */
+            memset(seen, 0, (size_t)nbytes);          /* one sweep where the mask is small, */
+        else
+            for (long long j = 0; j < i; j++)
+                seen[out[j] >> 3] = 0;                /* else the bytes this call marked */
     }
     if (vs.obj) PyBuffer_Release(&vs);
     if (vo.obj) PyBuffer_Release(&vo);
