@@ -8,7 +8,7 @@ import torch
 
 from kvtier.device import SimDevice
 from kvtier.engine import Path, TransferEngine, choose_path
-from kvtier.lifecycle import LifecycleError, SlotState
+from kvtier.lifecycle import Access, LifecycleError, SlotState
 from kvtier.pool import PinnedPool, PoolExhausted
 from kvtier.reference import bits_equal, gather_ref, poison_blocks_, random_cache
 
@@ -269,6 +269,44 @@ def test_bad_arguments():
         assert pool.stats().slots == 1  # failed calls left nothing allocated
     finally:
         dev.close()
+
+
+def test_wrong_types_raise_errors_naming_the_argument():
+    """Not a TypeError or AttributeError from deep inside: a ValueError naming what was wrong,
+    raised before anything is submitted or allocated."""
+    dev, kv, pool, eng = rig()
+    other_dev, _, _, other = rig()
+    try:
+        job = eng.save([1, 2], after=None)
+        assert job.wait()
+        bad = [
+            ("timeout", lambda: eng.save([3], after=None, timeout="1")),
+            ("timeout", lambda: eng.save([3], after=None, timeout=float("nan"))),
+            ("num_tokens: expected an int", lambda: eng.save([3], after=None, num_tokens=3.0)),
+            ("slot: expected a Slot", lambda: eng.load("slot", [3, 4])),
+            ("slot: expected a Slot", lambda: eng.load(None, [3, 4])),
+            ("per_layer", lambda: eng.load(job.slot, [3, 4], per_layer="yes")),
+            ("per_layer", lambda: eng.load(job.slot, [3, 4], per_layer=1)),
+            ("job: expected", lambda: eng.wait("job")),
+            ("job: expected", lambda: other.wait(job)),  # a job of another engine
+            ("timeout", lambda: eng.wait(job, timeout=-1)),
+            ("timeout", lambda: job.event.synchronize(timeout=True)),
+            ("slot: expected a Slot", lambda: eng.release("slot")),
+            ("event: expected", lambda: eng.compute_read([1], "event")),
+            ("event: expected", lambda: eng.compute_write([1], other_dev.new_event())),  # another device's
+            ("timeout", lambda: pool.alloc(64, timeout=-0.5)),
+        ]
+        for what, call in bad:
+            with pytest.raises(ValueError, match=what):
+                call()
+        assert pool.stats().slots == 1  # only the save's slot: no failed call allocated one
+        assert eng.blocks.waits_for(Access.LOAD, [1]) == []  # the failed compute_read registered nothing
+        eng.release(job.slot)
+    finally:
+        eng.close()
+        other.close()
+        dev.close()
+        other_dev.close()
 
 
 def test_auto_path_rule():

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.device.base import Device, check_nbytes
+from kvtier.device.base import Device, check_nbytes, check_timeout
 from kvtier.freelist import FreeList
 from kvtier.numa import allocate_near
 
@@ -176,8 +176,7 @@ class PinnedPool:
         Raises PoolExhausted when the time is up.
         """
         self._check_request(nbytes)
-        if timeout is not None and timeout < 0:
-            raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
+        check_timeout(timeout)
         with self._lock:
             if (slot := self._take(nbytes)) is not None:
                 return slot  # the usual case: room now, no clock read

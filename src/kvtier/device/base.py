@@ -20,6 +20,7 @@ CPU tensors on the simulator), host memory is the uint8 tensor `alloc_pinned` re
 from __future__ import annotations
 
 import abc
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -163,6 +164,15 @@ def check_copy_args(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor,
     if dst_n != src_n:
         raise ValueError(f"dst has {dst_n} bytes but src has {src_n}; a copy moves equal byte counts")
     return dst.view(-1).view(torch.uint8), src.view(-1).view(torch.uint8)
+
+
+def check_timeout(timeout: float | None, name: str = "timeout") -> float | None:
+    """None (no limit) or a number of seconds >= 0; anything else raises ValueError naming it."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:  # NaN too
+        raise ValueError(f"{name} must be seconds >= 0 or None, got {timeout!r}")
+    return timeout
 
 
 def check_nbytes(nbytes: int, name: str = "nbytes") -> int:

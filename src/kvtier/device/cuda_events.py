@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.device.base import Event, Stream
+from kvtier.device.base import Event, Stream, check_timeout
 
 if TYPE_CHECKING:
     from kvtier.device.cuda import CudaDevice, CudaStream
@@ -172,6 +172,7 @@ class CudaEvent(Event):
         raise cuda_error(self._dev._api, "cudaEventQuery", rc)
 
     def synchronize(self, timeout: float | None = None) -> bool:
+        check_timeout(timeout)
         if self._stream is None:
             return True  # never recorded: complete by definition
         if timeout is None:
@@ -224,7 +225,7 @@ class TorchEvent(Event):
         return self.raw.query()
 
     def synchronize(self, timeout: float | None = None) -> bool:
-        if timeout is None:
+        if check_timeout(timeout) is None:
             self.raw.synchronize()  # the host needs the work done, not merely submitted
             return True
         return _poll(self, timeout)

@@ -21,7 +21,15 @@ from collections.abc import Callable
 
 import torch
 
-from kvtier.device.base import Device, DeviceError, Event, Stream, check_copy_args, check_nbytes
+from kvtier.device.base import (
+    Device,
+    DeviceError,
+    Event,
+    Stream,
+    check_copy_args,
+    check_nbytes,
+    check_timeout,
+)
 
 Delay = float | tuple[float, float]
 
@@ -72,6 +80,7 @@ class SimEvent(Event):
             return self._reached >= self._armed
 
     def synchronize(self, timeout: float | None = None) -> bool:
+        check_timeout(timeout)
         with self._dev._cv:
             gen = self._armed
             # The host blocks until the worker reached this record: only then is the work done.

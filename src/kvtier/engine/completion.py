@@ -10,11 +10,12 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
+from kvtier.device.base import check_timeout
 from kvtier.engine.jobs import SaveJob, _Job
+from kvtier.pool import Slot
 
 if TYPE_CHECKING:
     from kvtier.lifecycle import SlotTracker
-    from kvtier.pool import Slot
 
 
 class Completion:
@@ -45,7 +46,9 @@ class Completion:
 
     def wait(self, job: _Job, timeout: float | None = None) -> bool:
         """Block until `job` completed and settle it; False on timeout: nothing is released."""
-        if not job.event.synchronize(timeout):
+        if not isinstance(job, _Job) or job.engine is not self:
+            raise ValueError(f"job: expected a SaveJob or LoadJob of this engine, got {job!r}")
+        if not job.event.synchronize(check_timeout(timeout)):
             return False  # in flight: the slot stays FILLING/READING, the blocks stay pending
         self._settle(job)
         return True
@@ -66,6 +69,8 @@ class Completion:
 
     def release(self, slot: Slot) -> None:
         """The owner drops `slot`; it returns to the pool once no copy into/out of it is pending."""
+        if not isinstance(slot, Slot):
+            raise ValueError(f"slot: expected a Slot of this engine's pool, got {slot!r}")
         with self._lock:
             self.poll()
             for j in self._jobs:

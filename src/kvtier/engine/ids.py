@@ -62,11 +62,9 @@ class IdCheck:
         n = len(a)
         if num_tokens is not None:
             bs = self.block_size
-            if (
-                isinstance(num_tokens, bool)
-                or not isinstance(num_tokens, int)
-                or not (n - 1) * bs < num_tokens <= n * bs
-            ):
+            if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+                raise ValueError(f"num_tokens: expected an int or None, got {num_tokens!r}")
+            if not (n - 1) * bs < num_tokens <= n * bs:
                 raise ValueError(f"num_tokens: {num_tokens!r} does not fit {n} blocks of {bs} tokens")
         return CheckedBlocks(a, self.num_blocks)
 
