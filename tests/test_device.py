@@ -211,6 +211,20 @@ def test_sim_copy_delay_makes_data_late():
         assert torch.all(dst == 3)
 
 
+def test_events_reject_bad_timeouts_and_ends(dev):
+    """On every device: a timeout that is not seconds >= 0, or an end that is not an event,
+    raises ValueError naming it (the events' own checks, not an error from deep inside)."""
+    s = dev.new_stream("t")
+    a, b = s.record("a"), s.record("b")
+    for bad in (-1, "1", float("nan"), True):
+        with pytest.raises(ValueError, match="timeout"):
+            a.synchronize(timeout=bad)
+    assert a.synchronize(timeout=5.0) and b.synchronize()
+    with pytest.raises(ValueError, match="end must be an Event"):
+        a.elapsed_ms("b")
+    assert a.elapsed_ms(b) >= 0
+
+
 def test_sim_rejects_bad_delays_and_foreign_events():
     for bad in (-1, (0.2, 0.1), (1,), "x"):
         with pytest.raises(ValueError, match="copy_delay"):

@@ -241,5 +241,15 @@ def test_bad_requests_name_the_argument(dev):
     for bad in (0, -5, 2.5):
         with pytest.raises(ValueError, match="nbytes"):
             pool.alloc(bad)
-    with pytest.raises(ValueError, match="timeout"):
-        pool.alloc(10, timeout=-1)
+    for bad in (-1, "1", float("nan"), True):
+        with pytest.raises(ValueError, match="timeout"):
+            pool.alloc(10, timeout=bad)
+    for call in (pool.free, lambda s: pool.set_in_flight(s, True)):
+        with pytest.raises(ValueError, match="slot must be a Slot"):
+            call("slot-7")
+    assert pool.stats().slots == 0
+
+
+def test_a_pool_needs_a_kvtier_device():
+    with pytest.raises(ValueError, match="device must be a kvtier Device"):
+        PinnedPool(None, 4 * KiB)

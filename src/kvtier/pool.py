@@ -112,6 +112,8 @@ class PinnedPool:
         alignment: int = 256,
         numa_node: int | None = None,
     ):
+        if not isinstance(device, Device):
+            raise ValueError(f"device must be a kvtier Device (CudaDevice, SimDevice), got {device!r}")
         check_nbytes(capacity_bytes, "capacity_bytes")
         check_nbytes(alignment, "alignment")
         if alignment & (alignment - 1):
@@ -204,6 +206,8 @@ class PinnedPool:
 
     def free(self, slot: Slot) -> None:
         """Return the memory at `slot`'s address. Trusts the handle (see module doc)."""
+        if not isinstance(slot, Slot):
+            raise ValueError(f"slot must be a Slot of this pool, got {slot!r}")
         start = slot.chunk * self.chunk_bytes + slot.offset
         with self._lock:
             live = self._live.pop(start, None)
@@ -217,6 +221,8 @@ class PinnedPool:
 
     def set_in_flight(self, slot: Slot, busy: bool) -> None:
         """Count `slot` as in flight (a copy may touch it) or not; idempotent."""
+        if not isinstance(slot, Slot):
+            raise ValueError(f"slot must be a Slot of this pool, got {slot!r}")
         with self._lock:
             self._mark(slot, busy)
 

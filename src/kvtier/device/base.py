@@ -61,6 +61,8 @@ class Event(abc.ABC):
 
     def elapsed_ms(self, end: Event) -> float:
         """Milliseconds from this event to `end`, both completed."""
+        if not isinstance(end, Event):
+            raise ValueError(f"end must be an Event, got {end!r}")
         return (end.time_s() - self.time_s()) * 1e3
 
     def __repr__(self) -> str:
