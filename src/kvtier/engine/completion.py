@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING
 
 from kvtier.device.base import check_timeout
 from kvtier.engine.jobs import SaveJob, _Job
-from kvtier.pool import Slot
+from kvtier.engine.options import check_slot
 
 if TYPE_CHECKING:
     from kvtier.lifecycle import SlotTracker
+    from kvtier.pool import Slot
 
 
 class Completion:
@@ -69,8 +70,7 @@ class Completion:
 
     def release(self, slot: Slot) -> None:
         """The owner drops `slot`; it returns to the pool once no copy into/out of it is pending."""
-        if not isinstance(slot, Slot):
-            raise ValueError(f"slot: expected a Slot of this engine's pool, got {slot!r}")
+        check_slot(slot)
         with self._lock:
             self.poll()
             for j in self._jobs:

@@ -25,7 +25,7 @@ from kvtier.engine.completion import Completion
 from kvtier.engine.ids import IdCheck
 from kvtier.engine.jobs import NO_TRACE, LoadJob, SaveJob, SubmitTrace, _Job
 from kvtier.engine.movers import make_mover
-from kvtier.engine.options import check_options
+from kvtier.engine.options import check_event, check_options, check_per_layer, check_slot
 from kvtier.engine.paths import Path, choose_path, parse_path
 from kvtier.layout import PagedKV
 from kvtier.lifecycle import Access, BlockTracker, LifecycleError, SlotState, SlotTracker, sanitize_enabled
@@ -168,12 +168,8 @@ class TransferEngine(Completion):
         t0, tr = time.perf_counter(), self._trace or NO_TRACE
         tr.begin("load")
         self._check_open()
-        if not isinstance(slot, Slot):
-            raise ValueError(
-                f"slot: expected a Slot of this engine's pool (a save job's .slot), got {slot!r}"
-            )
-        if per_layer is not True and per_layer is not False:
-            raise ValueError(f"per_layer: expected True or False, got {per_layer!r}")
+        check_slot(slot)
+        check_per_layer(per_layer)
         bset = self._check_ids.checked(block_ids, True, num_tokens)
         ids = bset.ids  # int64 numpy, the job's own
         tr.mark("ids")
@@ -229,13 +225,13 @@ class TransferEngine(Completion):
     # ---- what the serving engine tells us --------------------------------------------------
     def compute_read(self, blocks, event: Event, waited=()) -> None:
         """Compute reads `blocks` until `event`; a later load into them waits for it."""
-        self._check_event(event)
+        check_event(self.device, event)
         _ids, bset = self._check_ids.check(blocks, False)
         self.blocks.compute_read(bset, event, waited=self._waited(event, waited))
 
     def compute_write(self, blocks, event: Event, waited=()) -> None:
         """Compute writes `blocks` until `event`; a later save or load of them waits for it."""
-        self._check_event(event)
+        check_event(self.device, event)
         _ids, bset = self._check_ids.check(blocks, False)
         self.blocks.compute_write(bset, event, waited=self._waited(event, waited))
 
@@ -278,11 +274,6 @@ class TransferEngine(Completion):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("TransferEngine is closed")
-
-    def _check_event(self, event: object) -> None:
-        """`event` is an event of this engine's device: a later job's stream will wait for it."""
-        if not isinstance(event, Event) or getattr(event, "_dev", self.device) is not self.device:
-            raise ValueError(f"event: expected an event of this engine's device, got {event!r}")
 
     def _path(self, direction: str, path: str | None, per_layer: bool = False) -> Path:
         if path is None and (p := self._auto.get((direction, per_layer))) is not None:

@@ -1,8 +1,11 @@
-"""The checks of TransferEngine's constructor arguments: each error names its argument."""
+"""The checks of TransferEngine's arguments, of its constructor and of its calls: each error
+names its argument."""
 
 from __future__ import annotations
 
+from kvtier.device.base import Event
 from kvtier.layout import PagedKV
+from kvtier.pool import Slot
 
 
 def _positive_int(value) -> bool:
@@ -25,3 +28,19 @@ def check_options(device, kv, pool, *, staging_bytes, uva_ctas, graphs, max_grap
         raise ValueError(f"max_graphs: expected a positive int, got {max_graphs!r}")
     if not _positive_int(graph_execs):
         raise ValueError(f"graph_execs: expected a positive int, got {graph_execs!r}")
+
+
+def check_slot(slot) -> None:
+    if not isinstance(slot, Slot):
+        raise ValueError(f"slot: expected a Slot of this engine's pool (a save job's .slot), got {slot!r}")
+
+
+def check_per_layer(per_layer) -> None:
+    if per_layer is not True and per_layer is not False:
+        raise ValueError(f"per_layer: expected True or False, got {per_layer!r}")
+
+
+def check_event(device, event) -> None:
+    """`event` is an event of `device`: a later job's stream will wait for it."""
+    if not isinstance(event, Event) or getattr(event, "_dev", device) is not device:
+        raise ValueError(f"event: expected an event of this engine's device, got {event!r}")
