@@ -62,3 +62,19 @@ def test_submit_figure_leads_with_what_the_verdict_reads():
         "submit 64 us hot (40 Python + 24 runtime calls), 412 us after a GPU wait,"
         " 150 us after 3 ms of host work for 512 blocks"
     )
+
+
+def test_p6_line_counts_the_hot_1gib_rows():
+    from kvtier.bench.summary import p6_summary
+
+    def row(case, hot, **p):
+        return {"suite": "submit_overhead", "case": case, "params": {"submit_hot_us": hot, **p}}
+
+    rows = [row("save bs1 1GiB", 120.0), row("save bs16 1GiB", 60.0), row("load bs1 1GiB", 80.0)]
+    rows += [row("load bs16 1GiB", 40.0), row("save bs16 4GiB", 300.0)]  # an older file: no p6_row
+    rows += [row("load bs16 4GiB", 250.0, p6_row=False), {"suite": "bidir", "case": "x", "params": {}}]
+    assert p6_summary(rows) == (
+        "P6 (hot submit of a 1 GiB job <= 100 us, flat in block count): 3 of 4 rows, 40-120 us;"
+        " largest over smallest median: save 2.00, load 2.00."
+    )
+    assert p6_summary([{"suite": "bidir", "case": "x", "params": {}}]) == ""

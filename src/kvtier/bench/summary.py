@@ -156,4 +156,32 @@ def engine_markdown(doc: dict) -> str:
             f"| {r['suite']} | {r['case']} | {r['gbps']:,.1f} | {r['ratio']:.1%} of {r['ceiling']} "
             f"| {_engine_figure(r)} | {_verdict(r['params'])} |"
         )
-    return "\n".join(lines) if len(lines) > 2 else ""
+    if len(lines) == 2:
+        return ""
+    p6 = p6_summary(doc["rows"])
+    return "\n".join(lines) + (f"\n\n{p6}" if p6 else "")
+
+
+def p6_summary(rows: list[dict]) -> str:
+    """One line on P6 over the submit rows of 1 GiB jobs: how many hot medians are <= 100 us, their
+    range, and the largest over the smallest median per direction ("" without such rows). Files
+    from before the hot verdict are read the same way, through their `submit_hot_us`."""
+    mine = [
+        (r["case"].split()[0], r["params"]["submit_hot_us"])
+        for r in rows
+        if r["suite"] == "submit_overhead"
+        and r["params"].get("p6_row", "4GiB" not in r["case"])  # older files: no p6_row
+        and r["params"].get("submit_hot_us") is not None
+    ]
+    if not mine:
+        return ""
+    hot = [h for _, h in mine]
+    flat = []
+    for direction in ("save", "load"):
+        d = [h for k, h in mine if k == direction]
+        flat += [f"{direction} {max(d) / min(d):.2f}"] if d else []
+    return (
+        f"P6 (hot submit of a 1 GiB job <= 100 us, flat in block count): {sum(h <= 100.0 for h in hot)} "
+        f"of {len(hot)} rows, {min(hot):,.0f}-{max(hot):,.0f} us; largest over smallest median: "
+        f"{', '.join(flat)}."
+    )
