@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
-from kvtier.device.base import check_timeout
 from kvtier.engine.jobs import SaveJob, _Job
 from kvtier.engine.options import check_slot
 
@@ -49,7 +48,7 @@ class Completion:
         """Block until `job` completed and settle it; False on timeout: nothing is released."""
         if not isinstance(job, _Job) or job.engine is not self:
             raise ValueError(f"job: expected a SaveJob or LoadJob of this engine, got {job!r}")
-        if not job.event.synchronize(check_timeout(timeout)):
+        if not job.event.synchronize(timeout):  # every event checks its timeout
             return False  # in flight: the slot stays FILLING/READING, the blocks stay pending
         self._settle(job)
         return True
