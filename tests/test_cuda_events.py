@@ -22,6 +22,7 @@ class FakeRuntime:
         self.done: dict[int, int] = {}  # stream -> work completed
         self.calls: list[tuple] = []
         self.fail: dict[str, int] = {}
+        self.queries = 0
 
     def _rc(self, name, rc=0):
         rc = self.fail.get(name, rc)
@@ -42,6 +43,7 @@ class FakeRuntime:
             return self._rc("record")
 
         def query(h):
+            self.queries += 1
             if h not in self.recorded:
                 return self._rc("query")
             stream, at = self.recorded[h]
@@ -104,6 +106,54 @@ def test_query_follows_the_stream_and_clears_not_ready(rt):
     assert rt.last == 0  # "not ready" was cleared: torch's next error check must not see it
     rt.done[0x7] = 3
     assert ev.query()
+
+
+def test_an_event_seen_complete_is_not_asked_again_until_recorded(rt):
+    dev = FakeDevice(rt)
+    s = FakeStream(dev, 0x7)
+    ev = CudaEvent(dev, "e")
+    rt.work[0x7] = 1
+    ev.record(s)
+    assert not ev.query() and not ev.known_complete
+    rt.done[0x7] = 1
+    assert ev.query() and ev.known_complete
+    n, calls = rt.queries, len(rt.calls)
+    rt.done[0x7] = 0  # a runtime asked now would say "not ready": shows it is not asked
+    assert ev.query() and ev.synchronize() and rt.queries == n
+    ev.wait_on(FakeStream(dev, 0x9))
+    assert len(rt.calls) == calls  # waiting on completed work: no cudaStreamWaitEvent
+    rt.work[0x7] = 2
+    ev.record(s)  # a new record: not known any more
+    assert not ev.known_complete and not ev.query() and rt.queries == n + 1
+    ev.wait_on(FakeStream(dev, 0x9))
+    assert rt.calls[-1] == ("wait", 0x9, ev._h, 0)
+    rt.done[0x7] = 2
+    assert ev.synchronize() and ev.known_complete  # a wait that returned counts as seen
+    ev.mark_recorded(s)  # recorded by the C helper: not known either
+    assert not ev.known_complete
+
+
+def test_a_record_racing_a_query_is_not_taken_as_complete(rt):
+    """Another thread records the event while a query of the old record is in the runtime: the
+    old record's "complete" must not mark the new one complete."""
+    dev = FakeDevice(rt)
+    s = FakeStream(dev, 0x7)
+    ev = CudaEvent(dev, "e")
+    rt.work[0x7] = 1
+    ev.record(s)
+    rt.done[0x7] = 1
+    plain = dev._api.query
+
+    def racing(h):
+        rc = plain(h)  # the old record: complete
+        rt.work[0x7] = 2
+        dev._api.query = plain
+        ev.record(s)  # meanwhile, a new record of pending work
+        return rc
+
+    dev._api.query = racing
+    assert ev.query()  # true of the record it asked about
+    assert not ev.known_complete and not ev.query()  # the new record is asked about: pending
 
 
 def test_failed_calls_raise_naming_the_call_and_clear_the_error(rt):

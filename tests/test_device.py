@@ -85,6 +85,27 @@ def test_unrecorded_event_counts_as_complete(dev):
     assert s.record().synchronize(timeout=5.0)
 
 
+def test_an_event_recorded_again_is_pending_again(dev):
+    """Seen complete, then recorded behind slow work: queries and waits see the new record (raw
+    events keep "seen complete" to skip runtime calls: it must end at the next record)."""
+    s, b = dev.new_stream("s"), dev.new_stream("b")
+    y = dev.empty(8).view(torch.int64)
+    ev = dev.new_event("e")
+    ev.record(s)
+    assert ev.synchronize() and ev.query()
+    assert ev.known_complete or type(ev).__name__ != "CudaEvent"  # raw events remember it
+    slow(dev, s, 0.3)
+    ev.record(s)
+    assert not ev.known_complete and not ev.query()
+    b.wait_event(ev)  # must be enqueued: the event is pending again
+    dev.launch(lambda: y.fill_(5), b)
+    eb = b.record()
+    time.sleep(0.05)
+    assert not eb.query()
+    eb.synchronize()
+    assert ev.query() and y.item() == 5
+
+
 def test_wait_event_blocks_the_other_stream_not_the_host(dev):
     a, b = dev.new_stream("a"), dev.new_stream("b")
     y = dev.empty(8).view(torch.int64)

@@ -171,13 +171,17 @@ class TorchLikeEvent:
     """An event without a raw handle (as TorchEvent): the caller records it. Complete until recorded."""
 
     def __init__(self):
-        self.stream, self.completed = None, True
+        self.stream, self.completed, self.seen = None, True, False
 
     def mark_recorded(self, stream):
-        self.stream, self.completed = stream, False
+        self.stream, self.completed, self.seen = stream, False, False
 
     def query(self):
         return self.completed
+
+    @property
+    def known_complete(self):  # as CudaEvent's: never recorded, or seen complete since
+        return self.stream is None or self.seen
 
 
 class RawEvent(TorchLikeEvent):
@@ -277,6 +281,24 @@ def test_fused_replay_asks_the_guard_in_c_and_grows_the_ring_when_busy(runtime):
     rt.log.clear()
     assert g.replay(key, torch.tensor([3, 2, 1, 0]), FakeStream(), Nodes.base, RawEvent(), on)
     assert rt.log[0] == ("query", EVENT) and rt.log[1][2] == old[0]  # done now: rewritten in place
+
+
+def test_fused_replay_skips_the_query_of_a_guard_seen_complete(runtime):
+    """A guard a wait or poll already saw complete is not asked again (one runtime call fewer);
+    one not seen is asked, busy or not."""
+    g, key, entry = _graphs()
+    rt = runtime(busy={EVENT})
+    on, first = object(), [RawEvent(), RawEvent()]
+    for d in first:
+        assert g.replay(key, torch.tensor([5, 1, 6, 2]), FakeStream(), Nodes.base, d, on)
+    old = [b.ptr for b in entry.ring.buffers]
+    first[0].seen = True  # e.g. the engine's wait returned for that job
+    rt.log.clear()
+    assert g.replay(key, torch.tensor([0, 1, 2, 3]), FakeStream(), Nodes.base, RawEvent(), on)
+    assert rt.log[0][0] == "memcpy" and rt.log[0][2] == old[0] and entry.ring.grown == 0
+    rt.log.clear()  # buffer 1's guard was not seen complete: asked (busy here), a new buffer
+    assert g.replay(key, torch.tensor([3, 2, 1, 0]), FakeStream(), Nodes.base, RawEvent(), on)
+    assert rt.log[0] == ("query", EVENT) and rt.log[1][2] not in old and entry.ring.grown == 1
 
 
 def test_fused_replay_asks_a_torch_guard_in_python(runtime):

@@ -52,6 +52,12 @@ class Event(abc.ABC):
     def synchronize(self, timeout: float | None = None) -> bool:
         """Block the host until complete; with `timeout` (seconds) return False on expiry."""
 
+    @property
+    def known_complete(self) -> bool:
+        """Complete without asking the device: never recorded (here), or seen complete by a query
+        or wait since the last record (CudaEvent). False means "not known", not "pending"."""
+        return self.stream is None
+
     @abc.abstractmethod
     def time_s(self) -> float:
         """Seconds from the device's epoch to the moment the stream reached this event.
@@ -172,6 +178,9 @@ def check_timeout(timeout: float | None, name: str = "timeout") -> float | None:
     """None (no limit) or a number of seconds >= 0; anything else raises ValueError naming it."""
     if timeout is None:
         return None
+    t = type(timeout)
+    if (t is float or t is int) and timeout >= 0:  # the usual values, without the ABC check below
+        return timeout
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:  # NaN too
         raise ValueError(f"{name} must be seconds >= 0 or None, got {timeout!r}")
     return timeout

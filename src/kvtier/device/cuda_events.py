@@ -123,11 +123,16 @@ class EventHandles:
 class CudaEvent(Event):
     """An event of `device` over a raw cudaEvent_t (see the module doc)."""
 
-    __slots__ = ("_dev", "_h", "_stream", "label")
+    __slots__ = ("_dev", "_gen", "_h", "_seen", "_stream", "label")
 
     def __init__(self, device: CudaDevice, label: str):
         self._dev, self.label, self._stream = device, label, None
         self._h = device._handles.take()
+        # Records so far, and the count at which a query or wait last saw the event complete: while
+        # they are equal it is complete (work it recorded stays done) and no runtime call is made.
+        # A record bumps _gen only after the runtime took it, and a check stores the _gen it read
+        # before asking the runtime: a record racing a check leaves them unequal (asks again).
+        self._gen, self._seen = 0, -1
 
     def __del__(self) -> None:
         h, self._h = getattr(self, "_h", 0), 0
@@ -147,6 +152,12 @@ class CudaEvent(Event):
     def mark_recorded(self, stream: CudaStream) -> None:
         """The caller has just recorded `handle` on `stream` (the C helper, `engine/fast.py`)."""
         self._stream = stream
+        self._gen += 1  # a new record: not known complete any more
+
+    @property
+    def known_complete(self) -> bool:
+        """Complete, as seen by an earlier query or wait (or never recorded): no runtime call."""
+        return self._stream is None or self._seen == self._gen
 
     def record(self, stream: Stream) -> None:
         s = self._dev._own(stream, "stream")
@@ -159,12 +170,17 @@ class CudaEvent(Event):
         if rc != 0:
             raise cuda_error(api, "cudaEventRecord", rc)
         self._stream = s
+        self._gen += 1  # after the runtime took the record: a check racing it asks again
 
     def query(self) -> bool:
         if self._stream is None:
             return True  # never recorded by this event (its handle may hold an old owner's record)
+        gen = self._gen
+        if self._seen == gen:
+            return True  # seen complete since its last record: done work stays done
         rc = self._dev._api.query(self._h)
         if rc == 0:
+            self._seen = gen  # the record current before the call has completed
             return True
         if rc == NOT_READY:
             self._dev._api.last_error()  # "not ready" is no failure: torch must not see it later
@@ -176,17 +192,21 @@ class CudaEvent(Event):
         if self._stream is None:
             return True  # never recorded: complete by definition
         if timeout is None:
+            gen = self._gen
+            if self._seen == gen:
+                return True  # seen complete since its last record
             rc = self._dev._api.sync(self._h)  # the host needs the work done (ctypes drops the GIL)
             if rc != 0:
                 raise cuda_error(self._dev._api, "cudaEventSynchronize", rc)
+            self._seen = gen
             return True
         return _poll(self, timeout)
 
     def wait_on(self, stream: CudaStream) -> None:
         """Later work on `stream` waits for this event (the stream may be of another device)."""
         api = self._dev._api
-        if self._stream is None:
-            return  # never recorded: nothing to wait for
+        if self._stream is None or self._seen == self._gen:
+            return  # never recorded, or seen complete: the wait would be satisfied at once
         if stream.handle:
             rc = api.wait(stream.handle, self._h, 0)
         else:  # the legacy default stream of the stream's own device

@@ -31,8 +31,8 @@ def replay_fused(graphs, entry, ex, ids, stream, done, done_on) -> bool:
     gh = None if g is None else getattr(g, "handle", None)
     if gh is None and g is not None:  # not a raw event: asked in Python (it may grow the ring)
         i, gh = ring.take(), 0
-    elif gh is not None and g.stream is None:
-        gh = 0  # never recorded: complete, whatever its reused handle last did
+    elif gh is not None and g.known_complete:
+        gh = 0  # never recorded, or seen complete (a wait, a poll): no cudaEventQuery
     rc = _fast.replay(ptr, n, ring.buffers[i].ptr, entry.ids_ptr, ex.handle, h, ev, dev, gh or 0)
     if rc >> 32 == GUARD and rc & 0xFFFFFFFF == NOT_READY:
         clear_last_error()  # "not ready" is no failure: torch's next check must not see it
