@@ -101,7 +101,8 @@ class BlockTracker:
         if not isinstance(kind, Access):
             raise ValueError(f"kind must be an Access, got {kind!r}")
         if isinstance(blocks, CheckedBlocks):
-            self._cover(blocks.bound)
+            if len(self._mask) < blocks.bound:  # the usual case, covered already: no call
+                self._cover(blocks.bound)
             return blocks.ids, blocks.bound
         if isinstance(blocks, torch.Tensor):
             blocks = blocks.detach().cpu().numpy()
@@ -167,11 +168,13 @@ class BlockTracker:
             else:  # those on `stream` are ordered by it already (identity first: it is the usual match)
                 pend, s = self._pending, stream
                 cands = [p for p in pend if p.kind in follow and p.stream is not s and p.stream != s]
-            if cands:  # completed ones first (a query each): the block masks cost O(blocks)
-                done = {id(p) for p in cands if p.event.query()}
-                if done:  # completed: they order nothing any more, and are not queried again
-                    cands = [p for p in cands if id(p) not in done]
-                    self._pending = [p for p in self._pending if id(p) not in done]
+            if not cands:
+                return []  # the usual case for a save: nothing of a kind it must follow is pending
+            # Completed ones first (a query each): the block masks cost O(blocks).
+            done = {id(p) for p in cands if p.event.query()}
+            if done:  # completed: they order nothing any more, and are not queried again
+                cands = [p for p in cands if id(p) not in done]
+                self._pending = [p for p in self._pending if id(p) not in done]
             return [p.event for p in self._overlapping(a, hi, cands)]
 
     def register(self, kind: Access, blocks: Blocks, event: Event, waited: Sequence[Event] = ()) -> None:
