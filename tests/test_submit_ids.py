@@ -163,6 +163,31 @@ def test_repeat_check_leaves_the_mask_clear(num_blocks):
         assert not check._bits.any()
 
 
+def test_repeats_in_runs_of_neighbouring_ids():
+    """Runs of neighbouring ids (the C check gathers a run's marks before writing them): a repeat
+    inside a run, in a later run of the same mask byte, in the last run, or none, over shuffled
+    ranges -- the verdict of np.unique each time, and the mask all clear after."""
+    check = IdCheck(num_blocks=4096, block_size=16)
+    rng = np.random.default_rng(11)
+    cases = [[0, 1, 0], [0, 1, 9, 0], [0, 9, 1, 0], [5, 6, 7, 5], [7, 8, 7], [3], [3, 3], list(range(64))]
+    for _ in range(200):
+        starts = rng.choice(4096 // 32, size=int(rng.integers(1, 8)), replace=False) * 32
+        runs = [np.arange(s, s + int(rng.integers(1, 32))) for s in starts]
+        ids = np.concatenate(runs)
+        if rng.random() < 0.5:  # one id again, somewhere after its first place
+            at = int(rng.integers(0, len(ids)))
+            ids = np.insert(ids, int(rng.integers(at + 1, len(ids) + 1)), ids[at])
+        cases.append(ids.tolist())
+    for ids in cases:
+        a = np.array(ids, dtype=np.int64)
+        if len(np.unique(a)) == len(a):
+            assert np.array_equal(check(a, unique=True).numpy(), a)
+        else:
+            with pytest.raises(ValueError, match="duplicate"):
+                check(a, unique=True)
+        assert not check._bits.any(), ids
+
+
 def test_strided_and_foreign_inputs_take_the_numpy_path():
     check = IdCheck(num_blocks=10, block_size=4)
     t = torch.tensor([1, 9, 2, 9, 3, 9])[::2]  # not contiguous

@@ -110,12 +110,29 @@ static PyObject *check_ids(PyObject *self, PyObject *const *args, Py_ssize_t nar
         }
     }
     if (rc == 0 && seenp != NULL) {
+        /* Ids of one byte of the mask in a row (a run of neighbouring ids, the usual shape of a
+         * paged request) gather their bits in `acc`, written once per run: a store and load of
+         * the same byte per id would chain each id's test behind the last one's write. */
         uint8_t *seen = (uint8_t *)seenp;
-        long long i = 0;
+        long long i = 0, cur = -1;
+        uint8_t acc = 0;
         for (; i < n; i++) {
+            const long long b = out[i] >> 3;
             const uint8_t bit = (uint8_t)(1u << (out[i] & 7));
-            if (seen[out[i] >> 3] & bit) { rc = 2; break; }
-            seen[out[i] >> 3] |= bit;
+            if (b != cur) {
+                if (cur >= 0) {
+                    if (seen[cur] & acc) { rc = 2; break; }  /* repeats an id of an earlier run */
+                    seen[cur] |= acc;
+                }
+                cur = b;
+                acc = 0;
+            }
+            if (acc & bit) { rc = 2; break; }               /* repeats an id of this run */
+            acc |= bit;
+        }
+        if (rc == 0 && cur >= 0) {                          /* the last run */
+            if (seen[cur] & acc) rc = 2;
+            else seen[cur] |= acc;
         }
         const long long nbytes = (num_blocks + 7) / 8;
         if (nbytes <= 8 * i)                          /* all zero again for the next call: */
