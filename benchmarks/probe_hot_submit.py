@@ -10,6 +10,11 @@ samples, so the phase that swells is named:
   pair        as the suite: untimed submit, timed submit, wait both
   pair-nogc   the same with Python's collector off during the pair (is it a collection?)
   triple      two untimed submits before the timed one (is the second still cold?)
+  cross       the untimed job is one of the other direction: a 1 GiB load before a timed save
+              (a host-to-device DMA runs during the submit), a save before a timed load (device-
+              to-host: the DMA writes host memory while the submit runs)
+  small       the untimed job is of one block (the same Python, a 2 MiB DMA, over at once): no
+              large DMA runs during the timed submit
 
     PYTHONPATH=src python benchmarks/probe_hot_submit.py [--reps 60] [--block-size 16]
 
@@ -30,10 +35,10 @@ import torch
 from kvtier import layout
 from kvtier.device import CudaDevice, SimDevice
 from kvtier.engine import TransferEngine
-from kvtier.engine.jobs import SubmitTrace
+from kvtier.engine.jobs import SaveJob, SubmitTrace
 from kvtier.pool import PinnedPool
 
-VARIANTS = ("pair", "pair-nogc", "triple")
+VARIANTS = ("pair", "pair-nogc", "triple", "cross", "small")
 
 
 def make_engine(bs: int, gpu: bool):
@@ -53,11 +58,18 @@ def make_engine(bs: int, gpu: bool):
     return dev, kv, pool, eng, ids
 
 
-def run(eng, ids, direction: str, variant: str, reps: int, src_slot) -> list[dict]:
+def run(eng, ids, direction: str, variant: str, reps: int, src_slot, small_slot) -> list[dict]:
     src, dst = ids[0], ids[1]
 
-    def call():  # as the suite: every load into the same blocks (the tracker orders them)
-        return eng.save(src, after=None) if direction == "save" else eng.load(src_slot, dst)
+    def call(kind=direction, small=False):  # as the suite: every load into the same blocks
+        if kind == "save":
+            return eng.save(src[:1] if small else src, after=None)
+        return eng.load(small_slot, dst[:1]) if small else eng.load(src_slot, dst)
+
+    def untimed():
+        if variant == "cross":
+            return [call("load" if direction == "save" else "save")]
+        return [call(small=variant == "small") for _ in range(2 if variant == "triple" else 1)]
 
     recs, tr = [], SubmitTrace()
     for _ in range(reps):
@@ -65,7 +77,7 @@ def run(eng, ids, direction: str, variant: str, reps: int, src_slot) -> list[dic
         if off:
             gc.disable()
         try:
-            before = [call() for _ in range(2 if variant == "triple" else 1)]
+            before = untimed()
             eng.trace = tr
             t0 = time.perf_counter()
             job = call()
@@ -79,7 +91,7 @@ def run(eng, ids, direction: str, variant: str, reps: int, src_slot) -> list[dic
         recs.append(rec)
         for j in [*before, job]:
             eng.wait(j)  # a save's slot is released only after its copy completed
-            if direction == "save":
+            if isinstance(j, SaveJob):
                 eng.release(j.slot)
     return recs
 
@@ -102,23 +114,27 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--block-size", type=int, default=16, choices=(1, 4, 16, 64, 256))
+    ap.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=VARIANTS)
     args = ap.parse_args()
     gpu = torch.cuda.is_available()
     if not gpu:
         print("no CUDA GPU: a check of this script on SimDevice (tiny cache), not figures")
     dev, kv, pool, eng, ids = make_engine(args.block_size, gpu)
-    first = eng.save(ids[0], after=None)
-    eng.wait(first)  # the loads read this slot only after its save completed
+    first, small = eng.save(ids[0], after=None), eng.save(ids[0][:1], after=None)
+    eng.wait(first)  # the loads read these slots only after their saves completed
+    eng.wait(small)
     for direction in ("save", "load"):
-        for variant in VARIANTS:
-            run(eng, ids, direction, variant, 5, first.slot)  # warm-up: graphs captured, execs made
-            report(direction, variant, run(eng, ids, direction, variant, args.reps, first.slot))
+        for variant in args.variants:
+            slots = first.slot, small.slot
+            run(eng, ids, direction, variant, 5, *slots)  # warm-up: graphs captured, execs made
+            report(direction, variant, run(eng, ids, direction, variant, args.reps, *slots))
     lj = eng.load(first.slot, ids[1])
     eng.wait(lj)  # the blocks are compared only after e_load
     ok = all(torch.equal(x[:, ids[1]], x[:, ids[0]]) for x in kv.layers)
     gs = eng.graph_stats
     print(f"checked: load of the saved slot equals the source blocks: {ok}; graph stats {gs and vars(gs)}")
     eng.release(first.slot)
+    eng.release(small.slot)
     eng.close()
     pool.close()
     dev.close()
