@@ -1,5 +1,5 @@
 """The device-run scripts of benchmarks/ that have a CPU mode run there (so they do not rot
-between GPU sessions): profile_submit's dry pass on an inline SimDevice, host_jitter, and
+between GPU sessions): the dry passes of profile_submit and probe_hot_submit, host_jitter, and
 probe_ce_gather's refusal without a GPU."""
 
 import os
@@ -41,3 +41,14 @@ def test_host_jitter_prints_both_sizes():
 def test_probe_ce_gather_needs_a_gpu():
     r = run("probe_ce_gather.py")
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stdout
+
+
+@no_gpu
+def test_probe_hot_submit_dry_pass_checks_bytes():
+    variants = ["--variants", "pair", "cross", "small"]
+    r = run("probe_hot_submit.py", "--reps", "4", "--block-size", "256", *variants)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for line in ("save pair", "save cross", "save small", "load pair", "load cross", "load small"):
+        assert line in r.stdout
+    assert r.stdout.count("slowest 1/4: ids=") == 6
+    assert "load of the saved slot equals the source blocks: True" in r.stdout
