@@ -94,6 +94,16 @@ def rt():
     return FakeRuntime()
 
 
+def recorded(rt):
+    """A device, its stream 0x7 with one piece of work, and an event recorded after that work."""
+    dev = FakeDevice(rt)
+    s = FakeStream(dev, 0x7)
+    ev = CudaEvent(dev, "e")
+    rt.work[0x7] = 1
+    ev.record(s)
+    return dev, s, ev
+
+
 def test_query_follows_the_stream_and_clears_not_ready(rt):
     dev = FakeDevice(rt)
     s = FakeStream(dev, 0x7)
@@ -109,11 +119,7 @@ def test_query_follows_the_stream_and_clears_not_ready(rt):
 
 
 def test_an_event_seen_complete_is_not_asked_again_until_recorded(rt):
-    dev = FakeDevice(rt)
-    s = FakeStream(dev, 0x7)
-    ev = CudaEvent(dev, "e")
-    rt.work[0x7] = 1
-    ev.record(s)
+    dev, s, ev = recorded(rt)
     assert not ev.query() and not ev.known_complete
     rt.done[0x7] = 1
     assert ev.query() and ev.known_complete
@@ -136,11 +142,7 @@ def test_an_event_seen_complete_is_not_asked_again_until_recorded(rt):
 def test_a_record_racing_a_query_is_not_taken_as_complete(rt):
     """Another thread records the event while a query of the old record is in the runtime: the
     old record's "complete" must not mark the new one complete."""
-    dev = FakeDevice(rt)
-    s = FakeStream(dev, 0x7)
-    ev = CudaEvent(dev, "e")
-    rt.work[0x7] = 1
-    ev.record(s)
+    dev, s, ev = recorded(rt)
     rt.done[0x7] = 1
     plain = dev._api.query
 
@@ -207,11 +209,7 @@ def test_creation_and_the_default_stream_run_on_the_events_device(rt):
 
 
 def test_synchronize_with_timeout_polls(rt):
-    dev = FakeDevice(rt)
-    s = FakeStream(dev, 0x7)
-    ev = CudaEvent(dev, "e")
-    rt.work[0x7] = 1
-    ev.record(s)
+    dev, s, ev = recorded(rt)
     assert ev.synchronize(timeout=0.01) is False  # never completes here
     rt.done[0x7] = 1
     assert ev.synchronize(timeout=0.01) is True

@@ -145,6 +145,3 @@ def _checked(eng, kv, src, dst, both, src_slot) -> bool:
     ok &= bits_equal(gather_ref(kv, dst.cpu), src_slot.view(kv.dtype, shape).to(kv.device))
     _settle(eng, jobs)
     return bool(ok)
-
-
-# ---- submit_overhead --------------------------------------------------------------------------
