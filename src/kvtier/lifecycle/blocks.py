@@ -101,7 +101,7 @@ class BlockTracker:
         if not isinstance(kind, Access):
             raise ValueError(f"kind must be an Access, got {kind!r}")
         if isinstance(blocks, CheckedBlocks):
-            if len(self._mask) < blocks.bound:  # the usual case, covered already: no call
+            if len(self._mask) < blocks.bound:  # usually covered already: then no call
                 self._cover(blocks.bound)
             return blocks.ids, blocks.bound
         if isinstance(blocks, torch.Tensor):
