@@ -228,3 +228,21 @@ def test_cuda_streams_compare_by_device_and_handle():
     assert a != CudaStream(dev, Raw(0, 0x9), "c")
     assert CudaStream(dev, Raw(0, 0), "d0") != CudaStream(dev, Raw(1, 0), "d1")  # handle 0 is per device
     assert a != object()
+
+
+def test_choose_events_reads_the_argument_then_the_environment(monkeypatch):
+    from kvtier.device import cuda_events
+
+    monkeypatch.setattr(cuda_events, "event_api", lambda: (None, "no libcudart here"))
+    monkeypatch.delenv("KVTIER_EVENTS", raising=False)
+    assert cuda_events.choose_events() == (None, "torch")  # no runtime: torch's events
+    with pytest.raises(RuntimeError, match="no libcudart here"):
+        cuda_events.choose_events("raw")
+    monkeypatch.setenv("KVTIER_EVENTS", "fast")
+    with pytest.raises(ValueError, match="KVTIER_EVENTS.*'fast'"):
+        cuda_events.choose_events()
+    assert cuda_events.choose_events("torch") == (None, "torch")  # the argument wins
+    api = object()
+    monkeypatch.setattr(cuda_events, "event_api", lambda: (api, ""))
+    monkeypatch.setenv("KVTIER_EVENTS", "")
+    assert cuda_events.choose_events() == (api, "raw")

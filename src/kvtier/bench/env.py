@@ -91,11 +91,13 @@ def environment(device: str = "cpu") -> dict:
             topo = nvml.read(idx, uuid=str(uuid) if uuid else None)
             env["driver"] = topo.get("driver")
             env["topology"] = topo
-            from kvtier.device.cuda_events import event_api
+            from kvtier.device.cuda_events import choose_events
 
             # What CudaDevice's events are (a submit's host cost depends on it): raw or torch.
-            chosen = os.environ.get("KVTIER_EVENTS", "").strip()
-            env["events"] = chosen or ("raw" if event_api()[0] is not None else "torch")
+            try:
+                env["events"] = choose_events()[1]
+            except (ValueError, RuntimeError) as e:  # a bad KVTIER_EVENTS: CudaDevice would refuse it
+                env["events"] = f"refused: {e}"
             from kvtier.engine.fast import status
 
             env["c_helper"] = status()  # the submit's C helper: "in use", or why not

@@ -15,7 +15,6 @@ with a warning.
 from __future__ import annotations
 
 import itertools
-import os
 import warnings
 import weakref
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from kvtier.device.base import Device, Event, Stream, check_copy_args, check_nbytes
-from kvtier.device.cuda_events import CudaEvent, EventHandles, TorchEvent, event_api
+from kvtier.device.cuda_events import CudaEvent, EventHandles, TorchEvent, choose_events
 from kvtier.device.cudart import clear_last_error
 
 __all__ = ["CudaDevice", "CudaEvent", "CudaStream", "TorchEvent"]
@@ -83,13 +82,7 @@ class CudaDevice(Device):
             raise ValueError(f"index must be in [0, {torch.cuda.device_count()}), got {index!r}")
         if pin not in ("register", "torch"):
             raise ValueError(f"pin must be 'register' or 'torch', got {pin!r}")
-        events = events if events is not None else os.environ.get("KVTIER_EVENTS", "").strip() or None
-        if events not in (None, "raw", "torch"):
-            raise ValueError(f"events (or env KVTIER_EVENTS) must be 'raw', 'torch' or None, got {events!r}")
-        self._api, why = event_api() if events != "torch" else (None, "")
-        if events == "raw" and self._api is None:
-            raise RuntimeError(f"events='raw' needs the CUDA runtime through ctypes: {why}")
-        self.events = "raw" if self._api is not None else "torch"
+        self._api, self.events = choose_events(events)
         self._event_cls = CudaEvent if self._api is not None else TorchEvent
         self._handles = EventHandles(self._api, index) if self._api is not None else None
         self.index = index

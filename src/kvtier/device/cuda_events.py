@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 from ctypes import CFUNCTYPE, POINTER, byref, c_float, c_int, c_uint, c_void_p
 from types import SimpleNamespace
@@ -59,6 +60,19 @@ def event_api() -> tuple[SimpleNamespace | None, str]:
     except AttributeError as e:
         return None, f"the CUDA runtime lacks an event call: {e}"
     return api, ""
+
+
+def choose_events(events: str | None = None) -> tuple[SimpleNamespace | None, str]:
+    """(the runtime's event calls or None, "raw" or "torch") for CudaDevice's `events`: None reads
+    env KVTIER_EVENTS, else "raw" where libcudart loads. Raises naming a bad value, and when "raw"
+    was asked for but the runtime cannot be loaded."""
+    events = events if events is not None else os.environ.get("KVTIER_EVENTS", "").strip() or None
+    if events not in (None, "raw", "torch"):
+        raise ValueError(f"events (or env KVTIER_EVENTS) must be 'raw', 'torch' or None, got {events!r}")
+    api, why = event_api() if events != "torch" else (None, "")
+    if events == "raw" and api is None:
+        raise RuntimeError(f"events='raw' needs the CUDA runtime through ctypes: {why}")
+    return api, "raw" if api is not None else "torch"
 
 
 def cuda_error(api: SimpleNamespace, what: str, rc: int) -> RuntimeError:
