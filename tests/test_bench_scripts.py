@@ -1,6 +1,6 @@
 """The device-run scripts of benchmarks/ that have a CPU mode run there (so they do not rot
-between GPU sessions): the dry passes of profile_submit and probe_hot_submit, host_jitter, and
-probe_ce_gather's refusal without a GPU."""
+between GPU sessions): the dry passes of profile_submit, probe_hot_submit and probe_py_cost,
+host_jitter, and probe_ce_gather's refusal without a GPU."""
 
 import os
 import subprocess
@@ -52,3 +52,13 @@ def test_probe_hot_submit_dry_pass_checks_bytes():
         assert line in r.stdout
     assert r.stdout.count("slowest 1/4: ids=") == 6
     assert "load of the saved slot equals the source blocks: True" in r.stdout
+
+
+@no_gpu
+def test_probe_py_cost_dry_pass_prints_both_slopes():
+    r = run("probe_py_cost.py", "--reps", "3", "--ns", "0", "8", "--rounds", "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "round 1 slope calls" in r.stdout and "round 1 slope inline" in r.stdout
+    assert r.stdout.count("window median") == 4
+    bad = run("probe_py_cost.py", "--ns", "5")
+    assert bad.returncode == 2 and "--ns" in bad.stderr  # one count gives no slope

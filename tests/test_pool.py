@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvtier.device import SimDevice
+from kvtier.freelist import FreeList
 from kvtier.pool import PinnedPool, PoolExhausted
 
 KiB = 1024
@@ -253,3 +254,41 @@ def test_bad_requests_name_the_argument(dev):
 def test_a_pool_needs_a_kvtier_device():
     with pytest.raises(ValueError, match="device must be a kvtier Device"):
         PinnedPool(None, 4 * KiB)
+
+
+def test_free_list_takes_the_best_fit_as_a_brute_force_model_does():
+    """FreeList.take (written out for the submit path) against a plain list of extents: the
+    smallest extent that fits, ties to the lowest address; release merges within a chunk."""
+    rng, chunk = random.Random(3), 1000
+    fl, model, used = FreeList(chunk), [], []
+    for c in range(3):
+        fl.add(c * chunk, chunk)
+        model.append((c * chunk, chunk))
+    for step in range(3000):
+        if used and (rng.random() < 0.45 or not model):
+            start, size = used.pop(rng.randrange(len(used)))
+            fl.release(start, size)
+            model.append((start, size))
+            model.sort()
+            merged = []
+            for s0, n0 in model:  # neighbours merge unless a chunk boundary lies between them
+                if merged and merged[-1][0] + merged[-1][1] == s0 and s0 % chunk:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + n0)
+                else:
+                    merged.append((s0, n0))
+            model = merged
+        else:
+            span = rng.choice([1, 7, 50, 99, 250, 333, 1000])
+            fits = [(n, s0) for s0, n in model if n >= span]
+            want = min(fits)[1] if fits else None
+            got = fl.take(span)
+            assert got == want, step
+            if got is not None:
+                n = dict(model)[got]
+                model.remove((got, n))
+                if n > span:
+                    model.append((got + span, n - span))
+                    model.sort()
+                used.append((got, span))
+        assert sorted(fl.extents()) == model, step
+        assert fl.total() == sum(n for _, n in model)

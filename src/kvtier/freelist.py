@@ -30,13 +30,20 @@ class FreeList:
     def take(self, span: int) -> int | None:
         """The start of `span` bytes cut from the smallest extent that fits (ties: the lowest
         address); the rest of that extent stays free. None when none fits."""
-        i = bisect.bisect_left(self._by_size, (span, -1))
-        if i == len(self._by_size):
+        by = self._by_size
+        i = bisect.bisect_left(by, (span, -1))
+        if i == len(by):
             return None
-        size, start = self._by_size[i]
-        self._remove(start)
-        if size > span:
-            self.add(start + span, size - span)
+        size, start = by[i]
+        del self._at[start], by[i]  # `_remove` and `add` written out: a submit allocates a slot
+        end = start + size
+        if size == span:
+            del self._end[end]
+        else:  # the rest stays free; the index entry at its end now names the rest's start
+            rest, at = size - span, start + span
+            self._at[at] = rest
+            self._end[end] = at
+            by.insert(bisect.bisect_left(by, (rest, at), 0, i), (rest, at))  # below (size, start): before i
         return start
 
     def release(self, start: int, size: int) -> None:

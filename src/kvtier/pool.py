@@ -164,7 +164,8 @@ class PinnedPool:
     # -- public ----------------------------------------------------------------------------
     def try_alloc(self, nbytes: int) -> Slot | None:
         """A slot of exactly `nbytes` usable bytes, or None when no free extent fits."""
-        self._check_request(nbytes)
+        if type(nbytes) is not int or not 0 < nbytes <= self._max_request:  # the usual int: one test
+            self._check_request(nbytes)
         with self._lock:
             return self._take(nbytes)
 

@@ -23,7 +23,7 @@ import time
 from kvtier.device.base import Device, Event, Stream
 from kvtier.engine.completion import Completion
 from kvtier.engine.ids import IdCheck
-from kvtier.engine.jobs import NO_TRACE, LoadJob, SaveJob, SubmitTrace, _Job
+from kvtier.engine.jobs import LoadJob, SaveJob, SubmitTrace, _Job
 from kvtier.engine.movers import make_mover
 from kvtier.engine.options import check_event, check_options, check_per_layer, check_slot
 from kvtier.engine.paths import Path, choose_path, parse_path
@@ -94,7 +94,7 @@ class TransferEngine(Completion):
         self._block_nbytes = kv.block_nbytes  # kv.chunk_nbytes(n) = n * this, without its property chain
         # Back-pressure: settled jobs and retired slots give their room back while we wait.
         self._on_pressure = lambda _n: self.poll() > 0
-        self._auto: dict[tuple[str, bool], Path] = {}  # what "auto" chose per (direction, per_layer)
+        self._auto: dict[tuple[str, bool], Path] = {}  # (direction, per_layer) -> path of a job naming none
         on = os.environ.get("KVTIER_SUBMIT_TRACE", "").strip().lower() in ("1", "true", "yes", "on")
         self.trace = SubmitTrace() if on else None
 
@@ -115,40 +115,52 @@ class TransferEngine(Completion):
         timeout: seconds to wait for pool room (completed jobs are harvested meanwhile); None
             waits no longer than one harvest. Then PoolExhausted.
         """
-        t0, tr = time.perf_counter(), self._trace or NO_TRACE
-        tr.begin("save")
-        self._check_open()
+        t0, tr = time.perf_counter(), self._trace  # tr: None unless tracing (then `if tr:` marks)
+        if tr:
+            tr.begin("save")
+        if self._closed:
+            self._check_open()
         bset = self._check_ids.checked(block_ids, False, num_tokens)
         ids = bset.ids  # int64 numpy, the job's own
-        tr.mark("ids")
-        p = self._path("save", path)
+        if tr:
+            tr.mark("ids")
+        p = self._auto.get(("save", False)) if path is None else None  # decided once: see _path
+        if p is None:
+            p = self._path("save", path)
         nbytes = len(ids) * self._block_nbytes
-        slot = self.slots.alloc(nbytes, timeout=timeout or 0.0, on_pressure=self._on_pressure)
-        tr.mark("slot")
+        slot = self.slots.alloc(nbytes, timeout or 0.0, self._on_pressure)
+        if tr:
+            tr.mark("slot")
         try:
             with self._lock:
                 k = next(self._seq)
-                waits = self.blocks.waits_for(Access.SAVE, bset, stream=self.save_stream)
+                waits = self.blocks.waits_for(Access.SAVE, bset, self.save_stream)
                 if after is not None:
                     # The copy must not read KV the compute has not finished writing (vLLM #31341).
                     self.save_stream.wait_event(after)
+                    waited = [*waits, after]
+                else:
+                    waited = waits
                 for e in waits:
                     # Nor blocks a load or a registered compute write still writes.
                     self.save_stream.wait_event(e)
-                tr.mark("tracker_wait")
+                if tr:
+                    tr.mark("tracker_wait")
                 e_save = self.device.new_event(f"e_save#{k}")
                 self.mover.save(p, ids, num_tokens, slot, self.save_stream, e_save)
-                tr.mark("mover")
+                if tr:
+                    tr.mark("mover")
                 if e_save.stream is None:  # not recorded by a graph replay right after its copies
                     e_save.record(self.save_stream)  # after every copy: then the slot is READY
-                tr.mark("event")
-                waited = waits + ([after] if after is not None else [])
-                self.blocks.begin_save(bset, e_save, waited=waited)
+                if tr:
+                    tr.mark("event")
+                self.blocks.register(Access.SAVE, bset, e_save, waited)
                 self.slots.begin_fill(slot, e_save)  # READY only once e_save has completed
                 job = SaveJob(self, slot, e_save, ids, nbytes, p.value, time.perf_counter() - t0)
                 self._jobs.append(job)
-                tr.mark("tracker_begin")
-                tr.end()
+                if tr:
+                    tr.mark("tracker_begin")
+                    tr.end()
                 return job
         except BaseException:
             if self.slots.state(slot) is SlotState.ALLOCATED:
@@ -165,21 +177,27 @@ class TransferEngine(Completion):
         path: str | None = None,
     ) -> LoadJob:
         """Copy the READY slot `slot` into blocks `block_ids` (n distinct ids, every layer)."""
-        t0, tr = time.perf_counter(), self._trace or NO_TRACE
-        tr.begin("load")
-        self._check_open()
+        t0, tr = time.perf_counter(), self._trace  # as in save: marks only when tracing
+        if tr:
+            tr.begin("load")
+        if self._closed:
+            self._check_open()
         check_slot(slot)
         check_per_layer(per_layer)
         bset = self._check_ids.checked(block_ids, True, num_tokens)
         ids = bset.ids  # int64 numpy, the job's own
-        tr.mark("ids")
+        if tr:
+            tr.mark("ids")
         nbytes = len(ids) * self._block_nbytes
         if slot.nbytes != nbytes:
             raise ValueError(f"slot: holds {slot.nbytes} B, {len(ids)} blocks need {nbytes} B")
-        p = self._path("load", path, per_layer)
+        p = self._auto.get(("load", per_layer)) if path is None else None  # decided once: see _path
+        if p is None:
+            p = self._path("load", path, per_layer)
         if self.slots.state(slot) is SlotState.FILLING:
             self.poll()  # a save into this slot that has completed becomes READY now
-        tr.mark("poll")
+        if tr:
+            tr.mark("poll")
         with self._lock:
             state = self.slots.state(slot)
             if self.sanitize and state not in (SlotState.READY, SlotState.READING):
@@ -187,27 +205,31 @@ class TransferEngine(Completion):
                 why = "the slot holds no complete data yet: wait for its save job first"
                 raise LifecycleError("load", slot.name, state.value, None, why)
             k = next(self._seq)
-            waits = self.blocks.waits_for(Access.LOAD, bset, stream=self.load_stream)
+            waits = self.blocks.waits_for(Access.LOAD, bset, self.load_stream)
             for e in waits:
                 # The load must not overwrite blocks still read, written or saved (vLLM #47282).
                 self.load_stream.wait_event(e)
-            tr.mark("tracker_wait")
+            if tr:
+                tr.mark("tracker_wait")
             e_load = self.device.new_event(f"e_load#{k}")
             layers = self.mover.load(
                 p, ids, num_tokens, slot, self.load_stream, per_layer, f"e_load#{k}", e_load
             )
-            tr.mark("mover")
+            if tr:
+                tr.mark("mover")
             if e_load.stream is None:  # not recorded by a graph replay right after its copies
                 e_load.record(self.load_stream)  # after every copy: the blocks landed, the slot free
-            tr.mark("event")
+            if tr:
+                tr.mark("event")
             self.slots.begin_read(slot, e_load)  # the slot may be freed only after e_load
-            self.blocks.begin_load(bset, e_load, waited=waits)
+            self.blocks.register(Access.LOAD, bset, e_load, waits)
             layer_events = [*layers, e_load] if layers else [e_load] * self.kv.num_layers
             job = LoadJob(self, slot, e_load, ids, nbytes, p.value, 0.0, layer_events=layer_events)
             self._jobs.append(job)
         job.submit_s = time.perf_counter() - t0
-        tr.mark("tracker_begin")
-        tr.end()
+        if tr:
+            tr.mark("tracker_begin")
+            tr.end()
         return job
 
     def load_path(self, per_layer: bool = False) -> Path:
@@ -279,13 +301,12 @@ class TransferEngine(Completion):
         if path is None and (p := self._auto.get((direction, per_layer))) is not None:
             return p  # the engine's rule, decided and checked once (kv and options are fixed)
         p = parse_path(path) if path is not None else self.path
-        auto = p is Path.AUTO
-        if auto:
+        if p is Path.AUTO:
             piece, beside = self.kv.piece_numel * self.kv.dtype.itemsize, self.compute_beside
             p = choose_path(direction, piece_nbytes=piece, per_layer=per_layer, compute_beside=beside,
                             batch_ok=self.mover.batch_available)  # fmt: skip
         self.mover.check_path(p)
-        if auto and path is None:
+        if path is None:  # the engine's own path: fixed, so decided and checked once
             self._auto[(direction, per_layer)] = p
         return p
 

@@ -19,6 +19,8 @@ class Access(enum.Enum):
     SAVE = "SAVING"  # a copy out to the pool
     LOAD = "LOADING"  # a copy in from the pool
 
+    __hash__ = object.__hash__  # members are singletons: a dict lookup by kind makes no Python call
+
 
 A = Access
 # A new access must be ordered after pending accesses of these kinds to the same blocks.
@@ -84,7 +86,9 @@ class BlockTracker:
     Each access's blocks are one int64 numpy array; a call costs a few numpy passes over its own
     blocks and over those of the pending accesses it could conflict with (a scratch mask of the
     new blocks, gathered at each candidate's ids): no Python loop or set per block, no sort.
-    Events are compared by identity: register the object `stream.record()` returned.
+    A count of the pending accesses of each kind lets a call that follows none of the kinds
+    pending skip the list. Events are compared by identity: register the object
+    `stream.record()` returned.
     """
 
     def __init__(self, sanitize: bool | None = None, name: str = "gpu block"):
@@ -92,6 +96,7 @@ class BlockTracker:
         self.name = name
         self._lock = threading.Lock()
         self._pending: list[_Pending] = []
+        self._kinds = dict.fromkeys(Access, 0)  # how many of `_pending` are of each kind
         self._prune_at = 16  # the list length that triggers the next full prune
         self._mask = np.zeros(0, dtype=bool)  # scratch, all False between calls; covers every id seen
 
@@ -153,8 +158,15 @@ class BlockTracker:
         """Drop completed accesses. Submits call it only once the list has doubled since the last
         prune (`_prune_at`: amortized O(1) queries per access; a completed access left in the list
         only makes a caller wait on an event that has completed, which costs nothing)."""
-        self._pending = [p for p in self._pending if not p.event.query()]
+        self._keep([p for p in self._pending if not p.event.query()])
         self._prune_at = 2 * len(self._pending) + 16
+
+    def _keep(self, pending: list[_Pending]) -> None:
+        """Make `pending` the pending list, and count its kinds again."""
+        self._pending, kinds = pending, dict.fromkeys(Access, 0)
+        for p in pending:
+            kinds[p.kind] += 1
+        self._kinds = kinds
 
     def waits_for(self, kind: Access, blocks: Blocks, stream: object = None) -> list[Event]:
         """Events a new `kind` access to `blocks` must wait for (those on `stream` are implied)."""
@@ -163,6 +175,12 @@ class BlockTracker:
         with self._lock:
             if len(self._pending) >= self._prune_at:
                 self._prune()
+            kinds = self._kinds
+            for k in follow:
+                if kinds[k]:
+                    break
+            else:
+                return []  # the usual case for a save in a loop of saves: no pass over the list
             if stream is None:
                 cands = [p for p in self._pending if p.kind in follow]
             else:  # those on `stream` are ordered by it already (identity first: it is the usual match)
@@ -174,7 +192,7 @@ class BlockTracker:
             done = {id(p) for p in cands if p.event.query()}
             if done:  # completed: they order nothing any more, and are not queried again
                 cands = [p for p in cands if id(p) not in done]
-                self._pending = [p for p in self._pending if id(p) not in done]
+                self._keep([p for p in self._pending if id(p) not in done])
             return [p.event for p in self._overlapping(a, hi, cands)]
 
     def register(self, kind: Access, blocks: Blocks, event: Event, waited: Sequence[Event] = ()) -> None:
@@ -202,6 +220,7 @@ class BlockTracker:
                     block = f"{self.name} {int(np.intersect1d(a, p.blocks).min())}"
                     raise LifecycleError(kind.name.lower(), block, p.kind.value, p.event, WHY[(kind, p.kind)])
             self._pending.append(_Pending(kind, a, hi, event))
+            self._kinds[kind] += 1
 
     def state(self, block: int) -> str:
         """IDLE, or the kinds of the pending accesses to `block` joined by '+'."""

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvtier.device.base import Event
+from kvtier.device.base import Event, check_timeout
 from kvtier.lifecycle.errors import LifecycleError, sanitize_enabled
 
 
@@ -60,6 +60,7 @@ class _SlotLike(Protocol):
 
 class _PoolLike(Protocol):  # PinnedPool, by duck typing: lifecycle sits beside pool, not above
     def alloc(self, nbytes: int, timeout: float | None, on_pressure: Callable[[int], bool]) -> _SlotLike: ...
+    def try_alloc(self, nbytes: int) -> _SlotLike | None: ...
     def free(self, slot: _SlotLike) -> None: ...
     def set_in_flight(self, slot: _SlotLike, busy: bool) -> None: ...
 
@@ -87,11 +88,14 @@ class SlotTracker:
         self, nbytes: int, timeout: float | None = 0.0, on_pressure: Callable[[int], bool] | None = None
     ) -> _SlotLike:
         """A slot in ALLOCATED; waits (back-pressure) while retired slots drain or `on_pressure` evicts."""
+        check_timeout(timeout)  # refused even when there is room now
+        slot = self.pool.try_alloc(nbytes)  # the usual case: room now (a submit's one pool call)
+        if slot is None:
 
-        def pressure(n: int) -> bool:
-            return self.poll() > 0 or (on_pressure is not None and on_pressure(n))
+            def pressure(n: int) -> bool:
+                return self.poll() > 0 or (on_pressure is not None and on_pressure(n))
 
-        slot = self.pool.alloc(nbytes, timeout, pressure)
+            slot = self.pool.alloc(nbytes, timeout, pressure)
         with self._lock:
             self._recs[slot] = _SlotRec()
         return slot
