@@ -2,15 +2,18 @@
 much a submit gains from calling fewer Python functions.
 
 The timed window of the submit_overhead suite's hot pair (an untimed save, then the timed one)
-is widened by `extra` Python work right before the timed save, in one of two shapes:
+is widened by `extra` Python work right before the timed save, in one of three shapes:
 
   calls    n distinct small functions (each its own code object, a few opcodes: an attribute
            read, an add, a store), called one after the other
   inline   one function whose body is the same n statements written out (no call)
+  objects  one function doing the same n statements, each on another object (n objects' data)
 
-For n in --ns the median wall time of the window (extra work + the save) is printed, and the
-slope over n per shape: the cost of one distinct Python call, and of its body alone, in the
-host state a hot submit runs in (a tight loop on the same host is printed beside it). On the
+The samples of every (shape, n) are interleaved rep by rep (one of each per cycle, in a shuffled
+order), so the host's drift over seconds hits them alike. Printed: the median wall time of the
+window (extra work + the save) per (shape, n), and per shape the slope over n: what one distinct
+Python call, one statement, one more object's data cost in the host state a hot submit runs in
+(a tight loop on the same host is printed beside it). On the
 8B shape (1 GiB of 16-token blocks, staged path, CUDA graphs) on a GPU; on SimDevice without
 one, as a check of the script (not figures).
 
@@ -20,6 +23,7 @@ one, as a check of the script (not figures).
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import time
@@ -29,41 +33,46 @@ from probe_hot_submit import make_engine
 
 
 class _Box:
-    value = 0
+    def __init__(self):
+        self.value = 0
 
 
 def make_extra(n: int, shape: str):
-    """A callable doing n small steps: n distinct functions ("calls") or one body ("inline")."""
-    box, ns = _Box(), {}
+    """A callable doing n small steps, in `shape` (module docstring)."""
+    ns: dict = {}
     if shape == "calls":
         for i in range(n):
             exec(f"def f{i}(box):\n    box.value = box.value + {i}\n", ns)  # a new code object each
-        fns = [ns[f"f{i}"] for i in range(n)]
+        fns, box = [ns[f"f{i}"] for i in range(n)], _Box()
 
         def run():
             for f in fns:
                 f(box)
 
         return run
-    body = "".join(f"    box.value = box.value + {i}\n" for i in range(n)) or "    pass\n"
-    exec(f"def g(box):\n{body}", ns)
-    g = ns["g"]
-    return lambda: g(box)
+    if shape == "inline":
+        body = "".join(f"    box.value = box.value + {i}\n" for i in range(n)) or "    pass\n"
+        exec(f"def g(box):\n{body}", ns)
+        g, box = ns["g"], _Box()
+        return lambda: g(box)
+    boxes = [_Box() for _ in range(n)]  # each its own instance: its own memory
+    body = "".join(f"    b[{i}].value = b[{i}].value + {i}\n" for i in range(n)) or "    pass\n"
+    exec(f"def h(b):\n{body}", ns)
+    h = ns["h"]
+    return lambda: h(boxes)
 
 
-def window(eng, src, extra, reps: int) -> list[float]:
+def one_window(eng, src, extra) -> float:
     """us of (extra work + save) right after an untimed save, as the suite's hot pair."""
-    out = []
-    for _ in range(reps):
-        first = eng.save(src, after=None)
-        t0 = time.perf_counter()
-        extra()
-        job = eng.save(src, after=None)
-        out.append((time.perf_counter() - t0) * 1e6)
-        for j in (first, job):
-            eng.wait(j)  # a slot is released only after its copy completed
-            eng.release(j.slot)
-    return out
+    first = eng.save(src, after=None)
+    t0 = time.perf_counter()
+    extra()
+    job = eng.save(src, after=None)
+    us = (time.perf_counter() - t0) * 1e6
+    for j in (first, job):
+        eng.wait(j)  # a slot is released only after its copy completed
+        eng.release(j.slot)
+    return us
 
 
 def slope(ns: list[int], us: list[float]) -> float:
@@ -86,24 +95,30 @@ def main() -> int:
         print("no CUDA GPU: a check of this script on SimDevice (tiny cache), not figures")
     dev, kv, pool, eng, ids = make_engine(16, gpu)
     src = ids[0]
-    extras = {(s, n): make_extra(n, s) for s in ("calls", "inline") for n in args.ns}
+    shapes = ("calls", "inline", "objects")
+    extras = {(s, n): make_extra(n, s) for s in shapes for n in args.ns}
     for (s, n), ex in extras.items():
         tight = []
         for _ in range(200):
             t0 = time.perf_counter()
             ex()
             tight.append((time.perf_counter() - t0) * 1e6)
-        print(f"tight loop, {s:6s} n={n:3d}: {statistics.median(tight):7.2f} us")
-    window(eng, src, extras[("calls", 0)], 5)  # warm-up: graphs captured, execs made
+        print(f"tight loop, {s:7s} n={n:3d}: {statistics.median(tight):7.2f} us")
+    for ex in extras.values():
+        one_window(eng, src, ex)  # warm-up: graphs captured, execs made, every shape run once
+    rng = random.Random(0)
     for r in range(1, args.rounds + 1):
-        meds: dict[str, list[float]] = {"calls": [], "inline": []}
-        for n in args.ns:  # shapes interleaved per n: the host's drift hits both alike
-            for s in ("calls", "inline"):
-                us = window(eng, src, extras[(s, n)], args.reps)
-                meds[s].append(statistics.median(us))
-                print(f"round {r} {s:6s} n={n:3d}: window median {meds[s][-1]:7.1f} us (min {min(us):6.1f})")
-        for s in ("calls", "inline"):
-            print(f"round {r} slope {s:6s}: {slope(args.ns, meds[s]):6.3f} us per step")
+        got: dict = {k: [] for k in extras}
+        for _ in range(args.reps):
+            order = list(extras)
+            rng.shuffle(order)  # one sample of each per cycle: drift hits all alike
+            for k in order:
+                got[k].append(one_window(eng, src, extras[k]))
+        for s in shapes:
+            meds = [statistics.median(got[(s, n)]) for n in args.ns]
+            cols = " ".join(f"n={n}: {m:6.1f}" for n, m in zip(args.ns, meds, strict=True))
+            print(f"round {r} {s:7s} window medians us  {cols}")
+            print(f"round {r} slope {s:7s}: {slope(args.ns, meds):6.3f} us per step")
     eng.close()
     pool.close()
     dev.close()
