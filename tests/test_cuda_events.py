@@ -132,7 +132,7 @@ def test_an_event_seen_complete_is_not_asked_again_until_recorded(rt):
     ev.record(s)  # a new record: not known any more
     assert not ev.known_complete and not ev.query() and rt.queries == n + 1
     ev.wait_on(FakeStream(dev, 0x9))
-    assert rt.calls[-1] == ("wait", 0x9, ev._h, 0)
+    assert rt.calls[-1] == ("wait", 0x9, ev.handle, 0)
     rt.done[0x7] = 2
     assert ev.synchronize() and ev.known_complete  # a wait that returned counts as seen
     ev.mark_recorded(s)  # recorded by the C helper: not known either
@@ -182,16 +182,16 @@ def test_handles_are_reused_once_their_event_dies(rt):
     rt.work[0x7] = 1
     a2 = CudaEvent(dev, "a2")
     a2.record(FakeStream(dev, 0x7))  # pending when it dies
-    ha = a2._h
+    ha = a2.handle
     del a2
     b = CudaEvent(dev, "b")
-    assert b._h == ha and dev._handles.created == 1  # reused, not created again
+    assert b.handle == ha and dev._handles.created == 1  # reused, not created again
     assert b.query() and b.synchronize()  # unrecorded by b: complete, whatever the old record is
     n = len(rt.calls)
     b.wait_on(FakeStream(dev, 0x9))
     assert len(rt.calls) == n  # and nothing to wait for
     c = CudaEvent(dev, "c")
-    assert c._h != b._h and dev._handles.created == 2  # a live event's handle is never shared
+    assert c.handle != b.handle and dev._handles.created == 2  # a live event's handle is never shared
 
 
 def test_creation_and_the_default_stream_run_on_the_events_device(rt):
@@ -199,13 +199,13 @@ def test_creation_and_the_default_stream_run_on_the_events_device(rt):
     ev = CudaEvent(dev, "e")
     assert ("create", 1) in rt.calls and rt.device == 0  # created on device 1, current one restored
     ev.record(FakeStream(dev, 0x7))
-    assert rt.calls[-1] == ("record", ev._h, 0x7, 0)  # a real stream carries its device: no switch
+    assert rt.calls[-1] == ("record", ev.handle, 0x7, 0)  # a real stream carries its device: no switch
     ev.record(FakeStream(dev, 0))
-    assert rt.calls[-2:] == [("record", ev._h, 0, 1), ("set_device", 0)]  # legacy default: device 1's
+    assert rt.calls[-2:] == [("record", ev.handle, 0, 1), ("set_device", 0)]  # legacy default: device 1's
     ev.wait_on(FakeStream(dev, 0))
-    assert rt.calls[-2:] == [("wait", 0, ev._h, 1), ("set_device", 0)]
+    assert rt.calls[-2:] == [("wait", 0, ev.handle, 1), ("set_device", 0)]
     ev.wait_on(FakeStream(dev, 0x9))
-    assert rt.calls[-1] == ("wait", 0x9, ev._h, 0)
+    assert rt.calls[-1] == ("wait", 0x9, ev.handle, 0)
 
 
 def test_synchronize_with_timeout_polls(rt):

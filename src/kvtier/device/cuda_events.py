@@ -137,11 +137,13 @@ class EventHandles:
 class CudaEvent(Event):
     """An event of `device` over a raw cudaEvent_t (see the module doc)."""
 
-    __slots__ = ("_dev", "_gen", "_h", "_seen", "_stream", "label")
+    __slots__ = ("_dev", "_gen", "_seen", "_stream", "handle", "label")
 
     def __init__(self, device: CudaDevice, label: str):
         self._dev, self.label, self._stream = device, label, None
-        self._h = device._handles.take()
+        # The cudaEvent_t: read it (a caller recording it in a call of its own, `mark_recorded`),
+        # never assign it. A plain attribute: the C helper's replay reads it on every submit.
+        self.handle = device._handles.take()
         # Records so far, and the count at which a query or wait last saw the event complete: while
         # they are equal it is complete (work it recorded stays done) and no runtime call is made.
         # A record bumps _gen only after the runtime took it, and a check stores the _gen it read
@@ -149,7 +151,7 @@ class CudaEvent(Event):
         self._gen, self._seen = 0, -1
 
     def __del__(self) -> None:
-        h, self._h = getattr(self, "_h", 0), 0
+        h, self.handle = getattr(self, "handle", 0), 0
         if h:
             with contextlib.suppress(Exception):  # interpreter shutdown: the handle dies with the process
                 self._dev._handles.give(h)
@@ -157,11 +159,6 @@ class CudaEvent(Event):
     @property
     def stream(self) -> CudaStream | None:
         return self._stream
-
-    @property
-    def handle(self) -> int:
-        """The cudaEvent_t, for a caller that records it in a call of its own (`mark_recorded`)."""
-        return self._h
 
     def mark_recorded(self, stream: CudaStream) -> None:
         """The caller has just recorded `handle` on `stream` (the C helper, `engine/fast.py`)."""
@@ -177,10 +174,10 @@ class CudaEvent(Event):
         s = self._dev._own(stream, "stream")
         api = self._dev._api
         if s.handle:
-            rc = api.record(self._h, s.handle)
+            rc = api.record(self.handle, s.handle)
         else:  # the legacy default stream (handle 0) is the current device's: make it ours
             with OnDevice(api, self._dev.index):
-                rc = api.record(self._h, 0)
+                rc = api.record(self.handle, 0)
         if rc != 0:
             raise cuda_error(api, "cudaEventRecord", rc)
         self._stream = s
@@ -192,7 +189,7 @@ class CudaEvent(Event):
         gen = self._gen
         if self._seen == gen:
             return True  # seen complete since its last record: done work stays done
-        rc = self._dev._api.query(self._h)
+        rc = self._dev._api.query(self.handle)
         if rc == 0:
             self._seen = gen  # the record current before the call has completed
             return True
@@ -209,7 +206,7 @@ class CudaEvent(Event):
             gen = self._gen
             if self._seen == gen:
                 return True  # seen complete since its last record
-            rc = self._dev._api.sync(self._h)  # the host needs the work done (ctypes drops the GIL)
+            rc = self._dev._api.sync(self.handle)  # the host needs the work done (ctypes drops the GIL)
             if rc != 0:
                 raise cuda_error(self._dev._api, "cudaEventSynchronize", rc)
             self._seen = gen
@@ -222,10 +219,10 @@ class CudaEvent(Event):
         if self._stream is None or self._seen == self._gen:
             return  # never recorded, or seen complete: the wait would be satisfied at once
         if stream.handle:
-            rc = api.wait(stream.handle, self._h, 0)
+            rc = api.wait(stream.handle, self.handle, 0)
         else:  # the legacy default stream of the stream's own device
             with OnDevice(api, stream._dev.index):
-                rc = api.wait(0, self._h, 0)
+                rc = api.wait(0, self.handle, 0)
         if rc != 0:
             raise cuda_error(api, "cudaStreamWaitEvent", rc)
 
@@ -233,7 +230,7 @@ class CudaEvent(Event):
         if self._stream is None or not self.query():
             raise RuntimeError(f"event {self.label} has not completed; its time is not known yet")
         ms = c_float(0.0)
-        rc = self._dev._api.elapsed(byref(ms), self._dev._epoch._h, self._h)
+        rc = self._dev._api.elapsed(byref(ms), self._dev._epoch.handle, self.handle)
         if rc != 0:
             raise cuda_error(self._dev._api, "cudaEventElapsedTime", rc)
         return ms.value / 1e3

@@ -13,7 +13,6 @@ import torch
 from kvtier.device.cuda_events import NOT_READY
 from kvtier.device.cudart import clear_last_error
 from kvtier.engine.fast import fast as _fast
-from kvtier.engine.jobs import NO_TRACE
 
 GUARD, COPY, LAUNCH, RECORD, DEVICE = 5, 1, 2, 3, 4  # the failed step in a nonzero result (_fast.c)
 WHAT = {GUARD: "cudaEventQuery", DEVICE: "cudaSetDevice", COPY: "cudaMemcpyAsync", LAUNCH: "cudaGraphLaunch"}
@@ -23,7 +22,7 @@ def replay_fused(graphs, entry, ex, ids, stream, done, done_on) -> bool:
     """Replay exec `ex` of `entry` with `ids` (int64, checked) on `stream`, `done` the job's event
     (recorded here when it is raw and `done_on` its device stream, else by the caller). False:
     nothing of the graph was launched (the job goes eager; later replays go through ctypes)."""
-    tr, ring = graphs.trace or NO_TRACE, entry.ring
+    tr, ring = graphs.trace, entry.ring  # tr: marks only when tracing
     ev = getattr(done, "handle", 0) if done_on is not None else 0  # torch's events: the caller records
     n, ptr = ids.shape[0], (ids.data_ptr() if isinstance(ids, torch.Tensor) else ids)
     h, dev = stream.cuda_stream, stream.device_index
@@ -39,7 +38,8 @@ def replay_fused(graphs, entry, ex, ids, stream, done, done_on) -> bool:
         # Its last copy may not have read the buffer yet: another buffer (or wait for that copy).
         i = ring.take()
         rc = _fast.replay(ptr, n, ring.buffers[i].ptr, entry.ids_ptr, ex.handle, h, ev, dev, 0)
-    tr.mark("launch")
+    if tr:
+        tr.mark("launch")
     if rc == 0:
         # The buffer is rewritten only after the job's event: its copy has read the ids by then.
         ring.arm_with(i, done)

@@ -92,28 +92,35 @@ class StagedGraphs:
         of its own). With `done_on` (the device stream wrapping `stream`) the C helper may record
         a raw `done` itself, right after the launch; `done.stream` is then set, and the caller
         records it only while it is None."""
-        tr = self.trace or NO_TRACE
+        tr = self.trace  # marks only when tracing
         entry = self.cache.get(key) if self.enabled else None
         if entry is None and self.enabled:
             key = pinned_key(key, slot_ptr)
             entry = self.cache.get(key)
-        tr.mark("graph_lookup")
+        if tr:
+            tr.mark("graph_lookup")
         # The DMA nodes must point at this job's slot before the replay is enqueued (else the
         # bytes go to / come from the last slot); skipped when an exec's nodes already do.
         ex = None if entry is None else self._exec_for(key, entry, slot_ptr)
-        tr.mark("retarget")
-        if ex is None or not self._enqueue(entry, ex, ids, stream, done, done_on):
+        if tr:
+            tr.mark("retarget")
+        if ex is None:
+            ok = False
+        elif self.fused and done is not None and ex.handle:
+            ok = replay_fused(self, entry, ex, ids, stream, done, done_on)  # the usual replay: one C call
+        else:
+            ok = self._enqueue(entry, ex, ids, stream, done)
+        if not ok:
             self.stats.misses += 1
             return False
         self.stats.replays += 1
         return True
 
-    def _enqueue(self, entry: _Entry, ex: _Exec, ids, stream, done=None, done_on=None) -> bool:
-        """The ids copy then the launch, on `stream` (the entry's copy stream); False: nothing
-        of the graph was launched (the job goes eager)."""
+    def _enqueue(self, entry: _Entry, ex: _Exec, ids, stream, done=None) -> bool:
+        """The ids copy then the launch, on `stream` (the entry's copy stream), through ctypes or
+        torch (`replay_fused` does both in one C call); False: nothing of the graph was launched
+        (the job goes eager)."""
         tr, ring = self.trace or NO_TRACE, entry.ring
-        if self.fused and done is not None and ex.handle:
-            return replay_fused(self, entry, ex, ids, stream, done, done_on)
         i = ring.take()  # a buffer no queued copy reads any more
         buf = ring.buffers[i]
         np.copyto(buf.array, ids.numpy() if isinstance(ids, torch.Tensor) else ids, casting="unsafe")

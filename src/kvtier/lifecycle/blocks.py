@@ -170,7 +170,10 @@ class BlockTracker:
 
     def waits_for(self, kind: Access, blocks: Blocks, stream: object = None) -> list[Event]:
         """Events a new `kind` access to `blocks` must wait for (those on `stream` are implied)."""
-        a, hi = self._blocks(blocks, kind)
+        if type(blocks) is CheckedBlocks and type(kind) is Access and len(self._mask) >= blocks.bound:
+            a, hi = blocks.ids, blocks.bound  # the engine's checked ids, covered: `_blocks` has nothing to do
+        else:
+            a, hi = self._blocks(blocks, kind)
         follow = MUST_FOLLOW[kind]
         with self._lock:
             if len(self._pending) >= self._prune_at:
@@ -201,7 +204,10 @@ class BlockTracker:
         `waited`: the events its stream waited for before the access. With the sanitizer on,
         every conflicting pending access must be waited, on the same stream, or completed.
         """
-        a, hi = self._blocks(blocks, kind)
+        if type(blocks) is CheckedBlocks and type(kind) is Access and len(self._mask) >= blocks.bound:
+            a, hi = blocks.ids, blocks.bound  # as in waits_for
+        else:
+            a, hi = self._blocks(blocks, kind)
         with self._lock:
             if len(self._pending) >= self._prune_at:
                 self._prune()

@@ -88,7 +88,8 @@ class SlotTracker:
         self, nbytes: int, timeout: float | None = 0.0, on_pressure: Callable[[int], bool] | None = None
     ) -> _SlotLike:
         """A slot in ALLOCATED; waits (back-pressure) while retired slots drain or `on_pressure` evicts."""
-        check_timeout(timeout)  # refused even when there is room now
+        if timeout is not None and (type(timeout) is not float or not timeout >= 0):
+            check_timeout(timeout)  # refused even when there is room now (a float >= 0 passes as is)
         slot = self.pool.try_alloc(nbytes)  # the usual case: room now (a submit's one pool call)
         if slot is None:
 
@@ -153,7 +154,8 @@ class SlotTracker:
     def begin_fill(self, slot: _SlotLike, event: Event) -> None:
         """A copy into `slot` was submitted and `event` recorded after it: FILLING."""
         with self._lock:
-            if (rec := self._rec("begin_fill", slot)) is not None:
+            rec = self._rec("begin_fill", slot) if self.sanitize else self._recs.get(slot)
+            if rec is not None:
                 rec.state, rec.fill = S.FILLING, event
                 self.pool.set_in_flight(slot, True)
 
