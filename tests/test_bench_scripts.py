@@ -1,6 +1,6 @@
 """The device-run scripts of benchmarks/ that have a CPU mode run there (so they do not rot
-between GPU sessions): the dry passes of profile_submit, probe_hot_submit and probe_py_cost,
-host_jitter, and probe_ce_gather's refusal without a GPU."""
+between GPU sessions): the dry passes of profile_submit, probe_hot_submit, probe_py_cost and
+probe_ids_cost, host_jitter, and probe_ce_gather's refusal without a GPU."""
 
 import os
 import subprocess
@@ -62,3 +62,15 @@ def test_probe_py_cost_dry_pass_prints_every_slope():
     assert r.stdout.count("window medians") == 3
     bad = run("probe_py_cost.py", "--ns", "5")
     assert bad.returncode == 2 and "--ns" in bad.stderr  # one count gives no slope
+
+
+@no_gpu
+def test_probe_ids_cost_dry_pass_times_every_step():
+    from kvtier.engine import fast
+
+    if fast.fast is None:
+        pytest.skip(f"C helper: {fast.why}")
+    r = run("probe_ids_cost.py", "--reps", "2", "--block-size", "16")
+    assert r.returncode == 0, r.stdout + r.stderr
+    for step in ("check_fresh", "check_reused", "empty", "narrow", "read_src"):
+        assert f"tight loop   {step}" in r.stdout and f"after a save {step}" in r.stdout

@@ -1,0 +1,105 @@
+"""Why a hot submit of many blocks costs more (P6 "flat in block count"): the per-id steps of a
+submit of 8192 one-token blocks (1 GiB of the 8B shape), timed alone in the host state a hot
+submit runs in -- right after an untimed 1 GiB save, as the submit_overhead suite's hot pair --
+and in a tight loop:
+
+  check_fresh   the id check into a new int64 array (np.empty + the C check: what a submit does)
+  check_reused  the same check into one array made once (no new memory touched)
+  empty         np.empty of the job's array alone
+  narrow        the ids narrowed to int32 into a pinned buffer (the replay's first step), numpy
+  read_src      one pass over the caller's ids (np.max): the source read alone
+
+Variants are interleaved sample by sample (shuffled per cycle). A step that costs far more when
+its memory is new (check_fresh against check_reused plus empty) points at page / TLB misses
+rather than at the instructions.
+
+    PYTHONPATH=src python benchmarks/probe_ids_cost.py [--reps 80] [--block-size 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+from probe_hot_submit import make_engine
+
+from kvtier.engine.fast import fast
+
+
+def steps(num_blocks: int, src: torch.Tensor) -> dict:
+    n, p = src.shape[0], src.data_ptr()
+    reused = np.empty(n, np.int64)
+    pinned = torch.empty(n, dtype=torch.int32, pin_memory=torch.cuda.is_available()).numpy()
+    held: list = []  # new arrays stay alive a while, as jobs keep their ids
+
+    def check_fresh():
+        a = np.empty(n, np.int64)
+        if fast.check_ids(p, 1, n, num_blocks, None, a):
+            raise SystemExit("ids out of range")
+        held.append(a)
+        if len(held) > 4:
+            held.pop(0)
+
+    def check_reused():
+        if fast.check_ids(p, 1, n, num_blocks, None, reused):
+            raise SystemExit("ids out of range")
+
+    return {
+        "check_fresh": check_fresh,
+        "check_reused": check_reused,
+        "empty": lambda: held.append(np.empty(n, np.int64)) or (len(held) > 4 and held.pop(0)),
+        "narrow": lambda: np.copyto(pinned, reused, casting="unsafe"),
+        "read_src": lambda: src.numpy().max(),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=80)
+    ap.add_argument("--block-size", type=int, default=1, choices=(1, 4, 16, 64, 256))
+    args = ap.parse_args()
+    if fast is None:
+        print("the C helper is not built (`make`): nothing to time")
+        return 1
+    gpu = torch.cuda.is_available()
+    if not gpu:
+        print("no CUDA GPU: a check of this script on SimDevice (tiny cache), not figures")
+    dev, kv, pool, eng, ids = make_engine(args.block_size, gpu)
+    src = ids[0].contiguous()
+    ops = steps(kv.num_blocks, src)
+    print(f"{src.shape[0]} ids ({src.shape[0] * 8 // 1024} KiB as int64), cache of {kv.num_blocks} blocks")
+    for name, op in ops.items():
+        us = []
+        for _ in range(300):
+            t0 = time.perf_counter()
+            op()
+            us.append((time.perf_counter() - t0) * 1e6)
+        print(f"tight loop   {name:13s} {statistics.median(us[50:]):7.2f} us")
+    got: dict = {k: [] for k in ops}
+    rng = random.Random(0)
+    for _ in range(args.reps):
+        order = list(ops)
+        rng.shuffle(order)  # drift over seconds hits every step alike
+        for name in order:
+            job = eng.save(src, after=None)  # the hot pair's untimed save: the host state
+            t0 = time.perf_counter()
+            ops[name]()
+            got[name].append((time.perf_counter() - t0) * 1e6)
+            eng.wait(job)  # its slot is released only after the copy completed
+            eng.release(job.slot)
+    for name, us in got.items():
+        q1, q3 = np.percentile(us, [25, 75])
+        print(f"after a save {name:13s} {statistics.median(us):7.2f} us (p25 {q1:6.2f}, p75 {q3:6.2f})")
+    eng.close()
+    pool.close()
+    dev.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
