@@ -188,6 +188,20 @@ def test_repeats_in_runs_of_neighbouring_ids():
         assert not check._bits.any(), ids
 
 
+def test_rising_ids_skip_the_mask_and_equal_neighbours_still_repeat():
+    """A strictly rising list cannot repeat: the C check skips its mask (a sorted request costs
+    what a save's check does); equal neighbours are not rising and are caught, at either end."""
+    check = IdCheck(num_blocks=1 << 16, block_size=16)
+    rising = np.arange(0, 3 * 8192, 3, dtype=np.int64)
+    assert np.array_equal(check(rising, unique=True).numpy(), rising)
+    for a in ([1, 2, 2], [4, 4, 5], [0, 1, 2, 3, 3, 4], [9, 8, 9], list(range(100)) + [99]):
+        with pytest.raises(ValueError, match="duplicate"):
+            check(np.array(a, dtype=np.int64), unique=True)
+        with pytest.raises(ValueError, match="duplicate"):
+            check(torch.tensor(a, dtype=torch.int32), unique=True)  # the 32-bit source too
+        assert not check._bits.any(), a
+
+
 def test_strided_and_foreign_inputs_take_the_numpy_path():
     check = IdCheck(num_blocks=10, block_size=4)
     t = torch.tensor([1, 9, 2, 9, 3, 9])[::2]  # not contiguous
