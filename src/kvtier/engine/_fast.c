@@ -62,12 +62,6 @@ static int int_arg(PyObject *o, long long *v) {
     return (*v == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
-/* check_ids: copy n ids (int64 if `wide`, else int32) from `src` to the int64 buffer `out`,
- * checking 0 <= id < num_blocks (one unsigned compare: a negative id wraps to a huge value);
- * with `seen` (a bit per block, (num_blocks + 7) / 8 bytes, all zero; None: no check) also that
- * no id repeats, leaving `seen` all zero again -- unless the ids strictly increase, which rules
- * out a repeat without the mask. A bit, not a byte: the marks of a big load touch an eighth of
- * the cache lines. Returns 0, 1 (an id out of range) or 2 (a repeated id). */
 /* 1 if the n ids strictly increase (then none repeats). Stops at the first that does not, so an
  * unordered list costs next to nothing here and a rising one a read of ids just written. Not
  * inlined: inlined, it made check_ids' copy loop 1.7x slower on the CI CPU (its code layout). */
@@ -78,6 +72,12 @@ static __attribute__((noinline)) int rising(const int64_t *a, long long n) {
     return 1;
 }
 
+/* check_ids: copy n ids (int64 if `wide`, else int32) from `src` to the int64 buffer `out`,
+ * checking 0 <= id < num_blocks (one unsigned compare: a negative id wraps to a huge value);
+ * with `seen` (a bit per block, (num_blocks + 7) / 8 bytes, all zero; None: no check) also that
+ * no id repeats, leaving `seen` all zero again -- unless the ids strictly increase, which rules
+ * out a repeat without the mask. A bit, not a byte: the marks of a big load touch an eighth of
+ * the cache lines. Returns 0, 1 (an id out of range) or 2 (a repeated id). */
 static PyObject *check_ids(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6) {
         PyErr_SetString(PyExc_TypeError, "check_ids(src, wide, n, num_blocks, seen, out)");

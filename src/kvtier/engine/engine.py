@@ -115,21 +115,21 @@ class TransferEngine(Completion):
         timeout: seconds to wait for pool room (completed jobs are harvested meanwhile); None
             waits no longer than one harvest. Then PoolExhausted.
         """
-        t0, tr = time.perf_counter(), self._trace  # tr: None unless tracing (then `if tr:` marks)
-        if tr:
+        t0, tr = time.perf_counter(), self._trace  # tr: None unless tracing (then the phases are marked)
+        if tr is not None:
             tr.begin("save")
         if self._closed:
             self._check_open()
         bset = self._check_ids.checked(block_ids, False, num_tokens)
         ids = bset.ids  # int64 numpy, the job's own
-        if tr:
+        if tr is not None:
             tr.mark("ids")
         p = self._auto.get(("save", False)) if path is None else None  # decided once: see _path
         if p is None:
             p = self._path("save", path)
         nbytes = len(ids) * self._block_nbytes
         slot = self.slots.alloc(nbytes, timeout or 0.0, self._on_pressure)
-        if tr:
+        if tr is not None:
             tr.mark("slot")
         try:
             with self._lock:
@@ -144,21 +144,21 @@ class TransferEngine(Completion):
                 for e in waits:
                     # Nor blocks a load or a registered compute write still writes.
                     self.save_stream.wait_event(e)
-                if tr:
+                if tr is not None:
                     tr.mark("tracker_wait")
                 e_save = self.device.new_event(f"e_save#{k}")
                 self.mover.save(p, ids, num_tokens, slot, self.save_stream, e_save)
-                if tr:
+                if tr is not None:
                     tr.mark("mover")
                 if e_save.stream is None:  # not recorded by a graph replay right after its copies
                     e_save.record(self.save_stream)  # after every copy: then the slot is READY
-                if tr:
+                if tr is not None:
                     tr.mark("event")
                 self.blocks.register(Access.SAVE, bset, e_save, waited)
                 self.slots.begin_fill(slot, e_save)  # READY only once e_save has completed
                 job = SaveJob(self, slot, e_save, ids, nbytes, p.value, time.perf_counter() - t0)
                 self._jobs.append(job)
-                if tr:
+                if tr is not None:
                     tr.mark("tracker_begin")
                     tr.end()
                 return job
@@ -178,7 +178,7 @@ class TransferEngine(Completion):
     ) -> LoadJob:
         """Copy the READY slot `slot` into blocks `block_ids` (n distinct ids, every layer)."""
         t0, tr = time.perf_counter(), self._trace  # as in save: marks only when tracing
-        if tr:
+        if tr is not None:
             tr.begin("load")
         if self._closed:
             self._check_open()
@@ -186,7 +186,7 @@ class TransferEngine(Completion):
         check_per_layer(per_layer)
         bset = self._check_ids.checked(block_ids, True, num_tokens)
         ids = bset.ids  # int64 numpy, the job's own
-        if tr:
+        if tr is not None:
             tr.mark("ids")
         nbytes = len(ids) * self._block_nbytes
         if slot.nbytes != nbytes:
@@ -196,7 +196,7 @@ class TransferEngine(Completion):
             p = self._path("load", path, per_layer)
         if self.slots.state(slot) is SlotState.FILLING:
             self.poll()  # a save into this slot that has completed becomes READY now
-        if tr:
+        if tr is not None:
             tr.mark("poll")
         with self._lock:
             state = self.slots.state(slot)
@@ -209,17 +209,17 @@ class TransferEngine(Completion):
             for e in waits:
                 # The load must not overwrite blocks still read, written or saved (vLLM #47282).
                 self.load_stream.wait_event(e)
-            if tr:
+            if tr is not None:
                 tr.mark("tracker_wait")
             e_load = self.device.new_event(f"e_load#{k}")
             layers = self.mover.load(
                 p, ids, num_tokens, slot, self.load_stream, per_layer, f"e_load#{k}", e_load
             )
-            if tr:
+            if tr is not None:
                 tr.mark("mover")
             if e_load.stream is None:  # not recorded by a graph replay right after its copies
                 e_load.record(self.load_stream)  # after every copy: the blocks landed, the slot free
-            if tr:
+            if tr is not None:
                 tr.mark("event")
             self.slots.begin_read(slot, e_load)  # the slot may be freed only after e_load
             self.blocks.register(Access.LOAD, bset, e_load, waits)
@@ -227,7 +227,7 @@ class TransferEngine(Completion):
             job = LoadJob(self, slot, e_load, ids, nbytes, p.value, 0.0, layer_events=layer_events)
             self._jobs.append(job)
         job.submit_s = time.perf_counter() - t0
-        if tr:
+        if tr is not None:
             tr.mark("tracker_begin")
             tr.end()
         return job

@@ -38,7 +38,7 @@ def replay_fused(graphs, entry, ex, ids, stream, done, done_on) -> bool:
         # Its last copy may not have read the buffer yet: another buffer (or wait for that copy).
         i = ring.take()
         rc = _fast.replay(ptr, n, ring.buffers[i].ptr, entry.ids_ptr, ex.handle, h, ev, dev, 0)
-    if tr:
+    if tr is not None:
         tr.mark("launch")
     if rc == 0:
         # The buffer is rewritten only after the job's event: its copy has read the ids by then.

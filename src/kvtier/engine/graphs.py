@@ -97,12 +97,12 @@ class StagedGraphs:
         if entry is None and self.enabled:
             key = pinned_key(key, slot_ptr)
             entry = self.cache.get(key)
-        if tr:
+        if tr is not None:
             tr.mark("graph_lookup")
         # The DMA nodes must point at this job's slot before the replay is enqueued (else the
         # bytes go to / come from the last slot); skipped when an exec's nodes already do.
         ex = None if entry is None else self._exec_for(key, entry, slot_ptr)
-        if tr:
+        if tr is not None:
             tr.mark("retarget")
         if ex is None:
             ok = False
