@@ -24,6 +24,7 @@
 #       arguments; suites $P6_SUITES if set
 #   verdict: ($GPU_TESTS) suites $P6_SUITES (default bidir save_beside_matmul submit_overhead), then
 #       submit_overhead $P6_REPEAT more times (default 0) into $out/again<i>/: the figures at one commit
+#       (with P6_REPEAT=1 it writes 7 files; the device tool returns 8 at most, so add one file at most)
 #   multi: (2+ GPUs) handoff/probe GPU tests, memcheck/racecheck of a handoff, probe --all-gpus,
 #          suites handoff + contention, `kvtier path` with the measured sharing
 set -uo pipefail
