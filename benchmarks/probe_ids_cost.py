@@ -27,6 +27,7 @@ import time
 import numpy as np
 import torch
 from probe_hot_submit import make_engine
+from probe_py_cost import interleaved, tight_us
 
 from kvtier.engine.fast import fast
 
@@ -74,24 +75,18 @@ def main() -> int:
     ops = steps(kv.num_blocks, src)
     print(f"{src.shape[0]} ids ({src.shape[0] * 8 // 1024} KiB as int64), cache of {kv.num_blocks} blocks")
     for name, op in ops.items():
-        us = []
-        for _ in range(300):
-            t0 = time.perf_counter()
-            op()
-            us.append((time.perf_counter() - t0) * 1e6)
-        print(f"tight loop   {name:13s} {statistics.median(us[50:]):7.2f} us")
-    got: dict = {k: [] for k in ops}
-    rng = random.Random(0)
-    for _ in range(args.reps):
-        order = list(ops)
-        rng.shuffle(order)  # drift over seconds hits every step alike
-        for name in order:
-            job = eng.save(src, after=None)  # the hot pair's untimed save: the host state
-            t0 = time.perf_counter()
-            ops[name]()
-            got[name].append((time.perf_counter() - t0) * 1e6)
-            eng.wait(job)  # its slot is released only after the copy completed
-            eng.release(job.slot)
+        print(f"tight loop   {name:13s} {tight_us(op, 300, skip=50):7.2f} us")
+
+    def after_save(name: str) -> float:
+        job = eng.save(src, after=None)  # the hot pair's untimed save: the host state
+        t0 = time.perf_counter()
+        ops[name]()
+        us = (time.perf_counter() - t0) * 1e6
+        eng.wait(job)  # its slot is released only after the copy completed
+        eng.release(job.slot)
+        return us
+
+    got = interleaved(ops, args.reps, after_save, random.Random(0))
     for name, us in got.items():
         q1, q3 = np.percentile(us, [25, 75])
         print(f"after a save {name:13s} {statistics.median(us):7.2f} us (p25 {q1:6.2f}, p75 {q3:6.2f})")

@@ -75,6 +75,28 @@ def one_window(eng, src, extra) -> float:
     return us
 
 
+def tight_us(op, reps: int = 200, skip: int = 0) -> float:
+    """Median us of `op` run back to back (the first `skip` runs left out)."""
+    us = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        op()
+        us.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(us[skip:])
+
+
+def interleaved(keys, reps: int, sample, rng: random.Random) -> dict:
+    """`sample(key)` (a time in us) `reps` times per key, one of each per cycle in a shuffled
+    order: the host's drift over seconds hits every key alike."""
+    got: dict = {k: [] for k in keys}
+    for _ in range(reps):
+        order = list(keys)
+        rng.shuffle(order)
+        for k in order:
+            got[k].append(sample(k))
+    return got
+
+
 def slope(ns: list[int], us: list[float]) -> float:
     """Least-squares slope of us over n."""
     mx, my = statistics.fmean(ns), statistics.fmean(us)
@@ -98,22 +120,12 @@ def main() -> int:
     shapes = ("calls", "inline", "objects")
     extras = {(s, n): make_extra(n, s) for s in shapes for n in args.ns}
     for (s, n), ex in extras.items():
-        tight = []
-        for _ in range(200):
-            t0 = time.perf_counter()
-            ex()
-            tight.append((time.perf_counter() - t0) * 1e6)
-        print(f"tight loop, {s:7s} n={n:3d}: {statistics.median(tight):7.2f} us")
+        print(f"tight loop, {s:7s} n={n:3d}: {tight_us(ex):7.2f} us")
     for ex in extras.values():
         one_window(eng, src, ex)  # warm-up: graphs captured, execs made, every shape run once
     rng = random.Random(0)
     for r in range(1, args.rounds + 1):
-        got: dict = {k: [] for k in extras}
-        for _ in range(args.reps):
-            order = list(extras)
-            rng.shuffle(order)  # one sample of each per cycle: drift hits all alike
-            for k in order:
-                got[k].append(one_window(eng, src, extras[k]))
+        got = interleaved(extras, args.reps, lambda k: one_window(eng, src, extras[k]), rng)
         for s in shapes:
             meds = [statistics.median(got[(s, n)]) for n in args.ns]
             cols = " ".join(f"n={n}: {m:6.1f}" for n, m in zip(args.ns, meds, strict=True))
