@@ -1,6 +1,6 @@
 """The device-run scripts of benchmarks/ that have a CPU mode run there (so they do not rot
-between GPU sessions): the dry passes of profile_submit, probe_hot_submit, probe_py_cost and
-probe_ids_cost, host_jitter, and probe_ce_gather's refusal without a GPU."""
+between GPU sessions): the dry passes of profile_submit, probe_hot_submit, probe_py_cost,
+probe_ids_cost, probe_process_state and host_jitter, and probe_ce_gather's refusal without a GPU."""
 
 import os
 import subprocess
@@ -74,3 +74,16 @@ def test_probe_ids_cost_dry_pass_times_every_step():
     assert r.returncode == 0, r.stdout + r.stderr
     for step in ("check_fresh", "check_reused", "empty", "narrow", "read_src"):
         assert f"tight loop   {step}" in r.stdout and f"after a save {step}" in r.stdout
+
+
+@no_gpu
+def test_probe_process_state_dry_pass_times_every_phase():
+    r = run("probe_process_state.py", "--reps", "3", "--rounds", "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    labels = ["fresh", "after suites, old #0", "after suites, new #1", "after gc, new", "new process"]
+    for label in labels:
+        assert f"{label:24s} save median" in r.stdout and f"{label:24s} load median" in r.stdout
+    assert "suites in-process: {'bidir': 'skipped', 'save_beside_matmul': 'skipped'}" in r.stdout
+    assert "loads of the saved slots equal the source blocks: True" in r.stdout
+    bad = run("probe_process_state.py", "--reps", "0")
+    assert bad.returncode != 0 and "--reps" in bad.stdout + bad.stderr
