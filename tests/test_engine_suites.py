@@ -64,6 +64,32 @@ def test_submit_overhead_dry_pass_on_sim():
         assert p["host_ref_hot_us"] > 0 and p["host_ref_after_wait_us"] > 0  # the host's yardstick
         assert p["submit_busy_us"] > 0 and p["busy_ms"] > 0 and isinstance(p["meets_target_busy"], bool)
         assert p["submit_hot_py_us"] > 0 and p["submit_hot_calls_us"] > 0  # the sim's event record
+        assert p["hot_sampling"] == "interleaved"
+
+
+def test_hot_samples_interleave_the_cases():
+    """Each rep takes one hot pair of every case, the first case rotating; the warm-up pairs come
+    first and are not samples."""
+    from types import SimpleNamespace
+
+    from kvtier.bench.suites.submit import _interleaved_hot
+
+    order = []
+
+    def rig(name):
+        def call(start):
+            order.append(name)
+            return SimpleNamespace()
+
+        eng = SimpleNamespace(wait=lambda job: None)
+        return SimpleNamespace(eng=eng, calls={"save": call}, hot={"save": []})
+
+    rigs = [rig("a"), rig("b"), rig("c")]
+    _interleaved_hot(rigs, "save", 4, warmup=1)
+    assert order[:6] == ["a", "a", "b", "b", "c", "c"]  # one warm-up pair each
+    assert order[6::2] == list("abcbcacababc") and order[6::2] == order[7::2]  # pairs, rotating
+    assert [len(r.hot["save"]) for r in rigs] == [4, 4, 4]
+    assert all(us > 0 for r in rigs for us in r.hot["save"])
 
 
 def test_flat_ratio_reads_p6_rows_only():

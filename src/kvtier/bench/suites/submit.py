@@ -3,14 +3,15 @@
 CPU time to submit one save / load job: 1 GiB at block sizes 1..256 tokens (8192..32 blocks) and
 4 GiB of 16-token blocks. Per row: the submit right after another submit (`submit_hot_us`, the
 steady state PERF.md's method times -- warmed up, repeated, the median -- and what P6's verdict
-reads), right after waiting for the job before (`submit_us`), after 3 ms of other host work
-(`submit_busy_us`), the hot submit split into kvtier's Python and its runtime calls (a traced pass
-of its own), and this host's yardstick (`hostref.py`: a 512-id check, hot and right after a wait).
-On the lent VMs code not run for a few ms runs 10-40x slower, one cudaGraphLaunch included
-(77-87 us after a 20 ms sleep, `benchmarks/probe_graph_launch.py`): the figures after a wait or
-after other work measure that host as much as kvtier, and are reported beside the verdict.
-The job itself is timed with device events against the pinned copy ceilings, as the other
-engine suites.
+reads; the 1 GiB rows' samples are taken in turn, a pair of each block size after another, so
+every row spans the same moments of a drifting host), right after waiting for the job before
+(`submit_us`), after 3 ms of other host work (`submit_busy_us`), the hot submit split into
+kvtier's Python and its runtime calls (a traced pass of its own), and this host's yardstick
+(`hostref.py`: a 512-id check, hot and right after a wait). On the lent VMs code not run for a
+few ms runs 10-40x slower, one cudaGraphLaunch included (77-87 us after a 20 ms sleep,
+`benchmarks/probe_graph_launch.py`): the figures after a wait or after other work measure that
+host as much as kvtier, and are reported beside the verdict. The job itself is timed with device
+events against the pinned copy ceilings, as the other engine suites.
 """
 
 from __future__ import annotations
@@ -42,17 +43,18 @@ def submit_overhead(ctx: Context):
     if ctx.on_gpu:
         dev = _gpu(ctx)
         w = Work(ctx, 16 * MiB if ctx.quick else GiB, layers=2 if ctx.quick else 32)
-        for bs in (1, 16, 256) if ctx.quick else (1, 4, 16, 64, 256):
-            kv, src, dst = w.request(bs)
-            rows += _submit_rows(ctx, dev, kv, src.cpu, dst.cpu, w.payload, reps, w.params(bs, "auto"))
-        del w, kv, src, dst  # the views keep the 1 GiB request's pool alive otherwise
+        sizes = (1, 16, 256) if ctx.quick else (1, 4, 16, 64, 256)
+        views = [(w.request(bs), w.params(bs, "auto")) for bs in sizes]
+        cases = [(kv, src.cpu, dst.cpu, w.payload, params) for (kv, src, dst), params in views]
+        rows += _submit_rows(ctx, dev, cases, reps)
+        del w, views, cases  # the views keep the 1 GiB request's pool alive otherwise
         if not ctx.quick:
             torch.cuda.empty_cache()
             try:
                 w = Work(ctx, 4 * GiB)
                 kv, src, dst = w.request(16)
                 params = w.params(16, "auto") | {"p6_row": False}  # P6 names 1 GiB jobs: this one, for scale
-                rows += _submit_rows(ctx, dev, kv, src.cpu, dst.cpu, w.payload, reps, params)
+                rows += _submit_rows(ctx, dev, [(kv, src.cpu, dst.cpu, w.payload, params)], reps)
             except (RuntimeError, torch.OutOfMemoryError) as e:  # pinned registration or HBM too small
                 ctx.skip("submit 4 GiB bs16", f"{type(e).__name__}: {e}"[:300])
     else:
@@ -60,11 +62,11 @@ def submit_overhead(ctx: Context):
 
         dev = SimDevice()
         try:
+            cases = []
             for bs in (1, 16, 256):
                 kv, src, dst, nbytes = _sim_cache(bs)
-                rows += _submit_rows(
-                    ctx, dev, kv, src, dst, nbytes, reps, {"block_size": bs, "device": "sim"}
-                )
+                cases.append((kv, src, dst, nbytes, {"block_size": bs, "device": "sim"}))
+            rows += _submit_rows(ctx, dev, cases, reps)
         finally:
             dev.close()
     _flat_ratios(rows)
@@ -74,60 +76,107 @@ def submit_overhead(ctx: Context):
     yield from rows
 
 
-def _submit_rows(ctx, dev, kv, src, dst, nbytes, reps, params) -> list:
-    """Save then load rows: the timing is the whole job (device events, vs the ceiling), the
-    params hold the CPU time spent inside save()/load() (perf_counter around the call only)."""
-    eng, pool = _engine(dev, kv, nbytes, 3)  # the load's source + two saves (the hot pair)
+class _Rig:
+    """One case's engine (pool: the load's source + the hot pair's two saves), the load's source
+    saved, and the two timed calls; `hot` gets the interleaved hot samples per direction."""
+
+    def __init__(self, dev, kv, src, dst, nbytes: int, params: dict):
+        self.eng, self.pool = _engine(dev, kv, nbytes, 3)
+        self.nbytes, self.params, self.blocks = nbytes, params, len(src)
+        try:
+            self.first = self.eng.save(src, after=None)
+            self.eng.wait(self.first)  # the load's source slot holds complete data only after e_save
+        except BaseException:
+            self.close()
+            raise
+        self.calls = {
+            "save": lambda start: self.eng.save(src, after=start),  # after: the timer's start marker
+            "load": lambda start: _load(self.eng, self.first.slot, dst, start),
+        }
+        self.hot: dict[str, list[float]] = {"save": [], "load": []}
+
+    def close(self) -> None:
+        if getattr(self, "first", None) is not None:
+            _settle(self.eng, [self.first])
+        self.eng.close()
+        self.pool.close()
+
+
+def _interleaved_hot(rigs: list[_Rig], direction: str, reps: int, warmup: int = 2) -> None:
+    """`reps` hot samples per rig, one rig after another sample by sample (the first rig rotating):
+    on these hosts a submit's speed drifts over seconds (-15: one row's own samples, seconds
+    apart, had medians of 68 and 109 us), so rows timed one after the other would compare block
+    counts and moments at once; interleaved, each row's median spans the same moments."""
+    for rig in rigs:
+        _hot_submits(rig.eng, rig.calls[direction], warmup)  # graphs captured, execs made: not timed
+    for i in range(reps):
+        for k in range(len(rigs)):
+            rig = rigs[(i + k) % len(rigs)]
+            rig.hot[direction] += _hot_submits(rig.eng, rig.calls[direction], 1)
+
+
+def _submit_rows(ctx, dev, cases, reps) -> list:
+    """Save then load rows of each case (kv, src, dst, nbytes, params), one engine per case, all
+    alive at once: their hot samples are interleaved (`_interleaved_hot`); the job timing (device
+    events, vs the ceiling), the cold, busy and traced figures are taken case by case."""
     host = dev.name == "sim"
     ceil = ("host_memcpy", "host_memcpy") if host else ("d2h_pinned", "h2d_pinned")
+    rigs: list[_Rig] = []
     rows = []
     try:
-        first = eng.save(src, after=None)
-        eng.wait(first)  # the load's source slot holds complete data only after e_save
-        jobs = {
-            "save": lambda start: eng.save(src, after=start),  # after: the timer's start marker
-            "load": lambda start: _load(eng, first.slot, dst, start),
-        }
-        for (direction, call), ceiling in zip(jobs.items(), ceil, strict=True):
-            us, job_us, paths = [], [], set()
-
-            def submit(start, call=call, us=us, job_us=job_us, paths=paths):
-                t0 = time.perf_counter()
-                job = call(start)
-                us.append((time.perf_counter() - t0) * 1e6)  # submitted, not done: the CPU cost
-                job_us.append(job.submit_s * 1e6)
-                paths.add(job.path)
-                return [job]
-
-            g0 = _graph_counts(eng)
-            t = _time_jobs(dev, submit, lambda js: _settle(eng, js), reps)
-            hot = _hot_submits(eng, call, max(reps, 10 if ctx.quick else HOT_REPS))
-            busy = _hot_submits(eng, call, reps, work_ms=BUSY_MS)
-            split = _traced_split(eng, call, reps, direction)
-            g1 = _graph_counts(eng)
-            us, job_us = us[2:], job_us[2:]  # drop the warm-up runs
-            med, hot_med = statistics.median(us), statistics.median(hot)
-            p6 = params.get("p6_row", True)
-            p = {"p6_row": True} | params | dict(
-                blocks=len(src), submit_us=med, submit_us_min=min(us), submit_us_max=max(us),
-                job_submit_us=statistics.median(job_us), engine_path=",".join(sorted(paths)),
-                target="P6 <= 100 us hot (right after another submit), flat in block count"
-                if p6 else "none: P6 names 1 GiB jobs; this row shows how the submit grows with bytes",
-                p6_reads="hot", meets_target=hot_med <= P6_US if p6 else None, meets_target_cold=med <= P6_US,
-                submit_hot_us=hot_med, submit_hot_us_min=min(hot), submit_hot_us_max=max(hot),
-                submit_busy_us=statistics.median(busy), busy_ms=BUSY_MS,
-                meets_target_busy=statistics.median(busy) <= P6_US,
-                submit_hot_py_us=split["py_us"], submit_hot_calls_us=split["calls_us"],
-            )  # fmt: skip
-            if g0 is not None:  # staged CUDA graphs during this row's jobs (warm-up included)
-                p |= {f"graph_{k}": g1[k] - g0[k] for k in g0}
-            bs = params["block_size"]
-            size = f"{nbytes / GiB:g}GiB" if nbytes >= GiB else f"{nbytes / MiB:.3g}MiB"
-            rows.append(ctx.row(f"{direction} bs{bs} {size}", nbytes, t, ceiling, **p))
-        _settle(eng, [first])
+        for case in cases:
+            rigs.append(_Rig(dev, *case))
+        for direction in ("save", "load"):
+            _interleaved_hot(rigs, direction, max(reps, 10 if ctx.quick else HOT_REPS))
+        for rig in rigs:
+            rows += _rig_rows(ctx, dev, rig, ceil, reps)
     finally:
-        eng.close()
-        pool.close()
+        for rig in rigs:
+            rig.close()
+    return rows
+
+
+def _rig_rows(ctx, dev, rig: _Rig, ceil: tuple[str, str], reps: int) -> list:
+    """One case's save and load rows: the timing is the whole job (device events, vs the ceiling),
+    the params hold the CPU time spent inside save()/load() (perf_counter around the call only)."""
+    eng, params, nbytes, rows = rig.eng, rig.params, rig.nbytes, []
+    for (direction, call), ceiling in zip(rig.calls.items(), ceil, strict=True):
+        us, job_us, paths = [], [], set()
+
+        def submit(start, call=call, us=us, job_us=job_us, paths=paths):
+            t0 = time.perf_counter()
+            job = call(start)
+            us.append((time.perf_counter() - t0) * 1e6)  # submitted, not done: the CPU cost
+            job_us.append(job.submit_s * 1e6)
+            paths.add(job.path)
+            return [job]
+
+        g0 = _graph_counts(eng)
+        t = _time_jobs(dev, submit, lambda js: _settle(eng, js), reps)
+        hot = rig.hot[direction]
+        busy = _hot_submits(eng, call, reps, work_ms=BUSY_MS)
+        split = _traced_split(eng, call, reps, direction)
+        g1 = _graph_counts(eng)
+        us, job_us = us[2:], job_us[2:]  # drop the warm-up runs
+        med, hot_med = statistics.median(us), statistics.median(hot)
+        p6 = params.get("p6_row", True)
+        p = {"p6_row": True} | params | dict(
+            blocks=rig.blocks, submit_us=med, submit_us_min=min(us), submit_us_max=max(us),
+            job_submit_us=statistics.median(job_us), engine_path=",".join(sorted(paths)),
+            target="P6 <= 100 us hot (right after another submit), flat in block count"
+            if p6 else "none: P6 names 1 GiB jobs; this row shows how the submit grows with bytes",
+            p6_reads="hot", hot_sampling="interleaved", meets_target=hot_med <= P6_US if p6 else None,
+            meets_target_cold=med <= P6_US,
+            submit_hot_us=hot_med, submit_hot_us_min=min(hot), submit_hot_us_max=max(hot),
+            submit_busy_us=statistics.median(busy), busy_ms=BUSY_MS,
+            meets_target_busy=statistics.median(busy) <= P6_US,
+            submit_hot_py_us=split["py_us"], submit_hot_calls_us=split["calls_us"],
+        )  # fmt: skip
+        if g0 is not None:  # staged CUDA graphs during this row's jobs (warm-up included)
+            p |= {f"graph_{k}": g1[k] - g0[k] for k in g0}
+        bs = params["block_size"]
+        size = f"{nbytes / GiB:g}GiB" if nbytes >= GiB else f"{nbytes / MiB:.3g}MiB"
+        rows.append(ctx.row(f"{direction} bs{bs} {size}", nbytes, t, ceiling, **p))
     return rows
 
 
