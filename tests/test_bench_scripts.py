@@ -87,3 +87,9 @@ def test_probe_process_state_dry_pass_times_every_phase():
     assert "loads of the saved slots equal the source blocks: True" in r.stdout
     bad = run("probe_process_state.py", "--reps", "0")
     assert bad.returncode != 0 and "--reps" in bad.stdout + bad.stderr
+
+
+@no_gpu
+def test_probe_memcpy_size_needs_a_gpu():
+    r = run("probe_memcpy_size.py")
+    assert r.returncode == 2 and "needs a CUDA GPU" in r.stdout
