@@ -104,9 +104,10 @@ class _Rig:
 
 def _interleaved_hot(rigs: list[_Rig], direction: str, reps: int, warmup: int = 2) -> None:
     """`reps` hot samples per rig, one rig after another sample by sample (the first rig rotating):
-    on these hosts a submit's speed drifts over seconds (-15: one row's own samples, seconds
-    apart, had medians of 68 and 109 us), so rows timed one after the other would compare block
-    counts and moments at once; interleaved, each row's median spans the same moments."""
+    on these hosts a submit's speed drifts over seconds (-15b: a bs1 save row's hot median 109 us,
+    its traced pass seconds later 41 us of Python + 27 of runtime calls), so rows timed one after
+    the other would compare block counts and moments at once; interleaved, each row's median
+    spans the same moments."""
     for rig in rigs:
         _hot_submits(rig.eng, rig.calls[direction], warmup)  # graphs captured, execs made: not timed
     for i in range(reps):
