@@ -1,6 +1,7 @@
 """The device-run scripts of benchmarks/ that have a CPU mode run there (so they do not rot
 between GPU sessions): the dry passes of profile_submit, probe_hot_submit, probe_py_cost,
-probe_ids_cost, probe_process_state and host_jitter, and probe_ce_gather's refusal without a GPU."""
+probe_ids_cost, probe_process_state and host_jitter, and the refusals without a GPU of
+probe_ce_gather, probe_memcpy_size and probe_enqueue_beside."""
 
 import os
 import subprocess
@@ -93,3 +94,11 @@ def test_probe_process_state_dry_pass_times_every_phase():
 def test_probe_memcpy_size_needs_a_gpu():
     r = run("probe_memcpy_size.py")
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stdout
+
+
+@no_gpu
+def test_probe_enqueue_beside_needs_a_gpu():
+    r = run("probe_enqueue_beside.py")
+    assert r.returncode == 2 and "needs a CUDA GPU" in r.stdout
+    bad = run("probe_enqueue_beside.py", "--gaps", "-1")
+    assert bad.returncode != 0 and "--gaps" in bad.stdout + bad.stderr
