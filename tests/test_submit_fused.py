@@ -102,6 +102,16 @@ def test_replay_fills_copies_launches_records_in_order(runtime):
     assert host.tolist() == [7, 0, 2**31 - 1, 6]
 
 
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 16, 8191])
+def test_replay_narrows_every_id_in_groups_of_eight_and_the_rest(runtime, n):
+    rt = runtime()
+    ids = np.random.default_rng(n).integers(0, 2**31, n, dtype=np.int64)
+    host, hp = _host(n + 1)  # one int32 more: the narrowing must not write past n
+    assert fast.fast.replay(ids, n, hp, DEV32, EXEC, STREAM, 0, 0, 0) == 0
+    assert host[:n].tolist() == ids.tolist() and host[n].item() == -1
+    assert rt.log[0][:6] == ("memcpy", DEV32, hp, 4 * n, 1, STREAM)
+
+
 def test_replay_takes_an_address_and_skips_a_null_event(runtime):
     rt = runtime()
     ids = torch.tensor([3, 1, 4])
