@@ -151,3 +151,38 @@ def test_save_loop_keeps_jobs_queued_and_reraises():
 
     with pytest.raises(RuntimeError, match="boom"), _SaveLoop(broken, finish):
         pass
+
+
+def test_a_hold_keeps_the_hosts_submit_out_of_the_job_timing():
+    """bidir's runs start after a hold of the timing stream: a slow host's submit (here 30 ms) is
+    then not copy time, and `held` says the start was still pending once the jobs were in."""
+    import time
+    from types import SimpleNamespace
+
+    from kvtier.bench.suites.engine import _time_jobs
+    from kvtier.device import SimDevice
+
+    dev = SimDevice()
+    side = dev.new_stream("copy")
+
+    def submit(start):
+        time.sleep(0.03)  # the host takes 30 ms to submit
+        side.wait_event(start)  # the job starts no earlier than the timer's start
+        dev.launch(lambda: time.sleep(0.005), side)  # 5 ms of "copy"
+        return [SimpleNamespace(event=side.record("done"))]
+
+    def finish(jobs):
+        for j in jobs:
+            j.event.synchronize()  # the next run starts from an idle device
+
+    try:
+        unheld = _time_jobs(dev, submit, finish, 3, warmup=1)
+        held: list[bool] = []
+        t = _time_jobs(dev, submit, finish, 3, warmup=1, hold_ms=150, held=held)
+        short: list[bool] = []
+        _time_jobs(dev, submit, finish, 2, warmup=0, hold_ms=1, held=short)
+    finally:
+        dev.close()
+    assert unheld.median_ms >= 30  # the host's submit counted
+    assert 5 <= t.median_ms < 25 and held == [True, True, True]
+    assert short == [False, False]  # a hold shorter than the submit: said so

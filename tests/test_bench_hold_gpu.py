@@ -1,0 +1,50 @@
+"""bidir's hold on a GPU (`bench/suites/engine.py`): a sleep kernel of about the asked time, and
+with it a job's timing leaves out the host's submit."""
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def test_the_hold_lasts_about_what_was_asked():
+    from kvtier.bench.suites.engine import _hold
+    from kvtier.device import CudaDevice
+
+    dev = CudaDevice()
+    cur = dev.current_stream()
+    for ms in (1.0, 4.0):
+        a = cur.record("a")
+        _hold(dev, cur, ms)
+        b = cur.record("b")
+        b.synchronize()  # elapsed time is known only once b completed
+        assert 0.7 * ms <= a.elapsed_ms(b) <= 1.5 * ms + 0.2
+
+
+def test_a_held_run_leaves_the_hosts_submit_out():
+    from kvtier.bench.suites.engine import _time_jobs
+    from kvtier.device import CudaDevice
+
+    dev = CudaDevice()
+    side = dev.new_stream("copy")
+    src = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+
+    def submit(start):
+        time.sleep(0.01)  # the host takes 10 ms to submit
+        side.wait_event(start)  # the copy starts no earlier than the timer's start
+        dev.launch(lambda: dst.copy_(src), side)  # ~0.1 ms of device copy
+        return [SimpleNamespace(event=side.record("done"))]
+
+    def finish(jobs):
+        for j in jobs:
+            j.event.synchronize()  # the next run starts from an idle device
+
+    unheld = _time_jobs(dev, submit, finish, 3)
+    held: list[bool] = []
+    t = _time_jobs(dev, submit, finish, 3, hold_ms=30.0, held=held)
+    assert unheld.median_ms >= 10  # the host's submit counted
+    assert t.median_ms < 5 and held == [True, True, True]
