@@ -78,3 +78,14 @@ def test_p6_line_counts_the_hot_1gib_rows():
         " largest over smallest median: save 2.00, load 2.00."
     )
     assert p6_summary([{"suite": "bidir", "case": "x", "params": {}}]) == ""
+
+
+def test_bidir_rows_say_how_they_were_held():
+    from kvtier.bench.summary import _engine_figure
+
+    p = {"hold_ms": 3.0, "held_runs": "10/10", "unheld_ratio": 0.9612}
+    want = "held 3 ms before each run (10/10 fully enqueued), 96.1% without it"
+    assert _engine_figure({"params": p}) == want
+    p = {"hold_ms": 3.0, "held_runs": "9/10"}  # an alone row: no unheld figure
+    assert _engine_figure({"params": p}) == "held 3 ms before each run (9/10 fully enqueued)"
+    assert _engine_figure({"params": {}}) == "-"  # rows of before the hold

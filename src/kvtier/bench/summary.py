@@ -101,6 +101,9 @@ def _engine_figure(r: dict) -> str:
         return f"{p['us_per_chunk']:.2f} us per chunk, {p['us_per_prompt']:,.0f} us per prompt"
     if "vs_path" in p:
         return f"{p['vs_path']:.0%} of the path model's bottleneck"
+    if "held_runs" in p:  # bidir: runs started after a hold, so both jobs were enqueued first
+        unheld = f", {p['unheld_ratio']:.1%} without it" if p.get("unheld_ratio") is not None else ""
+        return f"held {p['hold_ms']:g} ms before each run ({p['held_runs']} fully enqueued){unheld}"
     return "-"
 
 
