@@ -1,9 +1,11 @@
 """The C helper of the submit path (engine/_fast.c, engine/fast.py) on the CPU: `replay` against a
 fake CUDA runtime made of ctypes callbacks (the order of its calls, the ids it hands the copy,
-the step it names on a failure, the device it switches to and back), and the fused graph replay
-of graphs.py on it. The real runtime: the GPU graph tests (tests/test_engine_graphs_gpu.py)."""
+the step it names on a failure, the device it switches to and back, the timestamps of its traced
+form), and the fused graph replay of graphs.py on it. The real runtime: the GPU graph tests
+(tests/test_engine_graphs_gpu.py)."""
 
 import ctypes
+import time
 
 import numpy as np
 import pytest
@@ -27,16 +29,19 @@ class FakeRuntime:
     cudaEventQuery as ctypes callbacks that log their arguments; `fail`: {name: cudaError} to
     return instead of 0; `busy`: event handles whose query says "not ready"."""
 
-    def __init__(self, device=0, fail=None, busy=()):
+    def __init__(self, device=0, fail=None, busy=(), slow=None):
         self.log, self.device, self.fail, self.busy = [], device, dict(fail or {}), set(busy)
+        slow = dict(slow or {})  # {name: seconds the call takes}
 
         def memcpy(dst, src, nbytes, kind, stream):
             ids = list(np.frombuffer(ctypes.string_at(src, nbytes), dtype=np.int32))  # what the copy reads
             self.log.append(("memcpy", dst, src, nbytes, kind, stream, ids))
+            time.sleep(slow.get("memcpy", 0))
             return self.fail.get("memcpy", 0)
 
         def launch(ex, stream):
             self.log.append(("launch", ex, stream))
+            time.sleep(slow.get("launch", 0))
             return self.fail.get("launch", 0)
 
         def record(ev, stream):
@@ -110,6 +115,29 @@ def test_replay_narrows_every_id_in_groups_of_eight_and_the_rest(runtime, n):
     assert fast.fast.replay(ids, n, hp, DEV32, EXEC, STREAM, 0, 0, 0) == 0
     assert host[:n].tolist() == ids.tolist() and host[n].item() == -1
     assert rt.log[0][:6] == ("memcpy", DEV32, hp, 4 * n, 1, STREAM)
+
+
+def test_replay_steps_times_each_runtime_call_on_the_trace_clock(runtime):
+    rt = runtime(slow={"memcpy": 0.002, "launch": 0.004})
+    ids, ns = np.array([3, 1, 4], dtype=np.int64), np.zeros(4, np.int64)
+    host, hp = _host(3)
+    t0 = time.perf_counter_ns()
+    assert fast.fast.replay_steps(ids, 3, hp, DEV32, EXEC, STREAM, EVENT, 0, 0, ns) == 0
+    t1 = time.perf_counter_ns()
+    assert t0 <= ns[0] <= ns[1] <= ns[2] <= ns[3] <= t1  # perf_counter_ns's clock
+    assert ns[1] - ns[0] >= 2e6 and ns[2] - ns[1] >= 4e6  # the copy, then the launch
+    assert [e[0] for e in rt.log] == ["memcpy", "launch", "record"] and host.tolist() == [3, 1, 4]
+
+
+def test_replay_steps_leaves_the_steps_not_reached_at_zero(runtime):
+    runtime(fail={"launch": 1})
+    ns = np.full(4, -1, np.int64)
+    _, hp = _host(1)
+    rc = fast.fast.replay_steps(np.array([1]), 1, hp, DEV32, EXEC, STREAM, EVENT, 0, 0, ns)
+    assert rc == (2 << 32) | 1  # the launch failed
+    assert ns[0] > 0 and ns[1] >= ns[0] and ns[2] == ns[3] == 0
+    with pytest.raises(ValueError, match="buffer of 16 bytes"):
+        fast.fast.replay_steps(np.array([1]), 1, hp, DEV32, EXEC, STREAM, 0, 0, 0, np.zeros(2, np.int64))
 
 
 def test_replay_takes_an_address_and_skips_a_null_event(runtime):
@@ -325,3 +353,20 @@ def test_fused_replay_asks_a_torch_guard_in_python(runtime):
     assert g.replay(key, torch.tensor([0, 1, 2, 3]), FakeStream(), Nodes.base, TorchLikeEvent(), object())
     assert "query" not in [e[0] for e in rt.log]
     assert rt.log[0][2] not in old and entry.ring.grown == 1  # a new buffer, buffer 0 untouched
+
+
+def test_traced_fused_replay_splits_the_call_into_its_runtime_calls(runtime):
+    from kvtier.engine.jobs import CALL_PHASES, SubmitTrace
+
+    g, key, entry = _graphs()
+    runtime(slow={"memcpy": 0.006, "launch": 0.003})
+    tr = g.trace = SubmitTrace()
+    tr.begin("save")
+    assert g.replay(key, torch.tensor([5, 1, 6, 2]), FakeStream(), Nodes.base, RawEvent(), object())
+    tr.end()
+    rec = tr.records[-1]
+    assert {"replay_prep", "ids_h2d", "launch", "event"} <= set(rec)
+    assert rec["ids_h2d"] >= 6e6 and 3e6 <= rec["launch"] < 6e6  # each call its own, not the other's
+    assert entry.ring.buffers[0].array.tolist() == [5, 1, 6, 2]
+    split = tr.split("save")
+    assert split["calls_us"] == sum(rec[k] for k in CALL_PHASES) / 1e3 >= 9e3

@@ -6,6 +6,7 @@
  *   check_ids(src, wide, n, num_blocks, seen, out) -> 0 ok | 1 an id out of range | 2 a repeat
  *   set_runtime(memcpy_async, graph_launch, event_record, get_device, set_device, event_query)
  *   replay(ids, n, host32, dev32, exec, stream, event, device, guard) -> 0 | step << 32 | cudaError
+ *   replay_steps(..., ns)   the same, ns (4 int64) getting the time before / after each runtime call
  *
  * No CUDA headers: the runtime's functions arrive as addresses (those of the libcudart torch
  * loaded), with the prototypes below (CUDA 12 and 13 runtime API).
@@ -18,6 +19,7 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 typedef int (*memcpy_async_t)(void *dst, const void *src, size_t count, int kind, void *stream);
 typedef int (*graph_launch_t)(void *exec, void *stream);
@@ -188,10 +190,22 @@ static PyObject *set_runtime(PyObject *self, PyObject *const *args, Py_ssize_t n
  * event is 0. Returns 0, or (step << 32) | cudaError: step 5 the guard (cudaErrorNotReady: the
  * buffer is still read by an earlier copy; nothing written or enqueued), 4 switching device
  * (nothing enqueued), 1 the copy (nothing enqueued), 2 the launch (the copy enqueued, the graph
- * not), 3 the record (copy and graph enqueued, the event not recorded). */
-static PyObject *replay(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 9) {
-        PyErr_SetString(PyExc_TypeError, "replay(ids, n, host32, dev32, exec, stream, event, device, guard)");
+ * not), 3 the record (copy and graph enqueued, the event not recorded).
+ * replay_steps: the same with a 10th argument, a writable buffer of 4 int64 that gets the
+ * CLOCK_MONOTONIC ns (Python's perf_counter_ns) before the copy, the launch and the record and
+ * after the record (each left 0 if not reached): a submit trace's split of the call. */
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static PyObject *replay_impl(PyObject *const *args, Py_ssize_t nargs, int traced) {
+    const Py_ssize_t want = traced ? 10 : 9;
+    if (nargs != want) {
+        PyErr_SetString(PyExc_TypeError, traced
+            ? "replay_steps(ids, n, host32, dev32, exec, stream, event, device, guard, ns)"
+            : "replay(ids, n, host32, dev32, exec, stream, event, device, guard)");
         return NULL;
     }
     if (memcpy_async == NULL) {
@@ -205,12 +219,18 @@ static PyObject *replay(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "n must be >= 0");
         return NULL;
     }
-    void *ids_p, *host_p, *dev32, *exec, *stream, *event, *guard;
-    Py_buffer vi, vh;
+    void *ids_p, *host_p, *dev32, *exec, *stream, *event, *guard, *ns_p = NULL;
+    Py_buffer vi, vh, vt;
+    vt.obj = NULL;
     if (address(args[0], n * 8, 0, &ids_p, &vi) < 0)
         return NULL;
     if (address(args[2], n * 4, 1, &host_p, &vh) < 0) {
         if (vi.obj) PyBuffer_Release(&vi);
+        return NULL;
+    }
+    if (traced && address(args[9], 4 * 8, 1, &ns_p, &vt) < 0) {
+        if (vi.obj) PyBuffer_Release(&vi);
+        if (vh.obj) PyBuffer_Release(&vh);
         return NULL;
     }
     PyObject *const ptr_args[5] = {args[3], args[4], args[5], args[6], args[8]};
@@ -220,9 +240,13 @@ static PyObject *replay(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (*dst[i] == NULL && PyErr_Occurred()) {
             if (vi.obj) PyBuffer_Release(&vi);
             if (vh.obj) PyBuffer_Release(&vh);
+            if (vt.obj) PyBuffer_Release(&vt);
             return NULL;
         }
     }
+    int64_t *ns = (int64_t *)ns_p;
+    if (ns != NULL)
+        memset(ns, 0, 4 * sizeof(int64_t));
     long long out = 0;
     int rc, prev = -1;
     if (guard != NULL && (rc = event_query(guard)) != 0) {
@@ -247,24 +271,43 @@ static PyObject *replay(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         out = ((long long)STEP_DEVICE << 32) | (unsigned)rc;
         goto done;
     }
-    if ((rc = memcpy_async(dev32, host32, (size_t)n * 4, H2D, stream)) != 0)
+    if (ns != NULL) ns[0] = now_ns();
+    if ((rc = memcpy_async(dev32, host32, (size_t)n * 4, H2D, stream)) != 0) {
         out = ((long long)STEP_COPY << 32) | (unsigned)rc;
-    else if ((rc = graph_launch(exec, stream)) != 0)
-        out = ((long long)STEP_LAUNCH << 32) | (unsigned)rc;
-    else if (event != NULL && (rc = event_record(event, stream)) != 0)
-        out = ((long long)STEP_RECORD << 32) | (unsigned)rc;
+    } else {
+        if (ns != NULL) ns[1] = now_ns();
+        if ((rc = graph_launch(exec, stream)) != 0) {
+            out = ((long long)STEP_LAUNCH << 32) | (unsigned)rc;
+        } else {
+            if (ns != NULL) ns[2] = now_ns();
+            if (event != NULL && (rc = event_record(event, stream)) != 0)
+                out = ((long long)STEP_RECORD << 32) | (unsigned)rc;
+            else if (ns != NULL)
+                ns[3] = now_ns();
+        }
+    }
     if (prev != device)
         set_device(prev);                             /* the caller's device stays current */
 done:
     if (vi.obj) PyBuffer_Release(&vi);
     if (vh.obj) PyBuffer_Release(&vh);
+    if (vt.obj) PyBuffer_Release(&vt);
     return PyLong_FromLongLong(out);
+}
+
+static PyObject *replay(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return replay_impl(args, nargs, 0);
+}
+
+static PyObject *replay_steps(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    return replay_impl(args, nargs, 1);
 }
 
 static PyMethodDef methods[] = {
     {"check_ids", (PyCFunction)(void (*)(void))check_ids, METH_FASTCALL, "Copy and check block ids."},
     {"set_runtime", (PyCFunction)(void (*)(void))set_runtime, METH_FASTCALL, "The runtime's function addresses."},
     {"replay", (PyCFunction)(void (*)(void))replay, METH_FASTCALL, "Ids copy, graph launch, event record."},
+    {"replay_steps", (PyCFunction)(void (*)(void))replay_steps, METH_FASTCALL, "replay, timing each runtime call."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -32,14 +32,16 @@ def replay_fused(graphs, entry, ex, ids, stream, done, done_on) -> bool:
         i, gh = ring.take(), 0
     elif gh is not None and g.known_complete:
         gh = 0  # never recorded, or seen complete (a wait, a poll): no cudaEventQuery
-    rc = _fast.replay(ptr, n, ring.buffers[i].ptr, entry.ids_ptr, ex.handle, h, ev, dev, gh or 0)
-    if rc >> 32 == GUARD and rc & 0xFFFFFFFF == NOT_READY:
-        clear_last_error()  # "not ready" is no failure: torch's next check must not see it
-        # Its last copy may not have read the buffer yet: another buffer (or wait for that copy).
-        i = ring.take()
-        rc = _fast.replay(ptr, n, ring.buffers[i].ptr, entry.ids_ptr, ex.handle, h, ev, dev, 0)
-    if tr is not None:
-        tr.mark("launch")
+    if tr is None:
+        rc = _fast.replay(ptr, n, ring.buffers[i].ptr, entry.ids_ptr, ex.handle, h, ev, dev, gh or 0)
+        if rc >> 32 == GUARD and rc & 0xFFFFFFFF == NOT_READY:
+            clear_last_error()  # "not ready" is no failure: torch's next check must not see it
+            # Its last copy may not have read the buffer yet: another buffer (or wait for that copy).
+            i = ring.take()
+            rc = _fast.replay(ptr, n, ring.buffers[i].ptr, entry.ids_ptr, ex.handle, h, ev, dev, 0)
+    else:  # the same call, timing each runtime call (the trace's split)
+        args = (ptr, n, entry.ids_ptr, ex.handle, h, ev, dev)
+        rc, i = _traced(graphs.trace_ns, tr, ring, i, gh or 0, *args)
     if rc == 0:
         # The buffer is rewritten only after the job's event: its copy has read the ids by then.
         ring.arm_with(i, done)
@@ -60,3 +62,19 @@ def replay_fused(graphs, entry, ex, ids, stream, done, done_on) -> bool:
     msg = f"kvtier: fused graph replay failed ({WHAT.get(step)}: cudaError {err}), replays go through ctypes"
     warnings.warn(msg, stacklevel=6)
     return False
+
+
+def _traced(ns, tr, ring, i, guard, ptr, n, ids_ptr, exec_handle, h, ev, dev):
+    """`_fast.replay_steps` (the call `replay_fused` makes, timing each runtime call) -> (rc, the
+    ring buffer used). Marks replay_prep (the call's own work: the guard, the narrowing, and
+    its return), ids_h2d, launch (the graph's launch alone) and event (the record)."""
+    rc = _fast.replay_steps(ptr, n, ring.buffers[i].ptr, ids_ptr, exec_handle, h, ev, dev, guard, ns)
+    if rc >> 32 == GUARD and rc & 0xFFFFFFFF == NOT_READY:
+        clear_last_error()  # "not ready" is no failure: torch's next check must not see it
+        i = ring.take()  # its last copy may not have read the buffer yet: another one
+        rc = _fast.replay_steps(ptr, n, ring.buffers[i].ptr, ids_ptr, exec_handle, h, ev, dev, 0, ns)
+    for phase, t in zip(("replay_prep", "ids_h2d", "launch", "event"), ns.tolist(), strict=True):
+        if t:  # 0: the step was not reached (a failed call)
+            tr.mark_at(phase, t)
+    tr.mark("replay_prep")
+    return rc, i

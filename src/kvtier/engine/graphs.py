@@ -75,6 +75,7 @@ class StagedGraphs:
         self.retarget = True  # capture retargetable graphs (off after a failed node update)
         self.slot_execs = slot_execs
         self.trace = None
+        self.trace_ns = np.zeros(4, dtype=np.int64)  # a traced C replay's timestamps (graph_fused)
         self._warned = False
         self._device = kv.device
         self._dead: list[tuple[torch.cuda.Event, _Entry]] = []  # evicted, maybe still queued

@@ -84,14 +84,15 @@ class LoadJob(_Job):
         self.engine._note_wait(stream, ev)
 
 
-# One runtime call each on a staged graph replay ("launch" alone: the C helper's one call, all three).
+# One runtime call each on a staged graph replay (the C helper's call split by its own timestamps
+# when traced: replay_prep, its guard and narrowing, counts as kvtier's work).
 CALL_PHASES = ("ids_h2d", "launch", "event")
 
 
 class SubmitTrace:
     """Where the CPU time of each save()/load() goes: perf_counter_ns deltas between the engine's
-    marks (ids, slot, tracker_wait, graph_lookup, retarget, ids_fill, ids_h2d, launch, eager,
-    capture, mover, event, tracker_begin, ...), one dict per job, the last `keep` jobs. Set
+    marks (ids, slot, tracker_wait, graph_lookup, retarget, ids_fill, replay_prep, ids_h2d, launch,
+    eager, capture, mover, event, tracker_begin, ...), one dict per job, the last `keep` jobs. Set
     `engine.trace = SubmitTrace()` or KVTIER_SUBMIT_TRACE=1; off (None) each mark costs one test.
     The record in progress is per thread."""
 
@@ -112,6 +113,15 @@ class SubmitTrace:
             t = time.perf_counter_ns()
             rec[phase] = rec.get(phase, 0) + t - loc.t
             loc.t = t
+
+    def mark_at(self, phase: str, t_ns: int) -> None:
+        """Charge the time from the last mark to `t_ns` (a perf_counter_ns reading, e.g. one the C
+        helper took with the same clock) to `phase`; the next mark counts from `t_ns`."""
+        loc = self._local
+        rec = getattr(loc, "rec", None)
+        if rec is not None:
+            rec[phase] = rec.get(phase, 0) + t_ns - loc.t
+            loc.t = t_ns
 
     def end(self) -> None:
         loc = self._local
@@ -151,6 +161,9 @@ class _NoTrace:
         pass
 
     def mark(self, phase: str) -> None:
+        pass
+
+    def mark_at(self, phase: str, t_ns: int) -> None:
         pass
 
     def end(self) -> None:
