@@ -25,6 +25,8 @@
 #   verdict: ($GPU_TESTS) suites $P6_SUITES (default bidir save_beside_matmul submit_overhead), then
 #       submit_overhead $P6_REPEAT more times (default 0) into $out/again<i>/: the issue's figures at one commit
 #       (with P6_REPEAT=1 it writes 7 files; the device tool returns 8 at most, so add one file at most)
+#   calls: ($GPU_TESTS) probe_enqueue_beside.py, probe_memcpy_size.py, probe_hot_submit.py (pair) at
+#       block sizes 1 and 16: what each runtime call of a hot submit costs, and after a large copy
 #   multi: (2+ GPUs) handoff/probe GPU tests, memcheck/racecheck of a handoff, probe --all-gpus,
 #          suites handoff + contention, `kvtier path` with the measured sharing
 set -uo pipefail
@@ -199,6 +201,19 @@ if [ "$mode" = verdict ]; then
     timeout 240 $py -m kvtier bench --out "$out/again$i" --suite submit_overhead 2>&1 \
       | tee "$out/again$i/bench.log" | tail -16
     rm -f "$out/again$i"/*.png  # the json and log carry the figures; the file count back is limited
+  done
+  exit 0
+fi
+if [ "$mode" = calls ]; then  # the replay's runtime calls one by one (session 11's open question)
+  gpu_tests
+  for probe in probe_enqueue_beside probe_memcpy_size; do
+    echo "== $probe"
+    timeout 150 $py benchmarks/$probe.py 2>&1 | tee "$out/$probe.txt"
+  done
+  for bs in 1 16; do
+    echo "## block size $bs" | tee -a "$out/probe_hot_submit.txt"
+    timeout 120 $py benchmarks/probe_hot_submit.py --reps 60 --block-size $bs --variants pair 2>&1 \
+      | tee -a "$out/probe_hot_submit.txt"
   done
   exit 0
 fi
