@@ -359,7 +359,7 @@ def test_traced_fused_replay_splits_the_call_into_its_runtime_calls(runtime):
     from kvtier.engine.jobs import CALL_PHASES, SubmitTrace
 
     g, key, entry = _graphs()
-    runtime(slow={"memcpy": 0.006, "launch": 0.003})
+    rt = runtime(slow={"memcpy": 0.006, "launch": 0.003})
     tr = g.trace = SubmitTrace()
     tr.begin("save")
     assert g.replay(key, torch.tensor([5, 1, 6, 2]), FakeStream(), Nodes.base, RawEvent(), object())
@@ -367,6 +367,11 @@ def test_traced_fused_replay_splits_the_call_into_its_runtime_calls(runtime):
     rec = tr.records[-1]
     assert {"replay_prep", "ids_h2d", "launch", "event"} <= set(rec)
     assert rec["ids_h2d"] >= 6e6 and 3e6 <= rec["launch"] < 6e6  # each call its own, not the other's
-    assert entry.ring.buffers[0].array.tolist() == [5, 1, 6, 2]
+    buf = entry.ring.buffers[0]
+    assert rt.log == [  # the same calls as untraced
+        ("memcpy", entry.ids_dev.data_ptr(), buf.ptr, 16, 1, STREAM, [5, 1, 6, 2]),
+        ("launch", EXEC, STREAM),
+        ("record", EVENT, STREAM),
+    ]
     split = tr.split("save")
     assert split["calls_us"] == sum(rec[k] for k in CALL_PHASES) / 1e3 >= 9e3
