@@ -301,8 +301,12 @@ def test_fused_replay_failed_record_raises_after_the_copy_ran(runtime):
     assert stream.synced == 1  # the queued copy has read the buffer before anyone may reuse it
 
 
-def test_fused_replay_asks_the_guard_in_c_and_grows_the_ring_when_busy(runtime):
+@pytest.mark.parametrize("traced", [False, True])
+def test_fused_replay_asks_the_guard_in_c_and_grows_the_ring_when_busy(runtime, traced):
+    from kvtier.engine.jobs import SubmitTrace
+
     g, key, entry = _graphs()
+    g.trace = SubmitTrace() if traced else None  # traced: replay_steps, the same guard and ring
     rt = runtime(busy={EVENT})
     on, first = object(), [RawEvent(), RawEvent()]
     for k, d in enumerate(first):
