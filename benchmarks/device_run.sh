@@ -25,8 +25,9 @@
 #   verdict: ($GPU_TESTS) suites $P6_SUITES (default bidir save_beside_matmul submit_overhead), then
 #       submit_overhead $P6_REPEAT more times (default 0) into $out/again<i>/: the issue's figures at one commit
 #       (with P6_REPEAT=1 it writes 7 files; the device tool returns 8 at most, so add one file at most)
-#   calls: ($GPU_TESTS) probe_enqueue_beside.py, probe_memcpy_size.py, probe_hot_submit.py (pair) at
-#       block sizes 1 and 16: what each runtime call of a hot submit costs, and after a large copy
+#   calls: ($GPU_TESTS) probe_enqueue_beside.py, probe_memcpy_size.py, probe_fold_ids.py,
+#       probe_hot_submit.py (pair) at block sizes 1 and 16: what each runtime call of a hot submit
+#       costs, after a large copy too, and what folding the ids copy into the graph would save
 #   multi: (2+ GPUs) handoff/probe GPU tests, memcheck/racecheck of a handoff, probe --all-gpus,
 #          suites handoff + contention, `kvtier path` with the measured sharing
 set -uo pipefail
@@ -206,7 +207,7 @@ if [ "$mode" = verdict ]; then
 fi
 if [ "$mode" = calls ]; then  # the replay's runtime calls one by one (session 11's open question)
   gpu_tests
-  for probe in probe_enqueue_beside probe_memcpy_size; do
+  for probe in probe_enqueue_beside probe_memcpy_size probe_fold_ids; do
     echo "== $probe"
     timeout 150 $py benchmarks/$probe.py 2>&1 | tee "$out/$probe.txt"
   done

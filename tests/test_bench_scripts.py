@@ -1,7 +1,7 @@
 """The device-run scripts of benchmarks/ that have a CPU mode run there (so they do not rot
 between GPU sessions): the dry passes of profile_submit, probe_hot_submit, probe_py_cost,
 probe_ids_cost, probe_process_state and host_jitter, and the refusals without a GPU of
-probe_ce_gather, probe_memcpy_size and probe_enqueue_beside."""
+probe_ce_gather, probe_memcpy_size, probe_enqueue_beside and probe_fold_ids."""
 
 import os
 import subprocess
@@ -102,3 +102,9 @@ def test_probe_enqueue_beside_needs_a_gpu():
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stdout
     bad = run("probe_enqueue_beside.py", "--gaps", "-1")
     assert bad.returncode != 0 and "--gaps" in bad.stdout + bad.stderr
+
+
+@no_gpu
+def test_probe_fold_ids_needs_a_gpu():
+    r = run("probe_fold_ids.py")
+    assert r.returncode == 2 and "needs a CUDA GPU" in r.stdout
