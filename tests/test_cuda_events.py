@@ -1,6 +1,7 @@
 """CudaEvent's wrapper logic over a fake CUDA runtime, on the CPU: return codes, the cleared
-"not ready" error, handle reuse, the default stream's device guard. (The real runtime is
-exercised by tests/test_device.py's "cuda" and "cuda-torch" devices on a GPU.)"""
+"not ready" error, handle reuse, the default stream's device guard; TorchEvent's memory of
+having been seen complete over a fake torch event. (The real runtime is exercised by
+tests/test_device.py's "cuda" and "cuda-torch" devices on a GPU.)"""
 
 from __future__ import annotations
 
@@ -246,3 +247,46 @@ def test_choose_events_reads_the_argument_then_the_environment(monkeypatch):
     monkeypatch.setattr(cuda_events, "event_api", lambda: (api, ""))
     monkeypatch.setenv("KVTIER_EVENTS", "")
     assert cuda_events.choose_events() == (api, "raw")
+
+
+def test_torch_events_remember_being_seen_complete(monkeypatch):
+    """TorchEvent (KVTIER_EVENTS=torch) as CudaEvent: once seen complete since its last record, a
+    query, a wait or a stream's wait on it makes no call; a new record asks again."""
+    import torch
+
+    from kvtier.device.cuda_events import TorchEvent
+
+    class FakeTorchEvent:
+        def __init__(self, enable_timing):
+            self.done, self.queries, self.syncs = False, 0, 0
+
+        def record(self, stream):
+            self.done = False
+
+        def query(self):
+            self.queries += 1
+            return self.done
+
+        def synchronize(self):
+            self.syncs += 1
+            self.done = True
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeTorchEvent)
+    waits = []
+    stream = SimpleNamespace(raw=SimpleNamespace(wait_event=waits.append))
+    ev = TorchEvent(SimpleNamespace(_own=lambda s, what: s), "e")
+    assert ev.query() and ev.known_complete and ev.raw.queries == 0  # never recorded: no call
+    ev.wait_on(stream)
+    assert waits == []
+    ev.record(stream)
+    assert not ev.known_complete and not ev.query() and ev.raw.queries == 1
+    ev.wait_on(stream)
+    assert waits == [ev.raw]  # pending: the stream waits for it
+    ev.raw.done = True
+    assert ev.query() and ev.query() and ev.raw.queries == 2  # the second from memory
+    ev.wait_on(stream)
+    assert len(waits) == 1 and ev.known_complete
+    ev.record(stream)  # a new record: not known complete any more
+    assert not ev.known_complete
+    assert ev.synchronize() and ev.synchronize() and ev.raw.syncs == 1
+    assert ev.query() and ev.raw.queries == 2
