@@ -67,6 +67,36 @@ def test_submit_overhead_dry_pass_on_sim():
         assert p["hot_sampling"] == "interleaved"
 
 
+@no_gpu
+def test_cases_that_do_not_fit_at_once_run_one_after_the_other(monkeypatch):
+    """Where a second engine's pinned pool does not fit beside the first, the suite says so and
+    takes the cases one at a time (rows in row order), leaving no engine open."""
+    from kvtier.bench.suites import submit
+
+    real_init, real_close, alive = submit._Rig.__init__, submit._Rig.close, []
+
+    def init(self, *args):
+        if alive:
+            raise RuntimeError("pinned memory: no room for a second pool (test)")
+        real_init(self, *args)
+        alive.append(self)
+
+    def close(self):
+        real_close(self)
+        alive.remove(self)
+
+    monkeypatch.setattr(submit._Rig, "__init__", init)
+    monkeypatch.setattr(submit._Rig, "close", close)
+    ctx = Context("cpu", quick=True)
+    ctx.suite = "submit_overhead"
+    rows = list(SUITES["submit_overhead"].fn(ctx))
+    assert [r.case.split()[0] for r in rows] == ["save", "load"] * 3
+    assert {r.params["blocks"] for r in rows} == {256, 16, 1}
+    assert {r.params["hot_sampling"] for r in rows} == {"in row order"}
+    assert [s["case"] for s in ctx.skipped] == ["submit hot samples interleaved"]
+    assert "no room for a second pool" in ctx.skipped[0]["reason"] and alive == []
+
+
 def test_hot_samples_interleave_the_cases():
     """Each rep takes one hot pair of every case, the first case rotating; the warm-up pairs come
     first and are not samples."""
