@@ -26,17 +26,6 @@ import time
 import torch
 
 
-def captured(fn, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        fn()  # warm-up outside the capture
-        stream.synchronize()  # the warm-up ran before the capture starts
-        g.capture_begin(capture_error_mode="relaxed")
-        fn()
-        g.capture_end()
-    return g
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=60)
@@ -46,6 +35,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("probe_fold_ids needs a CUDA GPU")
         return 2
+    from probe_graph_launch import captured  # benchmarks/ is on sys.path when run as a script
+
     from kvtier.engine.graph_nodes import Launcher
 
     launcher, stream = Launcher(), torch.cuda.Stream()
