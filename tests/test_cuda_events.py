@@ -254,7 +254,7 @@ def test_torch_events_remember_being_seen_complete(monkeypatch):
     query, a wait or a stream's wait on it makes no call; a new record asks again."""
     import torch
 
-    from kvtier.device.cuda_events import TorchEvent
+    from kvtier.device.torch_events import TorchEvent
 
     class FakeTorchEvent:
         def __init__(self, enable_timing):

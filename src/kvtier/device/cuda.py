@@ -22,8 +22,9 @@ from collections.abc import Callable
 import torch
 
 from kvtier.device.base import Device, Event, Stream, check_copy_args, check_nbytes
-from kvtier.device.cuda_events import CudaEvent, EventHandles, TorchEvent, choose_events
+from kvtier.device.cuda_events import CudaEvent, EventHandles, choose_events
 from kvtier.device.cudart import clear_last_error
+from kvtier.device.torch_events import TorchEvent
 
 __all__ = ["CudaDevice", "CudaEvent", "CudaStream", "TorchEvent"]
 

@@ -7,8 +7,8 @@ record, 31 us hot through torch against 6.6 us through ctypes). `CudaEvent` hold
 its device's `EventHandles` and gives it back when the object dies (a handle is reused only by a
 later record, which CUDA allows at any time: waits already enqueued keep the old record).
 
-`TorchEvent` is the same interface over `torch.cuda.Event`: `CudaDevice(events="torch")`, env
-`KVTIER_EVENTS=torch`, or where libcudart cannot be loaded.
+`TorchEvent` (`torch_events.py`) is the same interface over `torch.cuda.Event`:
+`CudaDevice(events="torch")`, env `KVTIER_EVENTS=torch`, or where libcudart cannot be loaded.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import time
 from ctypes import CFUNCTYPE, POINTER, byref, c_float, c_int, c_uint, c_void_p
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
-
-import torch
 
 from kvtier.device.base import Event, Stream, check_timeout
 
@@ -234,60 +232,6 @@ class CudaEvent(Event):
         if rc != 0:
             raise cuda_error(self._dev._api, "cudaEventElapsedTime", rc)
         return ms.value / 1e3
-
-
-class TorchEvent(Event):
-    """The same event over `torch.cuda.Event` (timing enabled, as CudaEvent's), and as CudaEvent
-    it remembers having been seen complete since its last record (then no call is made)."""
-
-    def __init__(self, device: CudaDevice, label: str):
-        self._dev, self.label, self._stream = device, label, None
-        self.raw = torch.cuda.Event(enable_timing=True)
-        self._gen, self._seen = 0, -1  # as CudaEvent's: records so far, and the count last seen done
-
-    @property
-    def stream(self) -> CudaStream | None:
-        return self._stream
-
-    @property
-    def known_complete(self) -> bool:
-        """Complete, as seen by an earlier query or wait (or never recorded): no call."""
-        return self._stream is None or self._seen == self._gen
-
-    def record(self, stream: Stream) -> None:
-        s = self._dev._own(stream, "stream")
-        self.raw.record(s.raw)
-        self._stream = s
-        self._gen += 1  # after torch took the record: a check racing it asks again
-
-    def query(self) -> bool:
-        gen = self._gen
-        if self._stream is None or self._seen == gen:
-            return True  # never recorded, or seen complete since its last record
-        if self.raw.query():
-            self._seen = gen  # the record current before the call has completed
-            return True
-        return False
-
-    def synchronize(self, timeout: float | None = None) -> bool:
-        if check_timeout(timeout) is None:
-            gen = self._gen
-            if self._stream is None or self._seen == gen:
-                return True  # never recorded, or seen complete since its last record
-            self.raw.synchronize()  # the host needs the work done, not merely submitted
-            self._seen = gen
-            return True
-        return _poll(self, timeout)
-
-    def wait_on(self, stream: CudaStream) -> None:
-        if self._stream is None or self._seen == self._gen:
-            return  # never recorded, or seen complete: the wait would be satisfied at once
-        stream.raw.wait_event(self.raw)  # CUDA events order work across devices of one process
-
-    def time_s(self) -> float:
-        if self._stream is None or not self.raw.query():
-            raise RuntimeError(f"event {self.label} has not completed; its time is not known yet")
-        return self._dev._epoch.raw.elapsed_time(self.raw) / 1e3
 
 
 def _poll(event: Event, timeout: float) -> bool:
