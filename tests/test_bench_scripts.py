@@ -81,9 +81,13 @@ def test_probe_ids_cost_dry_pass_times_every_step():
 def test_probe_process_state_dry_pass_times_every_phase():
     r = run("probe_process_state.py", "--reps", "3", "--rounds", "2")
     assert r.returncode == 0, r.stdout + r.stderr
-    labels = ["fresh", "after suites, old #0", "after suites, new #1", "after gc, new", "new process"]
+    labels = ["fresh", "after suites, old #0", "after suites, new #1", "after gc, new", "after caches, new",
+              "after freeze, new", "new process"]  # fmt: skip
     for label in labels:
         assert f"{label:24s} save median" in r.stdout and f"{label:24s} load median" in r.stdout
+    census = [line for line in r.stdout.splitlines() if line.strip().startswith("threads ")]
+    assert len(census) == 9, r.stdout  # a stage each: fresh, 2 x (old, new), gc, caches, freeze, new process
+    assert all("main: cpu" in line and "mappings" in line for line in census), census
     assert "suites in-process: {'bidir': 'skipped', 'save_beside_matmul': 'skipped'}" in r.stdout
     assert "loads of the saved slots equal the source blocks: True" in r.stdout
     bad = run("probe_process_state.py", "--reps", "0")
