@@ -50,6 +50,7 @@ class FakeRuntime:
 
         def get_device(p):
             p[0] = self.device
+            time.sleep(slow.get("get_device", 0))
             return 0
 
         def set_device(d):
@@ -59,6 +60,7 @@ class FakeRuntime:
 
         def query(ev):
             self.log.append(("query", ev))
+            time.sleep(slow.get("query", 0))
             return NOT_READY if ev in self.busy else self.fail.get("query", 0)
 
         self._cbs = [  # kept alive: the C side holds their addresses
@@ -117,27 +119,30 @@ def test_replay_narrows_every_id_in_groups_of_eight_and_the_rest(runtime, n):
     assert rt.log[0][:6] == ("memcpy", DEV32, hp, 4 * n, 1, STREAM)
 
 
-def test_replay_steps_times_each_runtime_call_on_the_trace_clock(runtime):
-    rt = runtime(slow={"memcpy": 0.002, "launch": 0.004})
-    ids, ns = np.array([3, 1, 4], dtype=np.int64), np.zeros(4, np.int64)
+def test_replay_steps_times_each_step_on_the_trace_clock(runtime):
+    rt = runtime(slow={"query": 0.003, "get_device": 0.001, "memcpy": 0.002, "launch": 0.004})
+    ids, ns = np.array([3, 1, 4], dtype=np.int64), np.zeros(7, np.int64)
     host, hp = _host(3)
     t0 = time.perf_counter_ns()
-    assert fast.fast.replay_steps(ids, 3, hp, DEV32, EXEC, STREAM, EVENT, 0, 0, ns) == 0
+    assert fast.fast.replay_steps(ids, 3, hp, DEV32, EXEC, STREAM, EVENT, 0, GUARD, ns) == 0
     t1 = time.perf_counter_ns()
-    assert t0 <= ns[0] <= ns[1] <= ns[2] <= ns[3] <= t1  # perf_counter_ns's clock
-    assert ns[1] - ns[0] >= 2e6 and ns[2] - ns[1] >= 4e6  # the copy, then the launch
-    assert [e[0] for e in rt.log] == ["memcpy", "launch", "record"] and host.tolist() == [3, 1, 4]
+    assert t0 <= ns[0] <= ns[1] <= ns[2] <= ns[3] <= ns[4] <= ns[5] <= ns[6] <= t1  # perf_counter_ns's clock
+    assert ns[1] - ns[0] >= 3e6  # the guard's query
+    assert ns[3] - ns[2] >= 1e6  # the device check
+    assert ns[4] - ns[3] >= 2e6 and ns[5] - ns[4] >= 4e6  # the copy, then the launch
+    assert ns[2] - ns[1] < 1e6 and ns[6] - ns[5] < 1e6  # the narrowing and the record: none of those
+    assert [e[0] for e in rt.log] == ["query", "memcpy", "launch", "record"] and host.tolist() == [3, 1, 4]
 
 
 def test_replay_steps_leaves_the_steps_not_reached_at_zero(runtime):
     runtime(fail={"launch": 1})
-    ns = np.full(4, -1, np.int64)
+    ns = np.full(7, -1, np.int64)
     _, hp = _host(1)
     rc = fast.fast.replay_steps(np.array([1]), 1, hp, DEV32, EXEC, STREAM, EVENT, 0, 0, ns)
     assert rc == (2 << 32) | 1  # the launch failed
-    assert ns[0] > 0 and ns[1] >= ns[0] and ns[2] == ns[3] == 0
-    with pytest.raises(ValueError, match="buffer of 16 bytes"):
-        fast.fast.replay_steps(np.array([1]), 1, hp, DEV32, EXEC, STREAM, 0, 0, 0, np.zeros(2, np.int64))
+    assert 0 < ns[0] <= ns[1] <= ns[2] <= ns[3] <= ns[4] and ns[5] == ns[6] == 0
+    with pytest.raises(ValueError, match="buffer of 32 bytes, needs 56"):
+        fast.fast.replay_steps(np.array([1]), 1, hp, DEV32, EXEC, STREAM, 0, 0, 0, np.zeros(4, np.int64))
 
 
 def test_replay_takes_an_address_and_skips_a_null_event(runtime):
@@ -363,14 +368,15 @@ def test_traced_fused_replay_splits_the_call_into_its_runtime_calls(runtime):
     from kvtier.engine.jobs import CALL_PHASES, SubmitTrace
 
     g, key, entry = _graphs()
-    rt = runtime(slow={"memcpy": 0.006, "launch": 0.003})
+    rt = runtime(slow={"memcpy": 0.006, "launch": 0.003, "get_device": 0.002})
     tr = g.trace = SubmitTrace()
     tr.begin("save")
     assert g.replay(key, torch.tensor([5, 1, 6, 2]), FakeStream(), Nodes.base, RawEvent(), object())
     tr.end()
     rec = tr.records[-1]
-    assert {"replay_prep", "ids_h2d", "launch", "event"} <= set(rec)
+    assert {"replay_prep", "guard", "narrow", "device", "ids_h2d", "launch", "event"} <= set(rec)
     assert rec["ids_h2d"] >= 6e6 and 3e6 <= rec["launch"] < 6e6  # each call its own, not the other's
+    assert 2e6 <= rec["device"] < 3e6 and rec["guard"] < 1e6 and rec["replay_prep"] < 2e6
     buf = entry.ring.buffers[0]
     assert rt.log == [  # the same calls as untraced
         ("memcpy", entry.ids_dev.data_ptr(), buf.ptr, 16, 1, STREAM, [5, 1, 6, 2]),
@@ -378,4 +384,4 @@ def test_traced_fused_replay_splits_the_call_into_its_runtime_calls(runtime):
         ("record", EVENT, STREAM),
     ]
     split = tr.split("save")
-    assert split["calls_us"] == sum(rec[k] for k in CALL_PHASES) / 1e3 >= 9e3
+    assert split["calls_us"] == sum(rec[k] for k in CALL_PHASES) / 1e3 >= 11e3

@@ -64,16 +64,21 @@ def replay_fused(graphs, entry, ex, ids, stream, done, done_on) -> bool:
     return False
 
 
+STEPS = ("replay_prep", "guard", "narrow", "device", "ids_h2d", "launch", "event")  # replay_steps' stamps
+
+
 def _traced(ns, tr, ring, i, guard, ptr, n, ids_ptr, exec_handle, h, ev, dev):
-    """`_fast.replay_steps` (the call `replay_fused` makes, timing each runtime call) -> (rc, the
-    ring buffer used). Marks replay_prep (the call's own work: the guard, the narrowing, and
-    its return), ids_h2d, launch (the graph's launch alone) and event (the record)."""
+    """`_fast.replay_steps` (the call `replay_fused` makes, stamping each step) -> (rc, the ring
+    buffer used). Marks replay_prep (Python up to the C call, and its return), guard (the
+    buffer's cudaEventQuery, where asked), narrow (the ids into the pinned buffer), device
+    (cudaGetDevice, and cudaSetDevice where another device is current), ids_h2d, launch (the
+    graph's launch alone) and event (the record)."""
     rc = _fast.replay_steps(ptr, n, ring.buffers[i].ptr, ids_ptr, exec_handle, h, ev, dev, guard, ns)
     if rc >> 32 == GUARD and rc & 0xFFFFFFFF == NOT_READY:
         clear_last_error()  # "not ready" is no failure: torch's next check must not see it
         i = ring.take()  # its last copy may not have read the buffer yet: another one
         rc = _fast.replay_steps(ptr, n, ring.buffers[i].ptr, ids_ptr, exec_handle, h, ev, dev, 0, ns)
-    for phase, t in zip(("replay_prep", "ids_h2d", "launch", "event"), ns.tolist(), strict=True):
+    for phase, t in zip(STEPS, ns.tolist(), strict=True):
         if t:  # 0: the step was not reached (a failed call)
             tr.mark_at(phase, t)
     tr.mark("replay_prep")

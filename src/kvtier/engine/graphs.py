@@ -49,7 +49,7 @@ from kvtier.engine.graph_cache import LRU, GraphStats, HostBuf, graph_key, pinne
 from kvtier.engine.graph_cache import Entry as _Entry
 from kvtier.engine.graph_cache import Exec as _Exec
 from kvtier.engine.graph_capture import capture_entry
-from kvtier.engine.graph_fused import replay_fused
+from kvtier.engine.graph_fused import STEPS, replay_fused
 from kvtier.engine.graph_nodes import Launcher, NodeError
 from kvtier.engine.ids import HostRing
 from kvtier.engine.jobs import NO_TRACE
@@ -75,7 +75,7 @@ class StagedGraphs:
         self.retarget = True  # capture retargetable graphs (off after a failed node update)
         self.slot_execs = slot_execs
         self.trace = None
-        self.trace_ns = np.zeros(4, dtype=np.int64)  # a traced C replay's timestamps (graph_fused)
+        self.trace_ns = np.zeros(len(STEPS), dtype=np.int64)  # a traced C replay's stamps (graph_fused)
         self._warned = False
         self._device = kv.device
         self._dead: list[tuple[torch.cuda.Event, _Entry]] = []  # evicted, maybe still queued
