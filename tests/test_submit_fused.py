@@ -121,27 +121,27 @@ def test_replay_narrows_every_id_in_groups_of_eight_and_the_rest(runtime, n):
 
 def test_replay_steps_times_each_step_on_the_trace_clock(runtime):
     rt = runtime(slow={"query": 0.003, "get_device": 0.001, "memcpy": 0.002, "launch": 0.004})
-    ids, ns = np.array([3, 1, 4], dtype=np.int64), np.zeros(7, np.int64)
+    ids, ns = np.array([3, 1, 4], dtype=np.int64), np.zeros(8, np.int64)
     host, hp = _host(3)
     t0 = time.perf_counter_ns()
     assert fast.fast.replay_steps(ids, 3, hp, DEV32, EXEC, STREAM, EVENT, 0, GUARD, ns) == 0
     t1 = time.perf_counter_ns()
-    assert t0 <= ns[0] <= ns[1] <= ns[2] <= ns[3] <= ns[4] <= ns[5] <= ns[6] <= t1  # perf_counter_ns's clock
-    assert ns[1] - ns[0] >= 3e6  # the guard's query
-    assert ns[3] - ns[2] >= 1e6  # the device check
-    assert ns[4] - ns[3] >= 2e6 and ns[5] - ns[4] >= 4e6  # the copy, then the launch
-    assert ns[2] - ns[1] < 1e6 and ns[6] - ns[5] < 1e6  # the narrowing and the record: none of those
+    assert t0 <= ns[0] <= ns[1] <= ns[2] <= ns[3] <= ns[4] <= ns[5] <= ns[6] <= ns[7] <= t1  # perf_counter_ns
+    assert ns[2] - ns[1] >= 3e6  # the guard's query
+    assert ns[4] - ns[3] >= 1e6  # the device check
+    assert ns[5] - ns[4] >= 2e6 and ns[6] - ns[5] >= 4e6  # the copy, then the launch
+    assert ns[1] - ns[0] < 1e6 and ns[3] - ns[2] < 1e6 and ns[7] - ns[6] < 1e6  # args, narrowing, record
     assert [e[0] for e in rt.log] == ["query", "memcpy", "launch", "record"] and host.tolist() == [3, 1, 4]
 
 
 def test_replay_steps_leaves_the_steps_not_reached_at_zero(runtime):
     runtime(fail={"launch": 1})
-    ns = np.full(7, -1, np.int64)
+    ns = np.full(8, -1, np.int64)
     _, hp = _host(1)
     rc = fast.fast.replay_steps(np.array([1]), 1, hp, DEV32, EXEC, STREAM, EVENT, 0, 0, ns)
     assert rc == (2 << 32) | 1  # the launch failed
-    assert 0 < ns[0] <= ns[1] <= ns[2] <= ns[3] <= ns[4] and ns[5] == ns[6] == 0
-    with pytest.raises(ValueError, match="buffer of 32 bytes, needs 56"):
+    assert 0 < ns[0] <= ns[1] <= ns[2] <= ns[3] <= ns[4] <= ns[5] and ns[6] == ns[7] == 0
+    with pytest.raises(ValueError, match="buffer of 32 bytes, needs 64"):
         fast.fast.replay_steps(np.array([1]), 1, hp, DEV32, EXEC, STREAM, 0, 0, 0, np.zeros(4, np.int64))
 
 
@@ -374,7 +374,8 @@ def test_traced_fused_replay_splits_the_call_into_its_runtime_calls(runtime):
     assert g.replay(key, torch.tensor([5, 1, 6, 2]), FakeStream(), Nodes.base, RawEvent(), object())
     tr.end()
     rec = tr.records[-1]
-    assert {"replay_prep", "guard", "narrow", "device", "ids_h2d", "launch", "event"} <= set(rec)
+    steps = ("replay_prep", "replay_args", "guard", "narrow", "device", "ids_h2d", "launch", "event")
+    assert {*steps, "replay_return"} <= set(rec)
     assert rec["ids_h2d"] >= 6e6 and 3e6 <= rec["launch"] < 6e6  # each call its own, not the other's
     assert 2e6 <= rec["device"] < 3e6 and rec["guard"] < 1e6 and rec["replay_prep"] < 2e6
     buf = entry.ring.buffers[0]

@@ -6,7 +6,7 @@
  *   check_ids(src, wide, n, num_blocks, seen, out) -> 0 ok | 1 an id out of range | 2 a repeat
  *   set_runtime(memcpy_async, graph_launch, event_record, get_device, set_device, event_query)
  *   replay(ids, n, host32, dev32, exec, stream, event, device, guard) -> 0 | step << 32 | cudaError
- *   replay_steps(..., ns)   the same, ns (7 int64) getting the time at the start and after each step
+ *   replay_steps(..., ns)   the same, ns (8 int64) getting the time at entry and after each step
  *
  * No CUDA headers: the runtime's functions arrive as addresses (those of the libcudart torch
  * loaded), with the prototypes below (CUDA 12 and 13 runtime API).
@@ -191,11 +191,12 @@ static PyObject *set_runtime(PyObject *self, PyObject *const *args, Py_ssize_t n
  * buffer is still read by an earlier copy; nothing written or enqueued), 4 switching device
  * (nothing enqueued), 1 the copy (nothing enqueued), 2 the launch (the copy enqueued, the graph
  * not), 3 the record (copy and graph enqueued, the event not recorded).
- * replay_steps: the same with a 10th argument, a writable buffer of NS_STEPS (7) int64 that gets
- * the CLOCK_MONOTONIC ns (Python's perf_counter_ns) at the call's start, after the guard's query,
- * after the narrowing, after the device check (before the copy), after the copy, the launch and
- * the record (each left 0 if not reached): a submit trace's split of the call. */
-#define NS_STEPS 7
+ * replay_steps: the same with a 10th argument, a writable buffer of NS_STEPS (8) int64 that gets
+ * the CLOCK_MONOTONIC ns (Python's perf_counter_ns) at the call's entry, once its arguments are
+ * read, after the guard's query, after the narrowing, after the device check (before the copy),
+ * after the copy, the launch and the record (each left 0 if not reached): a submit trace's split
+ * of the call. */
+#define NS_STEPS 8
 static int64_t now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -203,6 +204,7 @@ static int64_t now_ns(void) {
 }
 
 static PyObject *replay_impl(PyObject *const *args, Py_ssize_t nargs, int traced) {
+    const int64_t entry = traced ? now_ns() : 0;
     const Py_ssize_t want = traced ? 10 : 9;
     if (nargs != want) {
         PyErr_SetString(PyExc_TypeError, traced
@@ -249,7 +251,8 @@ static PyObject *replay_impl(PyObject *const *args, Py_ssize_t nargs, int traced
     int64_t *ns = (int64_t *)ns_p;
     if (ns != NULL) {
         memset(ns, 0, NS_STEPS * sizeof(int64_t));
-        ns[0] = now_ns();
+        ns[0] = entry;
+        ns[1] = now_ns();
     }
     long long out = 0;
     int rc, prev = -1;
@@ -257,7 +260,7 @@ static PyObject *replay_impl(PyObject *const *args, Py_ssize_t nargs, int traced
         out = ((long long)STEP_GUARD << 32) | (unsigned)rc;   /* the buffer's last copy may not have read it */
         goto done;
     }
-    if (ns != NULL) ns[1] = now_ns();
+    if (ns != NULL) ns[2] = now_ns();
     const int64_t *ids = (const int64_t *)ids_p;
     int32_t *host32 = (int32_t *)host_p;
     /* Eight at a time: gcc -O2 (12+) packs a group of eight into a few vector moves, 2.7x faster
@@ -268,7 +271,7 @@ static PyObject *replay_impl(PyObject *const *args, Py_ssize_t nargs, int traced
             host32[i + k] = (int32_t)ids[i + k];
     for (; i < n; i++)
         host32[i] = (int32_t)ids[i];
-    if (ns != NULL) ns[2] = now_ns();
+    if (ns != NULL) ns[3] = now_ns();
     if ((rc = get_device(&prev)) != 0) {
         out = ((long long)STEP_DEVICE << 32) | (unsigned)rc;
         goto done;
@@ -277,19 +280,19 @@ static PyObject *replay_impl(PyObject *const *args, Py_ssize_t nargs, int traced
         out = ((long long)STEP_DEVICE << 32) | (unsigned)rc;
         goto done;
     }
-    if (ns != NULL) ns[3] = now_ns();
+    if (ns != NULL) ns[4] = now_ns();
     if ((rc = memcpy_async(dev32, host32, (size_t)n * 4, H2D, stream)) != 0) {
         out = ((long long)STEP_COPY << 32) | (unsigned)rc;
     } else {
-        if (ns != NULL) ns[4] = now_ns();
+        if (ns != NULL) ns[5] = now_ns();
         if ((rc = graph_launch(exec, stream)) != 0) {
             out = ((long long)STEP_LAUNCH << 32) | (unsigned)rc;
         } else {
-            if (ns != NULL) ns[5] = now_ns();
+            if (ns != NULL) ns[6] = now_ns();
             if (event != NULL && (rc = event_record(event, stream)) != 0)
                 out = ((long long)STEP_RECORD << 32) | (unsigned)rc;
             else if (ns != NULL)
-                ns[6] = now_ns();
+                ns[7] = now_ns();
         }
     }
     if (prev != device)

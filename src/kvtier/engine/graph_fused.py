@@ -64,15 +64,17 @@ def replay_fused(graphs, entry, ex, ids, stream, done, done_on) -> bool:
     return False
 
 
-STEPS = ("replay_prep", "guard", "narrow", "device", "ids_h2d", "launch", "event")  # replay_steps' stamps
+# replay_steps' stamps: the phase that ends at each
+STEPS = ("replay_prep", "replay_args", "guard", "narrow", "device", "ids_h2d", "launch", "event")
 
 
 def _traced(ns, tr, ring, i, guard, ptr, n, ids_ptr, exec_handle, h, ev, dev):
     """`_fast.replay_steps` (the call `replay_fused` makes, stamping each step) -> (rc, the ring
-    buffer used). Marks replay_prep (Python up to the C call, and its return), guard (the
-    buffer's cudaEventQuery, where asked), narrow (the ids into the pinned buffer), device
-    (cudaGetDevice, and cudaSetDevice where another device is current), ids_h2d, launch (the
-    graph's launch alone) and event (the record)."""
+    buffer used). Marks replay_prep (Python up to the C call), replay_args (the call's
+    arguments read), guard (the buffer's cudaEventQuery, where asked), narrow (the ids into the
+    pinned buffer), device (cudaGetDevice, and cudaSetDevice where another device is current),
+    ids_h2d, launch (the graph's launch alone), event (the record) and replay_return (back in
+    Python, these marks included)."""
     rc = _fast.replay_steps(ptr, n, ring.buffers[i].ptr, ids_ptr, exec_handle, h, ev, dev, guard, ns)
     if rc >> 32 == GUARD and rc & 0xFFFFFFFF == NOT_READY:
         clear_last_error()  # "not ready" is no failure: torch's next check must not see it
@@ -81,5 +83,5 @@ def _traced(ns, tr, ring, i, guard, ptr, n, ids_ptr, exec_handle, h, ev, dev):
     for phase, t in zip(STEPS, ns.tolist(), strict=True):
         if t:  # 0: the step was not reached (a failed call)
             tr.mark_at(phase, t)
-    tr.mark("replay_prep")
+    tr.mark("replay_return")
     return rc, i
