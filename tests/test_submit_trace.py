@@ -67,6 +67,19 @@ def test_no_trace_is_inert():
     assert not tr.records and tr.medians() == {}
 
 
+def test_mark_steps_charges_each_stamp_to_its_phase_and_skips_zeros():
+    tr = SubmitTrace()
+    tr.begin("save")
+    t = tr._local.t
+    tr.mark_steps(("a", "b", "c", "d"), (t + 100, 0, t + 350, t + 1000))  # "b" not reached
+    assert tr._local.rec == {"job": "save", "a": 100, "c": 250, "d": 650}
+    tr.mark_steps(("a",), (t + 1500,))  # a repeated phase adds up; counted from the last stamp
+    assert tr._local.rec["a"] == 600 and tr._local.t == t + 1500
+    tr.end()
+    assert tr.records[-1]["total"] >= 1500
+    NO_TRACE.mark_steps(("a",), (1,))  # inert without a trace
+
+
 def test_split_separates_runtime_calls_from_python():
     tr = SubmitTrace()
     for total, h2d, launch, event in ((100, 10, 20, 5), (120, 12, 30, 8), (90, 8, 18, 4)):

@@ -80,8 +80,6 @@ def _traced(ns, tr, ring, i, guard, ptr, n, ids_ptr, exec_handle, h, ev, dev):
         clear_last_error()  # "not ready" is no failure: torch's next check must not see it
         i = ring.take()  # its last copy may not have read the buffer yet: another one
         rc = _fast.replay_steps(ptr, n, ring.buffers[i].ptr, ids_ptr, exec_handle, h, ev, dev, 0, ns)
-    for phase, t in zip(STEPS, ns.tolist(), strict=True):
-        if t:  # 0: the step was not reached (a failed call)
-            tr.mark_at(phase, t)
+    tr.mark_steps(STEPS, ns.tolist())  # a stamp of 0: the step was not reached (a failed call)
     tr.mark("replay_return")
     return rc, i

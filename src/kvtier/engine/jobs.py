@@ -116,14 +116,21 @@ class SubmitTrace:
             rec[phase] = rec.get(phase, 0) + t - loc.t
             loc.t = t
 
-    def mark_at(self, phase: str, t_ns: int) -> None:
-        """Charge the time from the last mark to `t_ns` (a perf_counter_ns reading, e.g. one the C
-        helper took with the same clock) to `phase`; the next mark counts from `t_ns`."""
+    def mark_steps(self, phases, stamps) -> None:
+        """Charge the time from the last mark to each stamp (perf_counter_ns readings, e.g. those the
+        C helper took with the same clock) to its phase, in order, skipping stamps of 0 (steps not
+        reached); the next mark counts from the last stamp. One call for a traced C replay's split:
+        the trace's own cost stays out of the phases it times as far as it can."""
         loc = self._local
         rec = getattr(loc, "rec", None)
-        if rec is not None:
-            rec[phase] = rec.get(phase, 0) + t_ns - loc.t
-            loc.t = t_ns
+        if rec is None:
+            return
+        last = loc.t
+        for phase, t in zip(phases, stamps, strict=True):
+            if t:
+                rec[phase] = rec.get(phase, 0) + t - last
+                last = t
+        loc.t = last
 
     def end(self) -> None:
         loc = self._local
@@ -165,7 +172,7 @@ class _NoTrace:
     def mark(self, phase: str) -> None:
         pass
 
-    def mark_at(self, phase: str, t_ns: int) -> None:
+    def mark_steps(self, phases, stamps) -> None:
         pass
 
     def end(self) -> None:
