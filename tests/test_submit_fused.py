@@ -109,7 +109,7 @@ def test_replay_fills_copies_launches_records_in_order(runtime):
     assert host.tolist() == [7, 0, 2**31 - 1, 6]
 
 
-@pytest.mark.parametrize("n", [1, 7, 8, 9, 16, 8191])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 16, 2047, 2048, 2049, 8191, 8192, 32768 + 5])
 def test_replay_narrows_every_id_in_groups_of_eight_and_the_rest(runtime, n):
     rt = runtime()
     ids = np.random.default_rng(n).integers(0, 2**31, n, dtype=np.int64)
@@ -117,6 +117,20 @@ def test_replay_narrows_every_id_in_groups_of_eight_and_the_rest(runtime, n):
     assert fast.fast.replay(ids, n, hp, DEV32, EXEC, STREAM, 0, 0, 0) == 0
     assert host[:n].tolist() == ids.tolist() and host[n].item() == -1
     assert rt.log[0][:6] == ("memcpy", DEV32, hp, 4 * n, 1, STREAM)
+
+
+@pytest.mark.parametrize("offset", [1, 2, 3])  # int32s past a 16-byte boundary: no streamed stores
+@pytest.mark.parametrize("n", [2048, 8195])
+def test_replay_narrows_into_a_buffer_of_any_alignment(runtime, n, offset):
+    runtime()
+    ids = np.random.default_rng(n + offset).integers(0, 2**31, n, dtype=np.int64)
+    host = torch.full((n + 8,), -1, dtype=torch.int32)
+    assert host.data_ptr() % 16 == 0
+    hp = host.data_ptr() + 4 * offset
+    assert fast.fast.replay(ids, n, hp, DEV32, EXEC, STREAM, 0, 0, 0) == 0
+    got = host.tolist()
+    assert got[offset : offset + n] == ids.tolist()  # every id, in order
+    assert got[:offset] == [-1] * offset and got[offset + n :] == [-1] * (8 - offset)  # nothing around it
 
 
 def test_replay_steps_times_each_step_on_the_trace_clock(runtime):

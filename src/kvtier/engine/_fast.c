@@ -20,6 +20,9 @@
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 typedef int (*memcpy_async_t)(void *dst, const void *src, size_t count, int kind, void *stream);
 typedef int (*graph_launch_t)(void *exec, void *stream);
@@ -197,6 +200,39 @@ static PyObject *set_runtime(PyObject *self, PyObject *const *args, Py_ssize_t n
  * after the copy, the launch and the record (each left 0 if not reached): a submit trace's split
  * of the call. */
 #define NS_STEPS 8
+/* narrow: n checked int64 ids into the pinned int32 buffer the ids copy reads. Eight at a time:
+ * gcc -O2 (12+) packs a group of eight into a few vector moves, 2.7x faster than one by one for
+ * 8192 ids on the CI CPU. From STREAM_MIN ids on (x86) the stores stream past the caches: between
+ * two submits a 1 GiB DMA passes through the host's last-level cache, so the buffer's lines are
+ * rarely there and a plain store first reads each one (8192 ids: 6 us on the H200 hosts, 0.1 for
+ * 512). Streamed stores write whole lines without reading them. */
+#define STREAM_MIN 2048
+static void narrow(const int64_t *ids, int32_t *dst, long long n) {
+    long long i = 0;
+#if defined(__SSE2__)
+    if (n >= STREAM_MIN && ((uintptr_t)dst & 15) == 0) {
+        for (; i + 8 <= n; i += 8) {
+            const __m128i *s = (const __m128i *)(ids + i);
+            /* the low 32 bits of each int64 (0 <= id < 2**31: checked), four per vector */
+            __m128i lo = _mm_unpacklo_epi64(_mm_shuffle_epi32(_mm_loadu_si128(s), 0x08),
+                                            _mm_shuffle_epi32(_mm_loadu_si128(s + 1), 0x08));
+            __m128i hi = _mm_unpacklo_epi64(_mm_shuffle_epi32(_mm_loadu_si128(s + 2), 0x08),
+                                            _mm_shuffle_epi32(_mm_loadu_si128(s + 3), 0x08));
+            _mm_stream_si128((__m128i *)(dst + i), lo);
+            _mm_stream_si128((__m128i *)(dst + i + 4), hi);
+        }
+        /* Streamed stores are weakly ordered: without the fence the copy enqueued next could
+         * read the buffer before they reached memory (old ids, wrong blocks). */
+        _mm_sfence();
+    }
+#endif
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++)
+            dst[i + k] = (int32_t)ids[i + k];
+    for (; i < n; i++)
+        dst[i] = (int32_t)ids[i];
+}
+
 static int64_t now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -261,16 +297,8 @@ static PyObject *replay_impl(PyObject *const *args, Py_ssize_t nargs, int traced
         goto done;
     }
     if (ns != NULL) ns[2] = now_ns();
-    const int64_t *ids = (const int64_t *)ids_p;
     int32_t *host32 = (int32_t *)host_p;
-    /* Eight at a time: gcc -O2 (12+) packs a group of eight into a few vector moves, 2.7x faster
-     * than one by one for 8192 ids on the CI CPU; the last n % 8 one by one. */
-    long long i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int k = 0; k < 8; k++)
-            host32[i + k] = (int32_t)ids[i + k];
-    for (; i < n; i++)
-        host32[i] = (int32_t)ids[i];
+    narrow((const int64_t *)ids_p, host32, n);
     if (ns != NULL) ns[3] = now_ns();
     if ((rc = get_device(&prev)) != 0) {
         out = ((long long)STEP_DEVICE << 32) | (unsigned)rc;
