@@ -61,6 +61,10 @@ def test_submit_figure_leads_with_what_the_verdict_reads():
     assert _engine_figure({"params": p}) == (
         "submit 64 us hot (40 Python + 24 runtime calls), 412 us after a GPU wait,"
         " 150 us after 3 ms of host work for 512 blocks"
+    )  # a file from before the traced pass's total was kept
+    p["submit_traced_us"] = 71.0  # the traced pass whole: more than the hot figure (its marks)
+    assert _engine_figure({"params": p}).startswith(
+        "submit 64 us hot (traced pass 71 us: 40 Python with the trace's marks + 24 runtime calls), 412 us"
     )
 
 

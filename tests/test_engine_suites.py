@@ -64,6 +64,7 @@ def test_submit_overhead_dry_pass_on_sim():
         assert p["host_ref_hot_us"] > 0 and p["host_ref_after_wait_us"] > 0  # the host's yardstick
         assert p["submit_busy_us"] > 0 and p["busy_ms"] > 0 and isinstance(p["meets_target_busy"], bool)
         assert p["submit_hot_py_us"] > 0 and p["submit_hot_calls_us"] > 0  # the sim's event record
+        assert p["submit_traced_us"] >= p["submit_hot_py_us"]  # the traced pass whole
         assert p["hot_sampling"] == "interleaved"
 
 

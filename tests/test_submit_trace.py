@@ -88,6 +88,6 @@ def test_split_separates_runtime_calls_from_python():
              "event": event * 1000, "total": total * 1000}
         )  # fmt: skip
     tr.records.append({"job": "load", "ids": 1000, "total": 40_000})  # an eager job: no call phase
-    assert tr.split("save") == {"calls_us": 35.0, "py_us": 65.0}  # medians of 35/50/30, 65/70/60
-    assert tr.split("load") == {"calls_us": 0.0, "py_us": 40.0}
-    assert SubmitTrace().split("save") == {"calls_us": None, "py_us": None}
+    assert tr.split("save") == {"calls_us": 35.0, "py_us": 65.0, "total_us": 100.0}  # 35/50/30, 65/70/60
+    assert tr.split("load") == {"calls_us": 0.0, "py_us": 40.0, "total_us": 40.0}
+    assert SubmitTrace().split("save") == {"calls_us": None, "py_us": None, "total_us": None}

@@ -113,7 +113,11 @@ def _submit_figure(p: dict) -> str:
     hot = p.get("submit_hot_us")
     split = ""
     if p.get("submit_hot_py_us") is not None:  # kvtier's Python apart from its runtime calls
-        split = f" ({p['submit_hot_py_us']:,.0f} Python + {p['submit_hot_calls_us']:,.0f} runtime calls)"
+        py, calls = f"{p['submit_hot_py_us']:,.0f} Python", f"{p['submit_hot_calls_us']:,.0f} runtime calls"
+        if p.get("submit_traced_us") is not None:  # a traced pass of its own: its marks cost time too
+            split = f" (traced pass {p['submit_traced_us']:,.0f} us: {py} with the trace's marks + {calls})"
+        else:  # files before the traced total was kept
+            split = f" ({py} + {calls})"
     busy = ""
     if p.get("submit_busy_us") is not None:
         busy = f", {p['submit_busy_us']:,.0f} us after {p.get('busy_ms', 0):g} ms of host work"

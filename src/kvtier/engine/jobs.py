@@ -150,14 +150,16 @@ class SubmitTrace:
 
     def split(self, job: str | None = None) -> dict[str, float | None]:
         """Medians over the records of `job` of `calls_us` (the phases that are one runtime call
-        each on a staged replay: CALL_PHASES) and `py_us` (the rest: kvtier's Python). Two
-        versions make the same calls: where their `calls_us` differ, the host differed."""
+        each on a staged replay: CALL_PHASES), `py_us` (the rest: kvtier's Python, the trace's
+        own marks included) and `total_us` (the traced submit, whole). Two versions make the same
+        calls: where their `calls_us` differ, the host differed."""
         recs = [r for r in self.records if job is None or r["job"] == job]
         if not recs:
-            return {"calls_us": None, "py_us": None}
+            return {"calls_us": None, "py_us": None, "total_us": None}
         calls = [sum(r.get(k, 0) for k in CALL_PHASES) / 1e3 for r in recs]
         py = [r["total"] / 1e3 - c for r, c in zip(recs, calls, strict=True)]
-        return {"calls_us": statistics.median(calls), "py_us": statistics.median(py)}
+        total = statistics.median(r["total"] for r in recs) / 1e3
+        return {"calls_us": statistics.median(calls), "py_us": statistics.median(py), "total_us": total}
 
     def clear(self) -> None:
         self.records.clear()
