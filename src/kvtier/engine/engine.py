@@ -22,17 +22,18 @@ import time
 
 from kvtier.device.base import Device, Event, Stream
 from kvtier.engine.completion import Completion
+from kvtier.engine.compute import ComputeAccess
 from kvtier.engine.ids import IdCheck
 from kvtier.engine.jobs import LoadJob, SaveJob, SubmitTrace, _Job
 from kvtier.engine.movers import make_mover
-from kvtier.engine.options import check_event, check_options, check_per_layer, check_slot
+from kvtier.engine.options import check_options, check_per_layer, check_slot
 from kvtier.engine.paths import Path, choose_path, parse_path
 from kvtier.layout import PagedKV
 from kvtier.lifecycle import Access, BlockTracker, LifecycleError, SlotState, SlotTracker, sanitize_enabled
 from kvtier.pool import PinnedPool, Slot
 
 
-class TransferEngine(Completion):
+class TransferEngine(Completion, ComputeAccess):
     """Moves paged KV blocks between `kv` (GPU) and slots of `pool` (pinned host).
 
     Args:
@@ -53,7 +54,8 @@ class TransferEngine(Completion):
             first, so a few execs cover the slots a serving loop cycles through.
 
     `trace`: a `SubmitTrace` timing the phases of each submit (KVTIER_SUBMIT_TRACE=1), or None.
-    Completion (poll / wait / release) comes from `Completion` (`completion.py`).
+    Completion (poll / wait / release) comes from `Completion` (`completion.py`), what compute
+    tells it (compute_read / compute_write) from `ComputeAccess` (`compute.py`).
     """
 
     def __init__(
@@ -244,19 +246,6 @@ class TransferEngine(Completion):
 
         return load_slots(self, slots, block_ids, num_tokens=num_tokens)
 
-    # ---- what the serving engine tells us --------------------------------------------------
-    def compute_read(self, blocks, event: Event, waited=()) -> None:
-        """Compute reads `blocks` until `event`; a later load into them waits for it."""
-        check_event(self.device, event)
-        _ids, bset = self._check_ids.check(blocks, False)
-        self.blocks.compute_read(bset, event, waited=self._waited(event, waited))
-
-    def compute_write(self, blocks, event: Event, waited=()) -> None:
-        """Compute writes `blocks` until `event`; a later save or load of them waits for it."""
-        check_event(self.device, event)
-        _ids, bset = self._check_ids.check(blocks, False)
-        self.blocks.compute_write(bset, event, waited=self._waited(event, waited))
-
     # ---- lifetime --------------------------------------------------------------------------
     def close(self) -> None:
         """Wait for every job, settle them, drop the staging buffers. The pool stays open."""
@@ -309,13 +298,3 @@ class TransferEngine(Completion):
         if path is None:  # the engine's own path: fixed, so decided and checked once
             self._auto[(direction, per_layer)] = p
         return p
-
-    def _note_wait(self, stream: Stream, event: Event) -> None:
-        with self._lock:
-            evs = [e for e in self._stream_waits.get(stream, []) if not e.query()]
-            evs.append(event)
-            self._stream_waits[stream] = evs
-
-    def _waited(self, event: Event, waited) -> list[Event]:
-        with self._lock:
-            return [*waited, *self._stream_waits.get(event.stream, [])]
