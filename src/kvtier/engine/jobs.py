@@ -86,17 +86,18 @@ class LoadJob(_Job):
 
 # The runtime calls of a staged graph replay (the C helper's call split by its own stamps when
 # traced, graph_fused.STEPS: the guard's query where asked, the device check, the ids copy, the
-# launch, the record); its replay_prep and narrowing count as kvtier's work.
+# launch, the record); the rest of the call (Python around it, its arguments, the narrowing)
+# counts as kvtier's work.
 CALL_PHASES = ("guard", "device", "ids_h2d", "launch", "event")
 
 
 class SubmitTrace:
     """Where the CPU time of each save()/load() goes: perf_counter_ns deltas between the engine's
-    marks (ids, slot, tracker_wait, graph_lookup, retarget, ids_fill, replay_prep, guard, narrow,
-    device, ids_h2d, launch, eager, capture, mover, event, tracker_begin, ...), one dict per job,
-    the last `keep` jobs. Set
-    `engine.trace = SubmitTrace()` or KVTIER_SUBMIT_TRACE=1; off (None) each mark costs one test.
-    The record in progress is per thread."""
+    marks (ids, slot, tracker_wait, graph_lookup, retarget, ids_fill, replay_prep, replay_args,
+    guard, narrow, device, ids_h2d, launch, event, replay_return, eager, capture, mover,
+    tracker_begin, ...), one dict per job, the last `keep` jobs. Set `engine.trace =
+    SubmitTrace()` or KVTIER_SUBMIT_TRACE=1; off (None) each mark costs one test. The record in
+    progress is per thread."""
 
     def __init__(self, keep: int = 4096):
         self.records: deque[dict] = deque(maxlen=keep)
