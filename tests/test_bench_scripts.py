@@ -95,20 +95,13 @@ def test_probe_process_state_dry_pass_times_every_phase():
 
 
 @no_gpu
-def test_probe_memcpy_size_needs_a_gpu():
-    r = run("probe_memcpy_size.py")
+@pytest.mark.parametrize("script", ["probe_memcpy_size.py", "probe_enqueue_beside.py", "probe_fold_ids.py"])
+def test_gpu_only_probes_say_they_need_a_gpu(script):
+    r = run(script)
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stdout
 
 
 @no_gpu
-def test_probe_enqueue_beside_needs_a_gpu():
-    r = run("probe_enqueue_beside.py")
-    assert r.returncode == 2 and "needs a CUDA GPU" in r.stdout
+def test_probe_enqueue_beside_refuses_a_negative_gap():
     bad = run("probe_enqueue_beside.py", "--gaps", "-1")
     assert bad.returncode != 0 and "--gaps" in bad.stdout + bad.stderr
-
-
-@no_gpu
-def test_probe_fold_ids_needs_a_gpu():
-    r = run("probe_fold_ids.py")
-    assert r.returncode == 2 and "needs a CUDA GPU" in r.stdout
