@@ -3,8 +3,12 @@ submit of 8192 one-token blocks (1 GiB of the 8B shape), timed alone in the host
 submit runs in -- right after an untimed 1 GiB save, as the submit_overhead suite's hot pair --
 and in a tight loop:
 
-  check_fresh   the id check into a new int64 array (np.empty + the C check: what a submit does)
+  check_fresh   the id check into a new int64 array (np.empty + the C check: what a submit did)
   check_reused  the same check into one array made once (no new memory touched)
+  idcheck_new   IdCheck.checked as a save calls it, spares off (a new array per job)
+  idcheck_spare the same with spares (the job's array from those no job holds: a submit now)
+  unique_avx2   a load's check (repeats too) of rising ids into one array, the AVX2 pass
+  unique_scalar the same, the scalar pass (a copy loop, then a second pass for the rising check)
   empty         np.empty of the job's array alone
   narrow        the ids narrowed to int32 into a pinned buffer (the replay's first step), numpy
   read_src      one pass over the caller's ids (np.max): the source read alone
@@ -30,6 +34,7 @@ from probe_hot_submit import make_engine
 from probe_py_cost import interleaved, tight_us
 
 from kvtier.engine.fast import fast
+from kvtier.engine.ids import IdCheck
 
 
 def steps(num_blocks: int, src: torch.Tensor) -> dict:
@@ -50,8 +55,28 @@ def steps(num_blocks: int, src: torch.Tensor) -> dict:
         if fast.check_ids(p, 1, n, num_blocks, None, reused):
             raise SystemExit("ids out of range")
 
+    def keep(a):  # as jobs keep their ids a while
+        held.append(a)
+        if len(held) > 4:
+            held.pop(0)
+
+    new, spare = IdCheck(num_blocks, 1, spares=False), IdCheck(num_blocks, 1)
+    bits = np.zeros((num_blocks + 7) // 8, np.uint8)
+
+    def unique(simd: bool):
+        was = fast.set_simd(simd)
+        try:
+            if fast.check_ids(p, 1, n, num_blocks, bits, reused):
+                raise SystemExit("ids out of range or repeated")
+        finally:
+            fast.set_simd(was)
+
     return {
         "check_fresh": check_fresh,
+        "idcheck_new": lambda: keep(new.checked(src, False).ids),
+        "idcheck_spare": lambda: keep(spare.checked(src, False).ids),
+        "unique_avx2": lambda: unique(True),
+        "unique_scalar": lambda: unique(False),
         "check_reused": check_reused,
         "empty": lambda: held.append(np.empty(n, np.int64)) or (len(held) > 4 and held.pop(0)),
         "narrow": lambda: np.copyto(pinned, reused, casting="unsafe"),

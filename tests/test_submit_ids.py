@@ -18,13 +18,19 @@ from kvtier.reference import bits_equal, gather_ref, random_cache
 FAST = fast.fast
 
 
-@pytest.fixture(autouse=True, params=["c", "numpy"])
+@pytest.fixture(autouse=True, params=["c", "c-scalar", "numpy"])
 def native(request, monkeypatch):
-    """Every test twice: with the C helper's check (where built) and with the numpy passes."""
-    if request.param == "c" and FAST is None:
+    """Every test three times: with the C helper's check (where built) -- its AVX2 pass where the
+    CPU has one, then its scalar pass -- and with the numpy passes."""
+    if request.param != "numpy" and FAST is None:
         pytest.skip(f"C helper: {fast.why}")
-    monkeypatch.setattr(ids_mod, "_fast", FAST if request.param == "c" else None)
-    return request.param
+    monkeypatch.setattr(ids_mod, "_fast", FAST if request.param != "numpy" else None)
+    if request.param == "c-scalar":
+        was = FAST.set_simd(False)
+        yield request.param
+        FAST.set_simd(was)
+    else:
+        yield request.param
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,11 @@ sequence of ints) into an int64 array of its own -- the job keeps it, so the cal
 buffer -- and checks it: in range (one pass: a negative id viewed as unsigned is out of range
 too), distinct where asked (one byte per block marked, counted, cleared), `num_tokens` fitting.
 With the C helper (`fast.py`) the usual input -- a contiguous int64/int32 tensor or array -- is
-copied and checked in one C call instead; the errors are the same.
+copied and checked in one C call instead; the errors are the same. For jobs of SPARE_MIN ids or
+more that call also picks the job's array from a few spares of that length: one that no job,
+tracker entry or view holds any more (a reference count of 1, read under the GIL), so a serving
+loop of like-sized jobs touches no new memory per job (the H200 hosts: a new 64 KiB array cost
+~6 us more than a reused one right after a 1 GiB copy, `probe_ids_cost.py`).
 
 `HostRing` holds the host buffers a graph's ids are copied from. An asynchronous H2D copy reads
 its pinned source when the stream reaches it, not when it is enqueued: a buffer is written again
@@ -15,6 +19,7 @@ only once the event recorded after its last copy has completed.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -25,15 +30,21 @@ import torch
 from kvtier.engine.fast import fast as _fast
 from kvtier.lifecycle.blocks import CheckedBlocks
 
+SPARE_MIN = 1024  # ids from which a job's array comes from spares (smaller ones: malloc's bins)
+SPARE_BYTES = 4 << 20  # spares of one length, at most (64 arrays of 8192 ids)
+SPARE_LENGTHS = 4  # lengths with spares, the latest ones (others: a new array per job)
+
 
 class IdCheck:
     """Checks ids against a cache of `num_blocks` blocks of `block_size` tokens. Thread-safe."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, spares: bool = True):
         self.num_blocks, self.block_size = num_blocks, block_size
+        self._spare_min = SPARE_MIN if spares else sys.maxsize  # spares: see the module docstring
         self._lock = threading.Lock()
         self._seen = np.zeros(num_blocks, dtype=bool)  # scratch of the duplicate check, all False between
         self._bits = np.zeros((num_blocks + 7) // 8, dtype=np.uint8)  # the C check's: a bit per block
+        self._spares: dict[int, list[np.ndarray]] = {}  # length -> arrays, in order of use (`_fast`)
 
     def __call__(self, block_ids, unique: bool, num_tokens: int | None = None) -> torch.Tensor:
         """int64 [n] CPU block ids (the job's own copy), in range (distinct when `unique`),
@@ -90,13 +101,34 @@ class IdCheck:
             return None
         if n == 0:
             return None  # the numpy path raises the error for an empty list
+        bits = self._bits if unique else None
+        spares = (self._spares.get(n) or self._new_spares(n)) if n >= self._spare_min else None
+        if spares is not None:
+            if unique:
+                with self._lock:  # the scratch mask is shared: one check at a time marks it
+                    got = _fast.check_ids(src, wide, n, self.num_blocks, bits, spares)
+            else:
+                got = _fast.check_ids(src, wide, n, self.num_blocks, None, spares)
+            if got is not None:  # a free spare held the copy: the array, or what was wrong
+                return (got, 0) if type(got) is np.ndarray else (None, got)
         a = np.empty(n, dtype=np.int64)  # the job's own copy
         if unique:
             with self._lock:  # the scratch mask is shared: one check at a time marks it
-                rc = _fast.check_ids(src, wide, n, self.num_blocks, self._bits, a)
+                rc = _fast.check_ids(src, wide, n, self.num_blocks, bits, a)
         else:
             rc = _fast.check_ids(src, wide, n, self.num_blocks, None, a)
+        if spares is not None and rc == 0 and len(spares) * n * 8 < SPARE_BYTES:
+            spares.append(a)  # a spare once the job and the tracker let it go
         return a, rc
+
+    def _new_spares(self, n: int) -> list[np.ndarray]:
+        """The spares of length `n` (made now if new); the length that got spares longest ago
+        gives them up when more than SPARE_LENGTHS lengths have some."""
+        with self._lock:
+            spares = self._spares.setdefault(n, [])
+            while len(self._spares) > SPARE_LENGTHS:
+                del self._spares[next(iter(self._spares))]  # dicts keep insertion order: the oldest
+            return spares
 
     @staticmethod
     def _array(block_ids) -> np.ndarray:

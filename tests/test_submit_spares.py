@@ -1,0 +1,161 @@
+"""The job's id array from spares (engine/ids.py, `_fast.check_ids` given a list): only an array
+nothing but the list holds is written, the list stays in order of use and bounded, bad ids leave
+it as it was, and an engine's jobs keep their own ids while anything holds them. Also the AVX2
+and scalar passes of the check against numpy, on the lengths around the vector width."""
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.device import SimDevice
+from kvtier.engine import TransferEngine, fast
+from kvtier.engine.ids import SPARE_BYTES, SPARE_LENGTHS, SPARE_MIN, IdCheck
+from kvtier.pool import PinnedPool
+from kvtier.reference import bits_equal, gather_ref, random_cache
+
+FAST = fast.fast
+pytestmark = pytest.mark.skipif(FAST is None, reason=f"C helper: {fast.why}")
+
+
+def test_check_writes_only_a_spare_nothing_else_holds():
+    spares = [np.full(4, -1, np.int64) for _ in range(3)]
+    first, second, third = (id(a) for a in spares)  # ids only: a name would hold the array
+    held = FAST.check_ids(np.arange(4), 1, 4, 10, None, spares)  # the first: free
+    assert id(held) == first and held.tolist() == [0, 1, 2, 3]
+    assert [id(a) for a in spares] == [second, third, first]  # moved to the end: in order of use
+    view = torch.from_numpy(spares[0])  # a view holds the second array: it is someone's ids
+    got = FAST.check_ids(np.arange(4, 8), 1, 4, 10, None, spares)
+    assert id(got) == third and view.tolist() == [-1] * 4 and held.tolist() == [0, 1, 2, 3]
+    assert FAST.check_ids(np.arange(4), 1, 4, 10, None, spares) is None  # all three held: no write
+    assert [a.tolist() for a in spares] == [[-1] * 4, [0, 1, 2, 3], [4, 5, 6, 7]]
+    del view
+    gc.collect()
+    again = FAST.check_ids(np.arange(2, 6), 1, 4, 10, None, spares)  # the second is free again
+    assert id(again) == second and again.tolist() == [2, 3, 4, 5]
+
+
+def test_check_skips_spares_of_another_length_and_probes_only_the_first_few():
+    spares = [np.zeros(3, np.int64), *(np.zeros(4, np.int64) for _ in range(5))]
+    holders = spares[1:5]  # the four after the short one are someone's
+    assert FAST.check_ids(np.arange(4), 1, 4, 10, None, spares) is None  # the free one is the sixth
+    want = id(spares[1])
+    holders.clear()
+    assert id(FAST.check_ids(np.arange(4), 1, 4, 10, None, spares)) == want
+    assert spares[0].tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("bad, rc", [([1, 2, 10, 3], 1), ([1, 2, 1, 3], 2)])
+def test_bad_ids_leave_the_spares_as_they_were(bad, rc):
+    spares = [np.zeros(4, np.int64), np.zeros(4, np.int64)]
+    order = [id(a) for a in spares]
+    seen = np.zeros(2, np.uint8)
+    assert FAST.check_ids(np.array(bad), 1, 4, 10, seen, spares) == rc
+    assert [id(a) for a in spares] == order and not seen.any()
+
+
+@pytest.mark.parametrize("simd", [True, False])
+def test_both_passes_match_numpy_around_the_vector_width(simd):
+    """Lengths 1..40 and a few large ones, int64 and int32 sources, rising or not, one id out of
+    range (first vector, middle, tail) or negative, a repeat of a neighbour or of a far id: the
+    verdict of numpy and the same copy, the repeat mask clear after each (poisoned outputs)."""
+    was = FAST.set_simd(simd)
+    rng = np.random.default_rng(3)
+    try:
+        for n in [*range(1, 41), 511, 4097, 8192]:
+            nb = 4 * n + 3
+            for kind in ("rising", "shuffled", "neighbour", "far", "range", "negative"):
+                a = np.sort(rng.choice(nb, n, replace=False)).astype(np.int64)
+                if kind == "shuffled":
+                    rng.shuffle(a)
+                at = int(rng.integers(0, n))
+                if kind == "neighbour" and n > 1:
+                    a[max(at, 1)] = a[max(at, 1) - 1]
+                elif kind == "far" and n > 1:
+                    a[-1] = a[0]
+                elif kind == "range":
+                    a[at] = nb
+                elif kind == "negative":
+                    a[at] = -1
+                for src in (a, a.astype(np.int32)):
+                    for unique in (False, True):
+                        seen = np.zeros((nb + 7) // 8, np.uint8) if unique else None
+                        out = np.full(n, -7, np.int64)
+                        rc = FAST.check_ids(src, src.dtype == np.int64, n, nb, seen, out)
+                        bad = ((a < 0) | (a >= nb)).any()
+                        want = 1 if bad else 2 if unique and len(np.unique(a)) != n else 0
+                        assert rc == want, (n, kind, src.dtype, unique)
+                        assert rc or np.array_equal(out, a)
+                        assert seen is None or not seen.any()
+    finally:
+        FAST.set_simd(was)
+
+
+def test_idcheck_reuses_a_job_array_once_nothing_holds_it():
+    check = IdCheck(num_blocks=4 * SPARE_MIN, block_size=1)
+    src = torch.arange(SPARE_MIN)
+    a = check.checked(src, False).ids
+    b = check.checked(src + 1, False).ids
+    assert not np.shares_memory(a, b) and a.tolist() == src.tolist()
+    kept = torch.from_numpy(b)  # the caller keeps job b's ids as a tensor
+    del a, b
+    gc.collect()
+    c = check.checked(src + 2, True).ids  # reuses the first array, never b's
+    assert kept.tolist() == (src + 1).tolist() and c.tolist() == (src + 2).tolist()
+    assert len(check._spares[SPARE_MIN]) == 2  # no new array was needed
+    assert check.checked(src, False).ids is not c
+
+
+def test_idcheck_spares_are_bounded():
+    check = IdCheck(num_blocks=1 << 16, block_size=1)
+    n = SPARE_MIN * 4
+    held = [check.checked(torch.arange(n), False).ids for _ in range(SPARE_BYTES // (8 * n) + 5)]
+    assert len(check._spares[n]) * n * 8 <= SPARE_BYTES and len(held) > len(check._spares[n])
+    for k in range(SPARE_LENGTHS + 2):  # more lengths than kept: the oldest give theirs up
+        check.checked(torch.arange(SPARE_MIN + k), False)
+    assert len(check._spares) == SPARE_LENGTHS and n not in check._spares
+    small = IdCheck(num_blocks=64, block_size=1)
+    small.checked(torch.arange(SPARE_MIN - 1 if SPARE_MIN <= 64 else 8), False)
+    assert small._spares == {}  # short jobs take a new array (malloc's bins are fast for them)
+    off = IdCheck(num_blocks=1 << 16, block_size=1, spares=False)
+    off.checked(torch.arange(n), False)
+    assert off._spares == {}
+
+
+def test_engine_jobs_keep_their_ids_while_spares_are_reused():
+    """Saves and loads of SPARE_MIN blocks on SimDevice with late copies, two jobs in flight at a
+    time and jobs dropped at random moments: each live job's ids stay what was submitted, every
+    loaded block holds what was saved, and few arrays serve many jobs."""
+    rng = np.random.default_rng(5)
+    n, half = SPARE_MIN, 2 * SPARE_MIN
+    dev = SimDevice(copy_delay=(0.0, 0.002), seed=5)
+    kv = random_cache("vllm_flash", 1, 2 * half, 1, 1, 4, torch.bfloat16, seed=5)
+    pool = PinnedPool(dev, 4 * kv.chunk_nbytes(n))
+    eng = TransferEngine(dev, kv, pool, sanitize=True)
+    live: list = []
+    try:
+        for _ in range(30):
+            # from the lower half, which no load writes
+            saves = [torch.from_numpy(rng.permutation(half)[:n]) for _ in range(2)]
+            jobs = [eng.save(ids, after=None) for ids in saves]  # both in flight at once
+            live += [(j, ids.clone()) for j, ids in zip(jobs, saves, strict=True)]
+            for job, ids in zip(jobs, saves, strict=True):
+                assert job.wait()
+                if rng.random() < 0.5:
+                    dst = torch.from_numpy(half + rng.permutation(half)[:n])
+                    load = eng.load(job.slot, dst)
+                    live.append((load, dst.clone()))
+                    assert load.wait()
+                    assert bits_equal(gather_ref(kv, dst), gather_ref(kv, ids))
+                eng.release(job.slot)
+            for job, ids in live:
+                assert job.blocks.tolist() == ids.tolist()  # no spare was taken while its job lived
+            rng.shuffle(live)
+            del live[: int(rng.integers(0, len(live) + 1))]
+        assert len(eng._check_ids._spares[n]) < 30  # reused: 60+ jobs, fewer arrays
+    finally:
+        live.clear()
+        eng.close()
+        pool.close()
+        dev.close()
