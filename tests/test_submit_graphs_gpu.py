@@ -42,14 +42,14 @@ def test_many_queued_replays_keep_their_own_ids(direct):
     first = eng.save(list(range(n)), after=None)  # eager + capture of the key
     assert first.wait()
     eng.release(first.slot)
-    want, out = [], []
+    srcs = [rng.sample(range(64), n) for _ in range(jobs)]
+    with torch.cuda.stream(dev.current_stream().raw):
+        want = [gather_ref(kv, src) for src in srcs]  # before the sleep: its first kernel loads take ms
+    out = []
     with torch.cuda.stream(eng.save_stream.raw):
         torch.cuda._sleep(SLEEP)  # the copies below all wait behind this: every ids copy is queued
-    for _ in range(jobs):
-        src = rng.sample(range(64), n)
-        with torch.cuda.stream(dev.current_stream().raw):
-            want.append(gather_ref(kv, src))
-        out.append(eng.save(src, after=None))
+    for src in srcs:
+        out.append(eng.save(src, after=None))  # back to back: nothing else on the host meanwhile
     assert g.stats.replays == jobs and g.stats.failures == 0, g.stats
     ring = next(iter(g.cache._d.values())).ring
     print(f"\nring buffers {len(ring)} (grown {ring.grown}, host waits {ring.waited}); {g.stats}")
