@@ -110,3 +110,44 @@ def test_alternating_slots_bit_exact(slot_execs):
     eng.close()
     assert pool.stats().used == 0
     pool.close()
+
+
+def test_spare_id_arrays_across_queued_rounds_bit_exact():
+    """Jobs of SPARE_MIN one-token blocks (the job's id array from spares, `engine/ids.py`) saved
+    and loaded back from graph replays queued behind a busy copy stream, round after round: the
+    arrays of finished rounds serve the next ones, and every slot and loaded block is bit-exact."""
+    from kvtier.device import CudaDevice
+    from kvtier.engine.ids import SPARE_MIN
+
+    n, jobs, half = SPARE_MIN, 6, 2 * SPARE_MIN
+    dev = CudaDevice()
+    kv = random_cache("vllm_flash", 2, 2 * half, 1, 1, 8, torch.bfloat16, "cuda", seed=9)
+    pool = PinnedPool(dev, max(2 << 20, (jobs + 1) * kv.chunk_nbytes(n)))
+    eng = TransferEngine(dev, kv, pool, path="staged", sanitize=True, staging_bytes=2 * 256 * kv.block_nbytes)
+    torch.cuda.synchronize()  # the random cache was written on the compute stream: let it land
+    rng = random.Random(13)
+    made = 0
+    for r in range(4):
+        srcs = [rng.sample(range(half), n) for _ in range(jobs)]  # the lower half: no load writes it
+        with torch.cuda.stream(dev.current_stream().raw):
+            want = [gather_ref(kv, s) for s in srcs]
+        with torch.cuda.stream(eng.save_stream.raw):
+            torch.cuda._sleep(SLEEP)  # the replays below queue behind it
+        saves = [eng.save(torch.tensor(s), after=None) for s in srcs]
+        for job, w in zip(saves, want, strict=True):
+            assert job.wait()
+            assert bits_equal(job.slot.view(kv.dtype, kv.chunk_shape(n)).cuda(), w), r
+            dst = rng.sample(range(half, 2 * half), n)
+            load = eng.load(job.slot, torch.tensor(dst))
+            assert load.wait()
+            torch.cuda.synchronize()
+            assert bits_equal(gather_ref(kv, dst), w), r
+            eng.release(job.slot)
+        made = len(eng._check_ids._spares[n])
+        del saves, job, load
+        eng.poll()
+    print(f"\n{made} spare arrays for {4 * jobs * 2} jobs; {eng.graph_stats}")
+    assert made < 4 * jobs * 2 and eng.graph_stats.replays > 0 and eng.graph_stats.failures == 0
+    eng.close()
+    assert pool.stats().used == 0
+    pool.close()
