@@ -158,7 +158,7 @@ class TransferEngine(Completion, ComputeAccess):
                     tr.mark("event")
                 self.blocks.register(Access.SAVE, bset, e_save, waited)
                 self.slots.begin_fill(slot, e_save)  # READY only once e_save has completed
-                job = SaveJob(self, slot, e_save, ids, nbytes, p.value, time.perf_counter() - t0)
+                job = SaveJob(self, slot, e_save, ids, nbytes, p._value_, time.perf_counter() - t0)
                 self._jobs.append(job)
                 if tr is not None:
                     tr.mark("tracker_begin")
@@ -226,7 +226,7 @@ class TransferEngine(Completion, ComputeAccess):
             self.slots.begin_read(slot, e_load)  # the slot may be freed only after e_load
             self.blocks.register(Access.LOAD, bset, e_load, waits)
             layer_events = [*layers, e_load] if layers else [e_load] * self.kv.num_layers
-            job = LoadJob(self, slot, e_load, ids, nbytes, p.value, 0.0, layer_events=layer_events)
+            job = LoadJob(self, slot, e_load, ids, nbytes, p._value_, 0.0, layer_events=layer_events)
             self._jobs.append(job)
         job.submit_s = time.perf_counter() - t0
         if tr is not None:
