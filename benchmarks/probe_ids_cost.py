@@ -9,6 +9,9 @@ and in a tight loop:
   idcheck_spare the same with spares (the job's array from those no job holds: a submit now)
   unique_avx2   a load's check (repeats too) of rising ids into one array, the AVX2 pass
   unique_scalar the same, the scalar pass (a copy loop, then a second pass for the rising check)
+  random_small  IdCheck.checked as a load calls it, random distinct ids of this cache (its mask)
+  random_1m     the same in a cache of 2**20 blocks (one-token pages of a big HBM): a table of the ids
+  random_1m_mask the same through the mask (128 KiB, one random mark per id), as before the table
   empty         np.empty of the job's array alone
   narrow        the ids narrowed to int32 into a pinned buffer (the replay's first step), numpy
   read_src      one pass over the caller's ids (np.max): the source read alone
@@ -71,8 +74,23 @@ def steps(num_blocks: int, src: torch.Tensor) -> dict:
         finally:
             fast.set_simd(was)
 
+    rng = np.random.default_rng(0)
+    small, big = IdCheck(num_blocks, 1), IdCheck(1 << 20, 1)
+    ids_small = torch.from_numpy(rng.permutation(num_blocks)[:n])
+    ids_big = torch.from_numpy(rng.permutation(1 << 20)[:n])
+
+    def big_mask():
+        was = fast.set_table(False)
+        try:
+            keep(big.checked(ids_big, True).ids)
+        finally:
+            fast.set_table(was)
+
     return {
         "check_fresh": check_fresh,
+        "random_small": lambda: keep(small.checked(ids_small, True).ids),
+        "random_1m": lambda: keep(big.checked(ids_big, True).ids),
+        "random_1m_mask": big_mask,
         "idcheck_new": lambda: keep(new.checked(src, False).ids),
         "idcheck_spare": lambda: keep(spare.checked(src, False).ids),
         "unique_avx2": lambda: unique(True),
@@ -100,7 +118,7 @@ def main() -> int:
     ops = steps(kv.num_blocks, src)
     print(f"{src.shape[0]} ids ({src.shape[0] * 8 // 1024} KiB as int64), cache of {kv.num_blocks} blocks")
     for name, op in ops.items():
-        print(f"tight loop   {name:13s} {tight_us(op, 300, skip=50):7.2f} us")
+        print(f"tight loop   {name:14s} {tight_us(op, 300, skip=50):7.2f} us")
 
     def after_save(name: str) -> float:
         job = eng.save(src, after=None)  # the hot pair's untimed save: the host state
@@ -114,7 +132,7 @@ def main() -> int:
     got = interleaved(ops, args.reps, after_save, random.Random(0))
     for name, us in got.items():
         q1, q3 = np.percentile(us, [25, 75])
-        print(f"after a save {name:13s} {statistics.median(us):7.2f} us (p25 {q1:6.2f}, p75 {q3:6.2f})")
+        print(f"after a save {name:14s} {statistics.median(us):7.2f} us (p25 {q1:6.2f}, p75 {q3:6.2f})")
     eng.close()
     pool.close()
     dev.close()

@@ -215,3 +215,38 @@ def test_strided_and_foreign_inputs_take_the_numpy_path():
     big_endian = np.array([4, 5], dtype=">i8")
     assert check(big_endian, unique=True).tolist() == [4, 5]
     assert check(np.array([6, 7], dtype=np.int16), unique=True).tolist() == [6, 7]
+
+
+@pytest.mark.parametrize("table", [True, False])
+@pytest.mark.parametrize("dtype", [np.int64, np.int32])
+def test_repeats_in_a_big_cache(dtype, table, native):
+    """A cache whose mask would outweigh a table of the ids (4M blocks: 512 KiB of mask): the C
+    check finds repeats through a table of its own (or its mask, `set_table(False)`), the numpy
+    path through its mask -- the verdict of np.unique for random ids of many lengths, a repeat
+    first, last or in between, or none; the shared mask all clear after."""
+    if native == "numpy" and not table:
+        pytest.skip("the numpy path has one way")
+    was = FAST.set_table(table) if native != "numpy" else None
+    try:
+        _big_cache_repeats(dtype)
+    finally:
+        if was is not None:
+            FAST.set_table(was)
+
+
+def _big_cache_repeats(dtype):
+    check = IdCheck(num_blocks=1 << 22, block_size=1)
+    rng = np.random.default_rng(17)
+    for n in [1, 2, 3, 7, 64, 1000, 4097, 8192]:
+        ids = rng.choice(1 << 22, size=n, replace=False).astype(dtype)
+        assert np.array_equal(check(ids, unique=True).numpy(), ids)
+        for at in {0, n // 2, n - 1} if n > 1 else ():
+            bad = ids.copy()
+            bad[at] = bad[(at + 1) % n]
+            with pytest.raises(ValueError, match="duplicate"):
+                check(bad, unique=True)
+            assert check(bad, unique=False).tolist() == bad.tolist()  # a save may name a block twice
+        assert not check._bits.any() and not check._seen.any()
+    top = np.array([(1 << 22) - 1, 0, (1 << 22) - 1], dtype=dtype)  # the largest id, repeated
+    with pytest.raises(ValueError, match="duplicate"):
+        check(top, unique=True)
