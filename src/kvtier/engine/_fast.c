@@ -206,17 +206,25 @@ static int repeats(const int64_t *out, long long n, long long num_blocks, uint8_
 
 /* The same check where the mask would be larger than a table of the ids themselves (a big cache,
  * e.g. one-token pages of a million blocks: 128 KiB of mask, whose random marks miss the cache
- * once per id -- 73 us for 8192 ids on the CI CPU after its caches were flushed, 28 this way):
- * an open-addressing table of 2n..4n 32-bit ids (0xFFFFFFFF: empty), made for this call and
- * filled in one sequential sweep, so no state is shared. 0, 2 for a repeat, -1 if no memory
- * (the caller then uses the mask). Ids must be below 0xFFFFFFFF (`use_table` checks). */
+ * once per id): an open-addressing table of 2n..4n 32-bit ids (0xFFFFFFFF: empty), filled in
+ * one sequential sweep. The table is this module's own, grown as needed and kept (a table
+ * allocated per call came back from malloc as new pages each time: 93 us against the mask's 67
+ * on an H200 host, `probe_ids_cost.py` -31); calls hold the GIL, so one runs at a time. 0, 2 for
+ * a repeat, -1 if no memory (the caller then uses the mask). Ids must be below 0xFFFFFFFF. */
+static uint32_t *table;
+static size_t table_size;
 static int repeats_table(const int64_t *out, long long n) {
     size_t size = 4;
     while (size < 2 * (size_t)n)
         size <<= 1;
-    uint32_t *tab = malloc(size * sizeof(uint32_t));
-    if (tab == NULL)
-        return -1;
+    if (size > table_size) {
+        uint32_t *grown = realloc(table, size * sizeof(uint32_t));
+        if (grown == NULL)
+            return -1;
+        table = grown;
+        table_size = size;
+    }
+    uint32_t *tab = table;
     memset(tab, 0xFF, size * sizeof(uint32_t));
     const int shift = 64 - __builtin_ctzll(size);
     int rc = 0;
@@ -230,7 +238,6 @@ static int repeats_table(const int64_t *out, long long n) {
             h = (h + 1) & (size - 1);
         }
     }
-    free(tab);  /* this call's own: nothing else reads it */
     return rc;
 }
 
