@@ -10,8 +10,7 @@ and in a tight loop:
   unique_avx2   a load's check (repeats too) of rising ids into one array, the AVX2 pass
   unique_scalar the same, the scalar pass (a copy loop, then a second pass for the rising check)
   random_small  IdCheck.checked as a load calls it, random distinct ids of this cache (its mask)
-  random_1m     the same in a cache of 2**20 blocks (one-token pages of a big HBM): a table of the ids
-  random_1m_mask the same through the mask (128 KiB, one random mark per id), as before the table
+  random_1m     the same in a cache of 2**20 blocks (one-token pages of a big HBM): 128 KiB of mask
   empty         np.empty of the job's array alone
   narrow        the ids narrowed to int32 into a pinned buffer (the replay's first step), numpy
   read_src      one pass over the caller's ids (np.max): the source read alone
@@ -79,18 +78,10 @@ def steps(num_blocks: int, src: torch.Tensor) -> dict:
     ids_small = torch.from_numpy(rng.permutation(num_blocks)[:n])
     ids_big = torch.from_numpy(rng.permutation(1 << 20)[:n])
 
-    def big_mask():
-        was = fast.set_table(False)
-        try:
-            keep(big.checked(ids_big, True).ids)
-        finally:
-            fast.set_table(was)
-
     return {
         "check_fresh": check_fresh,
         "random_small": lambda: keep(small.checked(ids_small, True).ids),
         "random_1m": lambda: keep(big.checked(ids_big, True).ids),
-        "random_1m_mask": big_mask,
         "idcheck_new": lambda: keep(new.checked(src, False).ids),
         "idcheck_spare": lambda: keep(spare.checked(src, False).ids),
         "unique_avx2": lambda: unique(True),

@@ -217,24 +217,10 @@ def test_strided_and_foreign_inputs_take_the_numpy_path():
     assert check(np.array([6, 7], dtype=np.int16), unique=True).tolist() == [6, 7]
 
 
-@pytest.mark.parametrize("table", [True, False])
 @pytest.mark.parametrize("dtype", [np.int64, np.int32])
-def test_repeats_in_a_big_cache(dtype, table, native):
-    """A cache whose mask would outweigh a table of the ids (4M blocks: 512 KiB of mask): the C
-    check finds repeats through a table of its own (or its mask, `set_table(False)`), the numpy
-    path through its mask -- the verdict of np.unique for random ids of many lengths, a repeat
-    first, last or in between, or none; the shared mask all clear after."""
-    if native == "numpy" and not table:
-        pytest.skip("the numpy path has one way")
-    was = FAST.set_table(table) if native != "numpy" else None
-    try:
-        _big_cache_repeats(dtype)
-    finally:
-        if was is not None:
-            FAST.set_table(was)
-
-
-def _big_cache_repeats(dtype):
+def test_repeats_in_a_big_cache(dtype):
+    """A big cache (4M blocks: 512 KiB of mask): the verdict of np.unique for random ids of many
+    lengths, a repeat first, last or in between, or none; the mask all clear after."""
     check = IdCheck(num_blocks=1 << 22, block_size=1)
     rng = np.random.default_rng(17)
     for n in [1, 2, 3, 7, 64, 1000, 4097, 8192]:

@@ -6,7 +6,6 @@
  *   check_ids(src, wide, n, num_blocks, seen, out) -> 0 ok | 1 an id out of range | 2 a repeat
  *   check_ids(src, wide, n, num_blocks, seen, spares) -> the array used | 1 | 2 | None (none free)
  *   set_simd(on) -> whether the AVX2 pass was on (tests run both passes; off where unsupported)
- *   set_table(on) -> whether a big cache's repeat check used a table of the ids (else the mask)
  *   set_runtime(memcpy_async, graph_launch, event_record, get_device, set_device, event_query)
  *   replay(ids, n, host32, dev32, exec, stream, event, device, guard) -> 0 | step << 32 | cudaError
  *   replay_steps(..., ns)   the same, ns (8 int64) getting the time at entry and after each step
@@ -21,7 +20,6 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #if defined(__SSE2__)
@@ -204,55 +202,6 @@ static int repeats(const int64_t *out, long long n, long long num_blocks, uint8_
     return rc;
 }
 
-/* The same check where the mask would be larger than a table of the ids themselves (a big cache,
- * e.g. one-token pages of a million blocks: 128 KiB of mask, whose random marks miss the cache
- * once per id): an open-addressing table of 2n..4n 32-bit ids (0xFFFFFFFF: empty), filled in
- * one sequential sweep. The table is this module's own, grown as needed and kept (a table
- * allocated per call came back from malloc as new pages each time: 93 us against the mask's 67
- * on an H200 host, `probe_ids_cost.py` -31); calls hold the GIL, so one runs at a time. 0, 2 for
- * a repeat, -1 if no memory (the caller then uses the mask). Ids must be below 0xFFFFFFFF. */
-static uint32_t *table;
-static size_t table_size;
-static int repeats_table(const int64_t *out, long long n) {
-    size_t size = 4;
-    while (size < 2 * (size_t)n)
-        size <<= 1;
-    if (size > table_size) {
-        uint32_t *grown = realloc(table, size * sizeof(uint32_t));
-        if (grown == NULL)
-            return -1;
-        table = grown;
-        table_size = size;
-    }
-    uint32_t *tab = table;
-    memset(tab, 0xFF, size * sizeof(uint32_t));
-    const int shift = 64 - __builtin_ctzll(size);
-    int rc = 0;
-    for (long long i = 0; i < n && rc == 0; i++) {
-        const uint32_t v = (uint32_t)out[i];
-        size_t h = (size_t)(((uint64_t)v * 0x9E3779B97F4A7C15ULL) >> shift);  /* Fibonacci hashing */
-        for (;;) {
-            const uint32_t e = tab[h];
-            if (e == 0xFFFFFFFFu) { tab[h] = v; break; }
-            if (e == v) { rc = 2; break; }
-            h = (h + 1) & (size - 1);
-        }
-    }
-    return rc;
-}
-
-/* The table where the mask's bytes exceed the table's (the mask's random marks then touch more
- * cache lines than the table's sweep) and every id fits 32 bits; never while `table_on` is 0. */
-static int table_on = 1;
-static int use_table(long long n, long long num_blocks) {
-    if (!table_on)
-        return 0;
-    size_t size = 4;
-    while (size < 2 * (size_t)n)
-        size <<= 1;
-    return num_blocks < 0xFFFFFFFFLL && (size_t)(num_blocks + 7) / 8 > size * sizeof(uint32_t);
-}
-
 /* The first array of the list `spares` that nothing but the list holds (a reference count of 1,
  * read under the GIL: no job, tracker entry, view or buffer export has it), of exactly `nbytes`;
  * NULL if the first SPARE_PROBES hold none. Its index in *at. The list is kept in order of use
@@ -326,8 +275,6 @@ static PyObject *check_ids(PyObject *self, PyObject *const *args, Py_ssize_t nar
     int up = 0;
     long rc = copy_ids(src, (int)wide, n, (uint64_t)num_blocks, out, seenp != NULL ? &up : NULL);
     if (rc == 0 && seenp != NULL && !up)  /* a rising list (the usual request) has no repeat */
-        rc = use_table(n, num_blocks) ? repeats_table(out, n) : -1;
-    if (rc < 0)
         rc = repeats(out, n, num_blocks, (uint8_t *)seenp);
     if (vs.obj) PyBuffer_Release(&vs);
     if (vo.obj) PyBuffer_Release(&vo);
@@ -341,17 +288,6 @@ static PyObject *check_ids(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     }
     return out_obj;
-}
-
-/* set_table(on) -> whether big caches' repeat check used its table before (tests and probes run
- * the mask there too). */
-static PyObject *set_table(PyObject *self, PyObject *arg) {
-    const int want = PyObject_IsTrue(arg);
-    if (want < 0)
-        return NULL;
-    const int was = table_on;
-    table_on = want;
-    return PyBool_FromLong(was);
 }
 
 /* set_simd(on) -> whether the AVX2 pass was on before; it is turned on only where the CPU has
@@ -549,7 +485,6 @@ static PyObject *replay_steps(PyObject *self, PyObject *const *args, Py_ssize_t 
 static PyMethodDef methods[] = {
     {"check_ids", (PyCFunction)(void (*)(void))check_ids, METH_FASTCALL, "Copy and check block ids."},
     {"set_simd", (PyCFunction)set_simd, METH_O, "Turn the AVX2 pass of check_ids on or off."},
-    {"set_table", (PyCFunction)set_table, METH_O, "Turn the table of check_ids' repeat check on or off."},
     {"set_runtime", (PyCFunction)(void (*)(void))set_runtime, METH_FASTCALL, "The runtime's function addresses."},
     {"replay", (PyCFunction)(void (*)(void))replay, METH_FASTCALL, "Ids copy, graph launch, event record."},
     {"replay_steps", (PyCFunction)(void (*)(void))replay_steps, METH_FASTCALL, "replay, timing each runtime call."},
