@@ -284,7 +284,7 @@ def test_fused_replay_records_the_jobs_event_and_guards_the_buffer(runtime):
         ("record", EVENT, STREAM),
     ]
     assert done.stream is on  # the engine sees it recorded and records nothing more
-    assert entry.ring._events[0] is done  # buffer 0 is rewritten only after the job's event
+    assert entry.ring.guards[0] is done  # buffer 0 is rewritten only after the job's event
     assert g.replay(key, np.array([0, 1, 2, 3]), FakeStream(), Nodes.base, RawEvent(), on)
     assert rt.log[3][2] == entry.ring.buffers[1].ptr  # buffer 0 still read: the next one
     assert g.stats.replays == 2
@@ -308,7 +308,7 @@ def test_fused_replay_failure_is_a_miss(runtime, fail, armed):
     assert not g.fused and g.stats.misses == 1 and g.stats.failures == 1 and done.stream is None
     # A copy that was enqueued still reads buffer 0: it waits for the job's event (recorded after
     # the eager path); one that was not leaves the buffer free.
-    assert (entry.ring._events[0] is done) == armed
+    assert (entry.ring.guards[0] is done) == armed
 
 
 def test_fused_replay_failed_record_raises_after_the_copy_ran(runtime):

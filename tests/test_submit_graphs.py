@@ -182,18 +182,34 @@ def test_ids_buffer_cast_is_exact():
     assert buf.tensor.tolist() == [0, 1, 2**31 - 1, 7]
 
 
+@pytest.mark.parametrize("direction", ["save", "load"])
 @pytest.mark.parametrize("num_tokens", [None, 33])
-def test_the_movers_key_is_graph_key(num_tokens):
-    """CudaMover builds its graph keys itself (one call fewer per submit): the same tuple."""
+def test_the_movers_key_is_graph_key(num_tokens, direction):
+    """CudaMover builds its graph keys inline (one call fewer per submit): the same tuple as
+    graph_key, handed to the graphs' replay; with graphs off no replay is tried."""
     from types import SimpleNamespace
 
     from kvtier.engine.cuda_mover import CudaMover
+    from kvtier.engine.paths import Path
+
+    keys = []
+
+    def replay(key, ids, raw, slot_ptr, done, stream):
+        keys.append((key, slot_ptr))
+        return True  # replayed: the mover returns before any eager work
 
     mover = SimpleNamespace(
-        graphs=SimpleNamespace(enabled=True), _block_size=16, _staging_key={"save": (1, 2)}
-    )
-    slot = SimpleNamespace(nbytes=4096)
-    got = CudaMover._key(mover, "save", np.arange(3), num_tokens, slot)
-    assert got == graph_key("save", 4096, 3, 16 if num_tokens is None else 1, (1, 2))
-    mover.graphs.enabled = False
-    assert CudaMover._key(mover, "save", np.arange(3), num_tokens, slot) is None
+        kv=None, graphs=SimpleNamespace(enabled=True, replay=replay), _block_size=16,
+        _save_staging=(), _load_staging=(), _staging_key={"save": (1, 2), "load": (3, 4)},
+    )  # fmt: skip
+    slot, stream = SimpleNamespace(nbytes=4096, ptr=77), SimpleNamespace(raw="raw")
+    if direction == "save":
+        CudaMover.save(mover, Path.STAGED, np.arange(3), num_tokens, slot, stream)
+    else:
+        assert CudaMover.load(mover, Path.STAGED, np.arange(3), num_tokens, slot, stream, False, "l") == []
+    staging = (1, 2) if direction == "save" else (3, 4)
+    assert keys == [(graph_key(direction, 4096, 3, 16 if num_tokens is None else 1, staging), 77)]
+    mover.graphs.enabled = False  # then the eager path runs: it needs a real cache, absent here
+    with pytest.raises(AttributeError):
+        CudaMover.save(mover, Path.STAGED, np.arange(3), num_tokens, slot, stream)
+    assert len(keys) == 1

@@ -225,7 +225,11 @@ class PinnedPool:
         if not isinstance(slot, Slot):
             raise ValueError(f"slot must be a Slot of this pool, got {slot!r}")
         with self._lock:
-            self._mark(slot, busy)
+            if not busy:
+                self._mark(slot, False)
+            elif slot not in self._in_flight:  # a submit's case, `_mark` inline (a call fewer)
+                self._in_flight.add(slot)
+                self._in_flight_bytes += slot.span
 
     def _mark(self, slot: Slot, busy: bool) -> None:
         if busy and slot not in self._in_flight:

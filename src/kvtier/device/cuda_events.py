@@ -141,7 +141,10 @@ class CudaEvent(Event):
         self._dev, self.label, self._stream = device, label, None
         # The cudaEvent_t: read it (a caller recording it in a call of its own, `mark_recorded`),
         # never assign it. A plain attribute: the C helper's replay reads it on every submit.
-        self.handle = device._handles.take()
+        try:  # a free handle, popped inline (the usual case: a call fewer); else `take` makes one
+            self.handle = device._handles._free.pop()  # one atomic pop: safe beside other threads
+        except IndexError:
+            self.handle = device._handles.take()
         # Records so far, and the count at which a query or wait last saw the event complete: while
         # they are equal it is complete (work it recorded stays done) and no runtime call is made.
         # A record bumps _gen only after the runtime took it, and a check stores the _gen it read

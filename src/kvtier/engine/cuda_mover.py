@@ -69,9 +69,15 @@ class CudaMover:
             if self._save_staging is None:
                 self._save_staging = ops.make_staging(kv, self.chunk_blocks)
                 self._staging_key["save"] = tuple(t.data_ptr() for t in self._save_staging)
-            key = self._key("save", ids, num_tokens, slot)
-            if key is not None and self.graphs.replay(key, ids, raw, slot.ptr, done, stream):
-                return  # `done` recorded too where the C helper could (done.stream set)
+            g = self.graphs
+            if g is not None and g.enabled:  # the graph key (`graph_key`'s tuple) inline: a call fewer
+                n, bs = ids.shape[0], self._block_size
+                last_valid = bs if num_tokens is None else num_tokens - (n - 1) * bs  # checked by the engine
+                key = ("save", slot.nbytes, n, last_valid, self._staging_key["save"])
+                if g.replay(key, ids, raw, slot.ptr, done, stream):
+                    return  # `done` recorded too where the C helper could (done.stream set)
+            else:
+                key = None
             self._mark("graph_miss")
             ids = torch.as_tensor(ids)  # numpy from the engine: a tensor view for the ops
             # Eager (also the warm-up of a capture). The last DMA is on `raw`: e_save follows it.
@@ -107,9 +113,15 @@ class CudaMover:
             if self._load_staging is None:
                 self._load_staging = ops.make_staging(kv, self.chunk_blocks)
                 self._staging_key["load"] = tuple(t.data_ptr() for t in self._load_staging)
-            key = self._key("load", ids, num_tokens, slot)
-            if key is not None and self.graphs.replay(key, ids, raw, slot.ptr, done, stream):
-                return []  # the graph joined its scatters into `raw`: e_load follows them
+            g = self.graphs
+            if g is not None and g.enabled:  # the graph key, inline as in `save`
+                n, bs = ids.shape[0], self._block_size
+                last_valid = bs if num_tokens is None else num_tokens - (n - 1) * bs  # checked by the engine
+                key = ("load", slot.nbytes, n, last_valid, self._staging_key["load"])
+                if g.replay(key, ids, raw, slot.ptr, done, stream):
+                    return []  # the graph joined its scatters into `raw`: e_load follows them
+            else:
+                key = None
             self._mark("graph_miss")
             ids = torch.as_tensor(ids)  # numpy from the engine: a tensor view for the ops
             last = ops.load_staged(
@@ -160,15 +172,6 @@ class CudaMover:
     def _mark(self, phase: str) -> None:
         if self.trace is not None:
             self.trace.mark(phase)
-
-    def _key(self, direction: str, ids, num_tokens, slot: Slot):
-        """The graph key of a staged job (`graph_key`'s tuple, built here: one call fewer per
-        submit), or None when graphs are off."""
-        if self.graphs is None or not self.graphs.enabled:
-            return None
-        n, bs = ids.shape[0], self._block_size
-        last_valid = bs if num_tokens is None else num_tokens - (n - 1) * bs  # engine checked num_tokens
-        return (direction, slot.nbytes, n, last_valid, self._staging_key[direction])
 
     def synchronize(self) -> None:
         self.gather_stream.synchronize()  # helper streams: their work must land before close

@@ -32,6 +32,8 @@ from kvtier.layout import PagedKV
 from kvtier.lifecycle import Access, BlockTracker, LifecycleError, SlotState, SlotTracker, sanitize_enabled
 from kvtier.pool import PinnedPool, Slot
 
+_LOADABLE = (SlotState.READY, SlotState.READING)  # slot states a load may read (the sanitizer's test)
+
 
 class TransferEngine(Completion, ComputeAccess):
     """Moves paged KV blocks between `kv` (GPU) and slots of `pool` (pinned host).
@@ -94,6 +96,7 @@ class TransferEngine(Completion, ComputeAccess):
         self._closed = False
         self._check_ids = IdCheck(kv.num_blocks, kv.block_size)
         self._block_nbytes = kv.block_nbytes  # kv.chunk_nbytes(n) = n * this, without its property chain
+        self._num_layers = kv.num_layers  # a property of the layers' shapes: read once
         # Back-pressure: settled jobs and retired slots give their room back while we wait.
         self._on_pressure = lambda _n: self.poll() > 0
         self._auto: dict[tuple[str, bool], Path] = {}  # (direction, per_layer) -> path of a job naming none
@@ -184,8 +187,10 @@ class TransferEngine(Completion, ComputeAccess):
             tr.begin("load")
         if self._closed:
             self._check_open()
-        check_slot(slot)
-        check_per_layer(per_layer)
+        if type(slot) is not Slot:  # the usual Slot passes with one test; the check names what is wrong
+            check_slot(slot)
+        if per_layer is not True and per_layer is not False:
+            check_per_layer(per_layer)
         bset = self._check_ids.checked(block_ids, True, num_tokens)
         ids = bset.ids  # int64 numpy, the job's own
         if tr is not None:
@@ -201,8 +206,7 @@ class TransferEngine(Completion, ComputeAccess):
         if tr is not None:
             tr.mark("poll")
         with self._lock:
-            state = self.slots.state(slot)
-            if self.sanitize and state not in (SlotState.READY, SlotState.READING):
+            if self.sanitize and (state := self.slots.state(slot)) not in _LOADABLE:
                 # Checked before submitting anything: a half-submitted job could not be undone.
                 why = "the slot holds no complete data yet: wait for its save job first"
                 raise LifecycleError("load", slot.name, state.value, None, why)
@@ -225,7 +229,7 @@ class TransferEngine(Completion, ComputeAccess):
                 tr.mark("event")
             self.slots.begin_read(slot, e_load)  # the slot may be freed only after e_load
             self.blocks.register(Access.LOAD, bset, e_load, waits)
-            layer_events = [*layers, e_load] if layers else [e_load] * self.kv.num_layers
+            layer_events = [*layers, e_load] if layers else [e_load] * self._num_layers
             job = LoadJob(self, slot, e_load, ids, nbytes, p._value_, 0.0, layer_events=layer_events)
             self._jobs.append(job)
         job.submit_s = time.perf_counter() - t0

@@ -15,13 +15,16 @@ from kvtier.engine.ids import HostRing
 
 
 class LRU:
-    """A bounded mapping, least recently used first out. `put` returns the entries it evicted."""
+    """A bounded mapping, least recently used first out. `put` returns the entries it evicted.
+    `by_key`: the OrderedDict itself, for a hot path that does `get`'s two steps inline (a hit is
+    moved to the end: most recently used)."""
 
     def __init__(self, max_size: int):
         if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
             raise ValueError(f"max_graphs: expected a positive int, got {max_size!r}")
         self.max_size = max_size
         self._d: OrderedDict = OrderedDict()
+        self.by_key = self._d
 
     def get(self, key):
         value = self._d.get(key)

@@ -26,7 +26,8 @@ def replay_fused(graphs, entry, ex, ids, stream, done, done_on) -> bool:
     ev = getattr(done, "handle", 0) if done_on is not None else 0  # torch's events: the caller records
     n, ptr = ids.shape[0], (ids.data_ptr() if isinstance(ids, torch.Tensor) else ids)
     h, dev = stream.cuda_stream, stream.device_index
-    i, g = ring.peek()
+    i = ring.next  # `ring.peek()` inline: the buffer to try first and its guard
+    g = ring.guards[i]
     gh = None if g is None else getattr(g, "handle", None)
     if gh is None and g is not None:  # not a raw event: asked in Python (it may grow the ring)
         i, gh = ring.take(), 0
@@ -44,7 +45,7 @@ def replay_fused(graphs, entry, ex, ids, stream, done, done_on) -> bool:
         rc, i = _traced(graphs.trace_ns, tr, ring, i, gh or 0, *args)
     if rc == 0:
         # The buffer is rewritten only after the job's event: its copy has read the ids by then.
-        ring.arm_with(i, done)
+        ring.guards[i], ring.next = done, (i + 1) % len(ring.buffers)  # `ring.arm_with(i, done)` inline
         if ev:
             done.mark_recorded(done_on)
         return True

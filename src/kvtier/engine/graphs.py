@@ -93,16 +93,22 @@ class StagedGraphs:
         of its own). With `done_on` (the device stream wrapping `stream`) the C helper may record
         a raw `done` itself, right after the launch; `done.stream` is then set, and the caller
         records it only while it is None."""
-        tr = self.trace  # marks only when tracing
-        entry = self.cache.get(key) if self.enabled else None
-        if entry is None and self.enabled:
+        tr, by_key = self.trace, self.cache.by_key  # tr: marks only when tracing
+        entry = by_key.get(key) if self.enabled else None  # the LRU's get, inline (a call fewer)
+        if entry is not None:
+            by_key.move_to_end(key)
+        elif self.enabled:
             key = pinned_key(key, slot_ptr)
             entry = self.cache.get(key)
         if tr is not None:
             tr.mark("graph_lookup")
         # The DMA nodes must point at this job's slot before the replay is enqueued (else the
         # bytes go to / come from the last slot); skipped when an exec's nodes already do.
-        ex = None if entry is None else self._exec_for(key, entry, slot_ptr)
+        if entry is None or entry.nodes is None:
+            ex = None if entry is None else entry.main  # pinned: its key holds this slot's address
+        else:  # `_exec_for`'s first test inline: the most recently used exec points at this slot already
+            x = entry.execs[0] if self.direct else entry.main
+            ex = x if x.nodes.base == slot_ptr else self._exec_for(key, entry, slot_ptr)
         if tr is not None:
             tr.mark("retarget")
         if ex is None:

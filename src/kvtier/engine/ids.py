@@ -189,6 +189,9 @@ class HostRing:
     every buffer is still being read, past that the host waits for the oldest copy. A buffer is
     guarded by the ring's own event (`arm`) or by one the caller records later (`arm_with`, e.g.
     the job's event: one runtime call fewer, the buffer busy until the whole job is done).
+    `guards` (per buffer: its event, None while never used) and `next` (the buffer `take` tries
+    first) are read and written inline by the fused replay (`graph_fused.py`), as `peek` and
+    `arm_with` would.
     """
 
     def __init__(self, make_buffer: Callable[[], Any], make_event: Callable[[], Any], depth=2, max_depth=16):
@@ -196,28 +199,28 @@ class HostRing:
             raise ValueError(f"depth: expected 1 <= depth <= max_depth ({max_depth}), got {depth}")
         self._make_buffer, self._make_event, self.max_depth = make_buffer, make_event, max_depth
         self.buffers: list = []
-        self._events: list = []  # per buffer: recorded after its last copy (None: never used)
+        self.guards: list = []  # per buffer: recorded after its last copy (None: never used)
         self._own: list = []  # per buffer: the ring's own event, made on its first `arm`
-        self._next = 0  # the buffer used longest ago
+        self.next = 0  # the buffer used longest ago
         self.grown = self.waited = 0
         for _ in range(depth):
             self._add(len(self.buffers))
 
     def _add(self, i: int) -> None:
         self.buffers.insert(i, self._make_buffer())
-        self._events.insert(i, None)
+        self.guards.insert(i, None)
         self._own.insert(i, None)
 
     def peek(self) -> tuple[int, Any]:
         """The buffer `take` would try first and its guard (None: never used), without querying
         it: a caller that queries the guard itself (the C helper) calls `take` only if it is busy."""
-        i = self._next
-        return i, self._events[i]
+        i = self.next
+        return i, self.guards[i]
 
     def take(self) -> int:
         """The index of a buffer the host may write now; then enqueue its copy and `arm` it."""
-        i = self._next
-        ev = self._events[i]
+        i = self.next
+        ev = self.guards[i]
         if ev is not None and not ev.query():  # its last copy may not have read it yet
             if len(self.buffers) < self.max_depth:
                 self._add(i)  # a new buffer in its place; the busy one stays next in line
@@ -235,16 +238,16 @@ class HostRing:
             own = self._own[i] = self._make_event()
         # The buffer is reused only after this event: the copy has then read the ids it held.
         own.record(stream)
-        self._events[i] = own
-        self._next = (i + 1) % len(self.buffers)
+        self.guards[i] = own
+        self.next = (i + 1) % len(self.buffers)
 
     def arm_with(self, i: int, event) -> None:
         """Guard buffer `i` with `event`, which the caller records after the copy that reads it
         (on that copy's stream, later in the same submit): no event record of the ring's own.
         Until it is recorded the buffer reads as free; the caller holds the lock meanwhile."""
         # The buffer is reused only after `event`: the copy before it has then read the ids.
-        self._events[i] = event
-        self._next = (i + 1) % len(self.buffers)
+        self.guards[i] = event
+        self.next = (i + 1) % len(self.buffers)
 
     def __len__(self) -> int:
         return len(self.buffers)

@@ -189,7 +189,8 @@ class SlotTracker:
     def begin_read(self, slot: _SlotLike, event: Event) -> None:
         """A copy out of `slot` was submitted, `event` recorded after it: READING (+1)."""
         with self._lock:
-            if (rec := self._rec("begin_read", slot)) is not None:
+            rec = self._rec("begin_read", slot) if self.sanitize else self._recs.get(slot)  # as begin_fill
+            if rec is not None:
                 rec.state = S.READING
                 rec.reads.append(event)
                 self.pool.set_in_flight(slot, True)
