@@ -135,10 +135,12 @@ class EventHandles:
 class CudaEvent(Event):
     """An event of `device` over a raw cudaEvent_t (see the module doc)."""
 
-    __slots__ = ("_dev", "_gen", "_seen", "_stream", "handle", "label")
+    # `stream`: a plain slot, not the base class's property (read on every submit: no Python call);
+    # read it, never assign it (record / mark_recorded do).
+    __slots__ = ("_dev", "_gen", "_seen", "handle", "label", "stream")
 
     def __init__(self, device: CudaDevice, label: str):
-        self._dev, self.label, self._stream = device, label, None
+        self._dev, self.label, self.stream = device, label, None
         # The cudaEvent_t: read it (a caller recording it in a call of its own, `mark_recorded`),
         # never assign it. A plain attribute: the C helper's replay reads it on every submit.
         try:  # a free handle, popped inline (the usual case: a call fewer); else `take` makes one
@@ -157,19 +159,15 @@ class CudaEvent(Event):
             with contextlib.suppress(Exception):  # interpreter shutdown: the handle dies with the process
                 self._dev._handles.give(h)
 
-    @property
-    def stream(self) -> CudaStream | None:
-        return self._stream
-
     def mark_recorded(self, stream: CudaStream) -> None:
         """The caller has just recorded `handle` on `stream` (the C helper, `engine/fast.py`)."""
-        self._stream = stream
+        self.stream = stream
         self._gen += 1  # a new record: not known complete any more
 
     @property
     def known_complete(self) -> bool:
         """Complete, as seen by an earlier query or wait (or never recorded): no runtime call."""
-        return self._stream is None or self._seen == self._gen
+        return self.stream is None or self._seen == self._gen
 
     def record(self, stream: Stream) -> None:
         s = self._dev._own(stream, "stream")
@@ -181,11 +179,11 @@ class CudaEvent(Event):
                 rc = api.record(self.handle, 0)
         if rc != 0:
             raise cuda_error(api, "cudaEventRecord", rc)
-        self._stream = s
+        self.stream = s
         self._gen += 1  # after the runtime took the record: a check racing it asks again
 
     def query(self) -> bool:
-        if self._stream is None:
+        if self.stream is None:
             return True  # never recorded by this event (its handle may hold an old owner's record)
         gen = self._gen
         if self._seen == gen:
@@ -201,7 +199,7 @@ class CudaEvent(Event):
 
     def synchronize(self, timeout: float | None = None) -> bool:
         check_timeout(timeout)
-        if self._stream is None:
+        if self.stream is None:
             return True  # never recorded: complete by definition
         if timeout is None:
             gen = self._gen
@@ -217,7 +215,7 @@ class CudaEvent(Event):
     def wait_on(self, stream: CudaStream) -> None:
         """Later work on `stream` waits for this event (the stream may be of another device)."""
         api = self._dev._api
-        if self._stream is None or self._seen == self._gen:
+        if self.stream is None or self._seen == self._gen:
             return  # never recorded, or seen complete: the wait would be satisfied at once
         if stream.handle:
             rc = api.wait(stream.handle, self.handle, 0)
@@ -228,7 +226,7 @@ class CudaEvent(Event):
             raise cuda_error(api, "cudaStreamWaitEvent", rc)
 
     def time_s(self) -> float:
-        if self._stream is None or not self.query():
+        if self.stream is None or not self.query():
             raise RuntimeError(f"event {self.label} has not completed; its time is not known yet")
         ms = c_float(0.0)
         rc = self._dev._api.elapsed(byref(ms), self._dev._epoch.handle, self.handle)
