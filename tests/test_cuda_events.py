@@ -290,3 +290,27 @@ def test_torch_events_remember_being_seen_complete(monkeypatch):
     assert not ev.known_complete
     assert ev.synchronize() and ev.synchronize() and ev.raw.syncs == 1
     assert ev.query() and ev.raw.queries == 2
+
+
+def test_a_cuda_stream_waits_for_a_recorded_event_only(rt):
+    """CudaStream.wait_event over CudaEvent (the engine's every wait): a never-recorded event asks
+    nothing, a recorded one enqueues cudaStreamWaitEvent on this stream; another device's event or
+    a foreign object is refused naming the argument."""
+    from kvtier.device.cuda import CudaStream
+
+    dev = FakeDevice(rt)
+    dev._event_cls = CudaEvent
+    stream = CudaStream(dev, SimpleNamespace(cuda_stream=0x9, device_index=1), "s")
+    ev = CudaEvent(dev, "e")
+    n = len(rt.calls)
+    stream.wait_event(ev)
+    assert len(rt.calls) == n  # never recorded: complete, no runtime call
+    rt.work[0x7] = 1
+    ev.record(FakeStream(dev, 0x7))
+    stream.wait_event(ev)
+    assert rt.calls[-1] == ("wait", 0x9, ev.handle, 0)
+    other = FakeDevice(rt)
+    with pytest.raises(ValueError, match="event must be an event of this CudaDevice"):
+        stream.wait_event(CudaEvent(other, "x"))
+    with pytest.raises(ValueError, match="event must be"):
+        stream.wait_event(object())

@@ -49,7 +49,7 @@ class CudaStream(Stream):
     def wait_event(self, event: Event) -> None:
         if type(event) is not self._dev._event_cls or event._dev is not self._dev:
             raise ValueError(f"event must be an event of this CudaDevice, got {event!r}")
-        if event._stream is None:
+        if event.stream is None:
             return  # never recorded: complete by definition
         event.wait_on(self)  # later work here must not start on data the event guards
 
