@@ -185,7 +185,11 @@ class StagedGraphs:
         execs = entry.execs if self.direct else [entry.main]
         if execs[0].nodes.base == slot_ptr:
             return execs[0]  # the usual case: the most recently used exec points at this slot already
-        ex = next((x for x in execs if x.nodes.base == slot_ptr), None)
+        ex = None
+        for x in execs:  # a plain loop: no generator frame (a hot pair alternates two slots' execs)
+            if x.nodes.base == slot_ptr:
+                ex = x
+                break
         if ex is None and self.direct and len(entry.execs) < self.slot_execs:
             ex = self._new_exec(entry)
         if ex is None:
