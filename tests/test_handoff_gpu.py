@@ -13,6 +13,19 @@ pytestmark = [
 L, NB, BS, H, D = 4, 64, 16, 8, 128
 
 
+def caches(fmt, seed_a, seed_b):
+    """Random caches on GPU 0 and GPU 1, landed: `random_cache` writes them on each device's
+    current stream, which the handoff's streams do not wait for (a job's `after=None` says no
+    compute write is pending), so the test waits for the writes itself -- else a gather may read
+    a block, or the fill overwrite a scattered one, before the fill ran (seen under racecheck,
+    whose slow kernels made the 67-token round trip fail)."""
+    ka = random_cache(fmt, L, NB, BS, H, D, torch.bfloat16, device="cuda:0", seed=seed_a)
+    kb = random_cache(fmt, L, NB, BS, H, D, torch.bfloat16, device="cuda:1", seed=seed_b)
+    torch.cuda.synchronize(0)  # the fills must land before any handoff stream touches the blocks
+    torch.cuda.synchronize(1)
+    return ka, kb
+
+
 @pytest.fixture
 def two():
     from kvtier.device import CudaDevice
@@ -29,8 +42,7 @@ def test_round_trip(two, fmt, num_tokens):
     from kvtier.engine import handoff
 
     a, b = two
-    ka = random_cache(fmt, L, NB, BS, H, D, torch.bfloat16, device="cuda:0", seed=1)
-    kb = random_cache(fmt, L, NB, BS, H, D, torch.bfloat16, device="cuda:1", seed=2)
+    ka, kb = caches(fmt, 1, 2)
     src, dst = [3, 9, 9, 40, 63], [0, 1, 2, 50, 7]
     job = handoff(
         ka, src, kb, dst, after=None, src_device=a, dst_device=b, num_tokens=num_tokens, sanitize=True
@@ -46,8 +58,7 @@ def test_pieces_round_trip(two, pieces):
     from kvtier.engine import Handoff
 
     a, b = two
-    ka = random_cache("vllm_flash", L, NB, BS, H, D, torch.bfloat16, device="cuda:0", seed=1)
-    kb = random_cache("vllm_flash", L, NB, BS, H, D, torch.bfloat16, device="cuda:1", seed=2)
+    ka, kb = caches("vllm_flash", 1, 2)
     src, dst = torch.randperm(NB)[:20], torch.randperm(NB)[:20]
     h = Handoff(ka, kb, src_device=a, dst_device=b, sanitize=True, piece_bytes=pieces * ka.block_nbytes)
     job = h.send(src, dst, after=None, num_tokens=19 * BS + 5)
@@ -64,8 +75,7 @@ def test_pieces_ordering_under_delays(two, late):
     from kvtier.engine import Handoff
 
     a, b = two
-    ka = random_cache("vllm_flash", L, NB, BS, H, D, torch.bfloat16, device="cuda:0", seed=3)
-    kb = random_cache("vllm_flash", L, NB, BS, H, D, torch.bfloat16, device="cuda:1", seed=4)
+    ka, kb = caches("vllm_flash", 3, 4)
     for x in kb.layers:
         x.fill_(float("nan"))  # poison: a scatter that ran early leaves NaN or stale bytes
     torch.cuda.synchronize(1)
@@ -88,8 +98,7 @@ def test_decode_on_b_waits_per_layer(two):
     from kvtier.lifecycle import Access
 
     a, b = two
-    ka = random_cache("vllm_flash", L, NB, BS, H, D, torch.bfloat16, device="cuda:0", seed=1)
-    kb = random_cache("vllm_flash", L, NB, BS, H, D, torch.bfloat16, device="cuda:1", seed=2)
+    ka, kb = caches("vllm_flash", 1, 2)
     want = gather_ref(ka, range(32)).cpu()
     h = Handoff(ka, kb, src_device=a, dst_device=b, sanitize=True)
     job = h.send(range(32), range(32, 64), after=a.current_stream().record())

@@ -86,6 +86,8 @@ def run(dev_a, dev_b, ma, mb, da, db):
         poison_(x)  # b's blocks hold garbage until the handoff lands
     h = Handoff(ka, kb, src_device=dev_a, dst_device=dev_b, sanitize=True)
     src, dst = [4, 0, 7], [11, 2, 5]
+    # The poison is a compute write on b's current stream: told to b's tracker, the scatters wait for it.
+    h.dst.blocks.compute_write(dst, dev_b.current_stream().record("poison"))
     first, e = prefill_on_a(ma, ids.to(da), dev_a, ka, src)
     h.src.blocks.compute_write(src, e)
     job = h.send(src, dst, after=e, num_tokens=ids.shape[1])
