@@ -98,9 +98,10 @@ def test_cases_that_do_not_fit_at_once_run_one_after_the_other(monkeypatch):
     assert "no room for a second pool" in ctx.skipped[0]["reason"] and alive == []
 
 
-def test_hot_samples_interleave_the_cases():
-    """Each rep takes one hot pair of every case, the first case rotating; the warm-up pairs come
-    first and are not samples."""
+def test_hot_samples_interleave_the_cases_and_directions():
+    """Each rep takes one hot pair of every case and direction, the first case rotating, a case's
+    save and load pairs in turn (which first alternates); the warm-up pairs come first and are not
+    samples."""
     from types import SimpleNamespace
 
     from kvtier.bench.suites.submit import _interleaved_hot
@@ -108,19 +109,28 @@ def test_hot_samples_interleave_the_cases():
     order = []
 
     def rig(name):
-        def call(start):
-            order.append(name)
-            return SimpleNamespace()
+        def call(direction):
+            def submit(start):
+                order.append(name + direction[0])
+                return SimpleNamespace()
+
+            return submit
 
         eng = SimpleNamespace(wait=lambda job: None)
-        return SimpleNamespace(eng=eng, calls={"save": call}, hot={"save": []})
+        return SimpleNamespace(
+            eng=eng, calls={d: call(d) for d in ("save", "load")}, hot={"save": [], "load": []}
+        )
 
     rigs = [rig("a"), rig("b"), rig("c")]
-    _interleaved_hot(rigs, "save", 4, warmup=1)
-    assert order[:6] == ["a", "a", "b", "b", "c", "c"]  # one warm-up pair each
-    assert order[6::2] == list("abcbcacababc") and order[6::2] == order[7::2]  # pairs, rotating
-    assert [len(r.hot["save"]) for r in rigs] == [4, 4, 4]
-    assert all(us > 0 for r in rigs for us in r.hot["save"])
+    _interleaved_hot(rigs, 4, warmup=1)
+    assert order[:12] == ["as", "as", "al", "al", "bs", "bs", "bl", "bl", "cs", "cs", "cl", "cl"]  # warm-up
+    pairs = order[12::2]
+    assert pairs == order[13::2]  # every sample a pair: untimed submit, timed submit
+    reps = [["as", "al", "bs", "bl", "cs", "cl"], ["bl", "bs", "cl", "cs", "al", "as"]]
+    reps += [["cs", "cl", "as", "al", "bs", "bl"], ["al", "as", "bl", "bs", "cl", "cs"]]
+    assert pairs == [p for rep in reps for p in rep]  # cases rotating, directions alternating
+    assert [len(r.hot[d]) for r in rigs for d in ("save", "load")] == [4] * 6
+    assert all(us > 0 for r in rigs for d in r.hot for us in r.hot[d])
 
 
 def test_flat_ratio_reads_p6_rows_only():

@@ -3,8 +3,8 @@
 CPU time to submit one save / load job: 1 GiB at block sizes 1..256 tokens (8192..32 blocks) and
 4 GiB of 16-token blocks. Per row: the submit right after another submit (`submit_hot_us`, the
 steady state PERF.md's method times -- warmed up, repeated, the median -- and what P6's verdict
-reads; the 1 GiB rows' samples are taken in turn, a pair of each block size after another, so
-every row spans the same moments of a drifting host), right after waiting for the job before
+reads; the 1 GiB rows' samples are taken in turn, a save and a load pair of each block size after
+another, so every row spans the same moments of a drifting host), right after waiting for the job before
 (`submit_us`), after 3 ms of other host work (`submit_busy_us`), the hot submit split into
 kvtier's Python and its runtime calls (a traced pass of its own), and this host's yardstick
 (`hostref.py`: a 512-id check, hot and right after a wait). On the lent VMs code not run for a
@@ -102,18 +102,23 @@ class _Rig:
         self.pool.close()
 
 
-def _interleaved_hot(rigs: list[_Rig], direction: str, reps: int, warmup: int = 2) -> None:
-    """`reps` hot samples per rig, one rig after another sample by sample (the first rig rotating):
-    on these hosts a submit's speed drifts over seconds (-15b: a bs1 save row's hot median 109 us,
-    its traced pass seconds later 41 us of Python + 27 of runtime calls), so rows timed one after
-    the other would compare block counts and moments at once; interleaved, each row's median
-    spans the same moments."""
+def _interleaved_hot(rigs: list[_Rig], reps: int, warmup: int = 2, directions=("save", "load")) -> None:
+    """`reps` hot samples per rig and direction, one rig after another sample by sample (the first
+    rig rotating), each rig's save and load pairs in turn (which first alternates): on these hosts
+    a submit's speed drifts over seconds (-15b: a bs1 save row's hot median 109 us, its traced pass
+    seconds later 41 us of Python + 27 of runtime calls; -34: right after the heavy suites every
+    save row 92-105 us and every load row, sampled in the ~11 s after them, 40-66), so rows timed
+    one after the other would compare block counts, or directions, and moments at once;
+    interleaved, each row's median spans the same moments."""
     for rig in rigs:
-        _hot_submits(rig.eng, rig.calls[direction], warmup)  # graphs captured, execs made: not timed
+        for d in directions:
+            _hot_submits(rig.eng, rig.calls[d], warmup)  # graphs captured, execs made: not timed
     for i in range(reps):
+        order = directions if i % 2 == 0 else directions[::-1]
         for k in range(len(rigs)):
             rig = rigs[(i + k) % len(rigs)]
-            rig.hot[direction] += _hot_submits(rig.eng, rig.calls[direction], 1)
+            for d in order:
+                rig.hot[d] += _hot_submits(rig.eng, rig.calls[d], 1)
 
 
 def _submit_rows(ctx, dev, cases, reps) -> list:
@@ -136,8 +141,7 @@ def _submit_rows(ctx, dev, cases, reps) -> list:
     ceil = ("host_memcpy", "host_memcpy") if dev.name == "sim" else ("d2h_pinned", "h2d_pinned")
     sampling = "interleaved" if len(rigs) > 1 else "in row order"
     try:
-        for direction in ("save", "load"):
-            _interleaved_hot(rigs, direction, max(reps, 10 if ctx.quick else HOT_REPS))
+        _interleaved_hot(rigs, max(reps, 10 if ctx.quick else HOT_REPS))
         return [row for rig in rigs for row in _rig_rows(ctx, dev, rig, ceil, reps, sampling)]
     finally:
         for rig in rigs:
