@@ -26,8 +26,9 @@
 #       submit_overhead $P6_REPEAT more times (default 0) into $out/again<i>/: the figures at one commit
 #       (with P6_REPEAT=1 it writes 7 files; the device tool returns 8 at most, so add one file at most)
 #   calls: ($GPU_TESTS) probe_enqueue_beside.py, probe_memcpy_size.py, probe_fold_ids.py,
-#       probe_hot_submit.py (pair) at block sizes 1 and 16: what each runtime call of a hot submit
-#       costs, after a large copy too, and what folding the ids copy into the graph would save
+#       probe_calls.py and probe_hot_submit.py (pair) at block sizes 1 and 16: what each runtime
+#       call of a hot submit costs, after a large copy too, what folding the ids copy into the
+#       graph would save, and every Python call a hot submit makes
 #   multi: (2+ GPUs) handoff/probe GPU tests, memcheck/racecheck of a handoff, probe --all-gpus,
 #          suites handoff + contention, `kvtier path` with the measured sharing
 set -uo pipefail
@@ -210,6 +211,9 @@ if [ "$mode" = calls ]; then  # the replay's runtime calls one by one (session 1
   for probe in probe_enqueue_beside probe_memcpy_size probe_fold_ids; do
     echo "== $probe"
     timeout 150 $py benchmarks/$probe.py 2>&1 | tee "$out/$probe.txt"
+  done
+  for bs in 16 1; do  # every call of a hot save and load
+    timeout 100 $py benchmarks/probe_calls.py --block-size $bs --top 80 2>&1 | tee -a "$out/probe_calls.txt" | grep "##"
   done
   for bs in 1 16; do
     echo "## block size $bs" | tee -a "$out/probe_hot_submit.txt"

@@ -1,7 +1,8 @@
 """Which calls a hot submit makes (P6): every Python function and builtin call of one timed save
 and one timed load, counted with `sys.setprofile`, the pair as in the submit_overhead suite (an
-untimed submit right before). In the submit window of the H200 hosts a Python call costs ~0.37
-us and an object ~0.2-0.4 (`probe_py_cost.py`): this list is what a leaner submit must remove.
+untimed submit right before), after 20 such pairs (the steady state: event handles, spares and
+rings reused). In the submit window of the H200 hosts a Python call costs ~0.37 us and an object
+~0.2-0.4 (`probe_py_cost.py`): this list is what a leaner submit must remove.
 
     PYTHONPATH=src python benchmarks/probe_calls.py [--block-size 16] [--top 60]
 

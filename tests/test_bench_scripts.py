@@ -1,6 +1,6 @@
 """The device-run scripts of benchmarks/ that have a CPU mode run there (so they do not rot
 between GPU sessions): the dry passes of profile_submit, probe_hot_submit, probe_py_cost,
-probe_ids_cost, probe_process_state and host_jitter, and the refusals without a GPU of
+probe_ids_cost, probe_process_state, probe_calls and host_jitter, and the refusals without a GPU of
 probe_ce_gather, probe_memcpy_size, probe_enqueue_beside and probe_fold_ids."""
 
 import os
@@ -75,6 +75,16 @@ def test_probe_ids_cost_dry_pass_times_every_step():
     assert r.returncode == 0, r.stdout + r.stderr
     for step in ("check_fresh", "check_reused", "empty", "narrow", "read_src"):
         assert f"tight loop   {step}" in r.stdout and f"after a save {step}" in r.stdout
+
+
+@no_gpu
+def test_probe_calls_dry_pass_counts_the_engines_calls():
+    r = run("probe_calls.py", "--top", "200")
+    assert r.returncode == 0, r.stdout + r.stderr
+    for job in ("save", "load"):
+        assert f"## {job} bs16 (sim, path staged): " in r.stdout
+    assert "py  engine.py:TransferEngine.save" in r.stdout and "py  engine.py:TransferEngine.load" in r.stdout
+    assert "py  blocks.py:BlockTracker.register" in r.stdout  # the protocol's bookkeeping is counted
 
 
 @no_gpu
