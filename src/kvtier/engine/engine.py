@@ -32,8 +32,6 @@ from kvtier.layout import PagedKV
 from kvtier.lifecycle import Access, BlockTracker, LifecycleError, SlotState, SlotTracker, sanitize_enabled
 from kvtier.pool import PinnedPool, Slot
 
-_LOADABLE = (SlotState.READY, SlotState.READING)  # slot states a load may read (the sanitizer's test)
-
 
 class TransferEngine(Completion, ComputeAccess):
     """Moves paged KV blocks between `kv` (GPU) and slots of `pool` (pinned host).
@@ -206,10 +204,10 @@ class TransferEngine(Completion, ComputeAccess):
         if tr is not None:
             tr.mark("poll")
         with self._lock:
-            if self.sanitize and (state := self.slots.state(slot)) not in _LOADABLE:
+            if self.sanitize and self.slots.state(slot) not in (SlotState.READY, SlotState.READING):
                 # Checked before submitting anything: a half-submitted job could not be undone.
                 why = "the slot holds no complete data yet: wait for its save job first"
-                raise LifecycleError("load", slot.name, state.value, None, why)
+                raise LifecycleError("load", slot.name, self.slots.state(slot).value, None, why)
             k = next(self._seq)
             waits = self.blocks.waits_for(Access.LOAD, bset, self.load_stream)
             for e in waits:
