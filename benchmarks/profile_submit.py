@@ -242,7 +242,7 @@ def run_mode(
         "host_probe_us": statistics.median(probed) if probed else None,
     }
     if g is not None:  # nodes per captured graph (save, load): what one cudaGraphLaunch submits
-        out["graph_nodes"] = [getattr(e.nodes, "num_nodes", None) for e in g.cache._d.values()]
+        out["graph_nodes"] = [getattr(e.nodes, "num_nodes", None) for e in g.cache.by_key.values()]
     for job in ("save", "load"):
         out[job] = {
             "submit_us": statistics.median(us[job]), "cpu_us": statistics.median(cpu[job]),

@@ -51,7 +51,7 @@ def test_many_queued_replays_keep_their_own_ids(direct):
     for src in srcs:
         out.append(eng.save(src, after=None))  # back to back: nothing else on the host meanwhile
     assert g.stats.replays == jobs and g.stats.failures == 0, g.stats
-    ring = next(iter(g.cache._d.values())).ring
+    ring = next(iter(g.cache.by_key.values())).ring
     print(f"\nring buffers {len(ring)} (grown {ring.grown}, host waits {ring.waited}); {g.stats}")
     assert len(ring) > 2  # the busy stream kept copies queued: the ring grew instead of overwriting
     for job, w in zip(out, want, strict=True):

@@ -23,39 +23,38 @@ class LRU:
         if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
             raise ValueError(f"max_graphs: expected a positive int, got {max_size!r}")
         self.max_size = max_size
-        self._d: OrderedDict = OrderedDict()
-        self.by_key = self._d
+        self.by_key: OrderedDict = OrderedDict()
 
     def get(self, key):
-        value = self._d.get(key)
+        value = self.by_key.get(key)
         if value is not None:
-            self._d.move_to_end(key)
+            self.by_key.move_to_end(key)
         return value
 
     def put(self, key, value) -> list:
-        self._d[key] = value
-        self._d.move_to_end(key)
+        self.by_key[key] = value
+        self.by_key.move_to_end(key)
         evicted = []
-        while len(self._d) > self.max_size:
-            evicted.append(self._d.popitem(last=False)[1])
+        while len(self.by_key) > self.max_size:
+            evicted.append(self.by_key.popitem(last=False)[1])
         return evicted
 
     def clear(self) -> list:
-        values = list(self._d.values())
-        self._d.clear()
+        values = list(self.by_key.values())
+        self.by_key.clear()
         return values
 
     def pop(self, key):
-        return self._d.pop(key, None)
+        return self.by_key.pop(key, None)
 
     def keys(self) -> list:
-        return list(self._d)  # oldest first
+        return list(self.by_key)  # oldest first
 
     def __len__(self) -> int:
-        return len(self._d)
+        return len(self.by_key)
 
     def __contains__(self, key) -> bool:
-        return key in self._d
+        return key in self.by_key
 
 
 def graph_key(direction: str, slot_nbytes: int, n: int, last_valid: int, staging: tuple):

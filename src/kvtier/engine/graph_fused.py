@@ -26,7 +26,7 @@ def replay_fused(graphs, entry, ex, ids, stream, done, done_on) -> bool:
     ev = getattr(done, "handle", 0) if done_on is not None else 0  # torch's events: the caller records
     n, ptr = ids.shape[0], (ids.data_ptr() if isinstance(ids, torch.Tensor) else ids)
     h, dev = stream.cuda_stream, stream.device_index
-    i = ring.next  # `ring.peek()` inline: the buffer to try first and its guard
+    i = ring.next  # the buffer to try first and its guard (queried below, in C where it can be)
     g = ring.guards[i]
     gh = None if g is None else getattr(g, "handle", None)
     if gh is None and g is not None:  # not a raw event: asked in Python (it may grow the ring)

@@ -190,8 +190,8 @@ class HostRing:
     guarded by the ring's own event (`arm`) or by one the caller records later (`arm_with`, e.g.
     the job's event: one runtime call fewer, the buffer busy until the whole job is done).
     `guards` (per buffer: its event, None while never used) and `next` (the buffer `take` tries
-    first) are read and written inline by the fused replay (`graph_fused.py`), as `peek` and
-    `arm_with` would.
+    first) are read and written inline by the fused replay (`graph_fused.py`): it queries the guard
+    itself and calls `take` only when that buffer is busy, then arms it as `arm_with` would.
     """
 
     def __init__(self, make_buffer: Callable[[], Any], make_event: Callable[[], Any], depth=2, max_depth=16):
@@ -210,12 +210,6 @@ class HostRing:
         self.buffers.insert(i, self._make_buffer())
         self.guards.insert(i, None)
         self._own.insert(i, None)
-
-    def peek(self) -> tuple[int, Any]:
-        """The buffer `take` would try first and its guard (None: never used), without querying
-        it: a caller that queries the guard itself (the C helper) calls `take` only if it is busy."""
-        i = self.next
-        return i, self.guards[i]
 
     def take(self) -> int:
         """The index of a buffer the host may write now; then enqueue its copy and `arm` it."""
