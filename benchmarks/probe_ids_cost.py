@@ -3,7 +3,7 @@ submit of 8192 one-token blocks (1 GiB of the 8B shape), timed alone in the host
 submit runs in -- right after an untimed 1 GiB save, as the submit_overhead suite's hot pair --
 and in a tight loop:
 
-  check_fresh   the id check into a new int64 array (np.empty + the C check: what a submit did)
+  check_fresh   the id check into a new int32 array (np.empty + the C check, spares off)
   check_reused  the same check into one array made once (no new memory touched)
   idcheck_new   IdCheck.checked as a save calls it, spares off (a new array per job)
   idcheck_spare the same with spares (the job's array from those no job holds: a submit now)
@@ -12,7 +12,7 @@ and in a tight loop:
   random_small  IdCheck.checked as a load calls it, random distinct ids of this cache (its mask)
   random_1m     the same in a cache of 2**20 blocks (one-token pages of a big HBM): 128 KiB of mask
   empty         np.empty of the job's array alone
-  narrow        the ids narrowed to int32 into a pinned buffer (the replay's first step), numpy
+  fill          the job's int32 ids into a pinned buffer (the replay's first step), numpy
   read_src      one pass over the caller's ids (np.max): the source read alone
 
 Variants are interleaved sample by sample (shuffled per cycle). A step that costs far more when
@@ -41,12 +41,12 @@ from kvtier.engine.ids import IdCheck
 
 def steps(num_blocks: int, src: torch.Tensor) -> dict:
     n, p = src.shape[0], src.data_ptr()
-    reused = np.empty(n, np.int64)
+    reused = np.empty(n, np.int32)
     pinned = torch.empty(n, dtype=torch.int32, pin_memory=torch.cuda.is_available()).numpy()
     held: list = []  # new arrays stay alive a while, as jobs keep their ids
 
     def check_fresh():
-        a = np.empty(n, np.int64)
+        a = np.empty(n, np.int32)
         if fast.check_ids(p, 1, n, num_blocks, None, a):
             raise SystemExit("ids out of range")
         held.append(a)
@@ -63,7 +63,7 @@ def steps(num_blocks: int, src: torch.Tensor) -> dict:
             held.pop(0)
 
     new, spare = IdCheck(num_blocks, 1, spares=False), IdCheck(num_blocks, 1)
-    bits = np.zeros((num_blocks + 7) // 8, np.uint8)
+    bits = np.zeros((num_blocks + 63) // 64, np.uint64)
 
     def unique(simd: bool):
         was = fast.set_simd(simd)
@@ -87,8 +87,8 @@ def steps(num_blocks: int, src: torch.Tensor) -> dict:
         "unique_avx2": lambda: unique(True),
         "unique_scalar": lambda: unique(False),
         "check_reused": check_reused,
-        "empty": lambda: held.append(np.empty(n, np.int64)) or (len(held) > 4 and held.pop(0)),
-        "narrow": lambda: np.copyto(pinned, reused, casting="unsafe"),
+        "empty": lambda: held.append(np.empty(n, np.int32)) or (len(held) > 4 and held.pop(0)),
+        "fill": lambda: np.copyto(pinned, reused),
         "read_src": lambda: src.numpy().max(),
     }
 

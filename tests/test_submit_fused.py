@@ -91,6 +91,11 @@ def runtime():
     fast.runtime_bound()  # the real runtime again (where there is one): engines made before use it
 
 
+def ids32(*ids):
+    """Checked block ids as the engine hands them to a replay: int32 (`IdCheck`)."""
+    return torch.tensor(ids, dtype=torch.int32)
+
+
 def _host(n):
     t = torch.full((n,), -1, dtype=torch.int32)
     return t, t.data_ptr()
@@ -98,7 +103,7 @@ def _host(n):
 
 def test_replay_fills_copies_launches_records_in_order(runtime):
     rt = runtime()
-    ids = np.array([7, 0, 2**31 - 1, 6], dtype=np.int64)
+    ids = np.array([7, 0, 2**31 - 1, 6], dtype=np.int32)
     host, hp = _host(4)
     assert fast.fast.replay(ids, 4, hp, DEV32, EXEC, STREAM, EVENT, 0, 0) == 0
     assert rt.log == [
@@ -110,10 +115,10 @@ def test_replay_fills_copies_launches_records_in_order(runtime):
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 16, 2047, 2048, 2049, 8191, 8192, 32768 + 5])
-def test_replay_narrows_every_id_in_groups_of_eight_and_the_rest(runtime, n):
+def test_replay_copies_every_id_streamed_in_groups_of_eight_and_the_rest(runtime, n):
     rt = runtime()
-    ids = np.random.default_rng(n).integers(0, 2**31, n, dtype=np.int64)
-    host, hp = _host(n + 1)  # one int32 more: the narrowing must not write past n
+    ids = np.random.default_rng(n).integers(0, 2**31, n, dtype=np.int32)
+    host, hp = _host(n + 1)  # one int32 more: the fill must not write past n
     assert fast.fast.replay(ids, n, hp, DEV32, EXEC, STREAM, 0, 0, 0) == 0
     assert host[:n].tolist() == ids.tolist() and host[n].item() == -1
     assert rt.log[0][:6] == ("memcpy", DEV32, hp, 4 * n, 1, STREAM)
@@ -121,9 +126,9 @@ def test_replay_narrows_every_id_in_groups_of_eight_and_the_rest(runtime, n):
 
 @pytest.mark.parametrize("offset", [1, 2, 3])  # int32s past a 16-byte boundary: no streamed stores
 @pytest.mark.parametrize("n", [2048, 8195])
-def test_replay_narrows_into_a_buffer_of_any_alignment(runtime, n, offset):
+def test_replay_fills_a_buffer_of_any_alignment(runtime, n, offset):
     runtime()
-    ids = np.random.default_rng(n + offset).integers(0, 2**31, n, dtype=np.int64)
+    ids = np.random.default_rng(n + offset).integers(0, 2**31, n, dtype=np.int32)
     host = torch.full((n + 8,), -1, dtype=torch.int32)
     assert host.data_ptr() % 16 == 0
     hp = host.data_ptr() + 4 * offset
@@ -135,7 +140,7 @@ def test_replay_narrows_into_a_buffer_of_any_alignment(runtime, n, offset):
 
 def test_replay_steps_times_each_step_on_the_trace_clock(runtime):
     rt = runtime(slow={"query": 0.003, "get_device": 0.001, "memcpy": 0.002, "launch": 0.004})
-    ids, ns = np.array([3, 1, 4], dtype=np.int64), np.zeros(8, np.int64)
+    ids, ns = np.array([3, 1, 4], dtype=np.int32), np.zeros(8, np.int64)
     host, hp = _host(3)
     t0 = time.perf_counter_ns()
     assert fast.fast.replay_steps(ids, 3, hp, DEV32, EXEC, STREAM, EVENT, 0, GUARD, ns) == 0
@@ -144,7 +149,7 @@ def test_replay_steps_times_each_step_on_the_trace_clock(runtime):
     assert ns[2] - ns[1] >= 3e6  # the guard's query
     assert ns[4] - ns[3] >= 1e6  # the device check
     assert ns[5] - ns[4] >= 2e6 and ns[6] - ns[5] >= 4e6  # the copy, then the launch
-    assert ns[1] - ns[0] < 1e6 and ns[3] - ns[2] < 1e6 and ns[7] - ns[6] < 1e6  # args, narrowing, record
+    assert ns[1] - ns[0] < 1e6 and ns[3] - ns[2] < 1e6 and ns[7] - ns[6] < 1e6  # args, the ids' fill, record
     assert [e[0] for e in rt.log] == ["query", "memcpy", "launch", "record"] and host.tolist() == [3, 1, 4]
 
 
@@ -152,16 +157,16 @@ def test_replay_steps_leaves_the_steps_not_reached_at_zero(runtime):
     runtime(fail={"launch": 1})
     ns = np.full(8, -1, np.int64)
     _, hp = _host(1)
-    rc = fast.fast.replay_steps(np.array([1]), 1, hp, DEV32, EXEC, STREAM, EVENT, 0, 0, ns)
+    rc = fast.fast.replay_steps(np.array([1], np.int32), 1, hp, DEV32, EXEC, STREAM, EVENT, 0, 0, ns)
     assert rc == (2 << 32) | 1  # the launch failed
     assert 0 < ns[0] <= ns[1] <= ns[2] <= ns[3] <= ns[4] <= ns[5] and ns[6] == ns[7] == 0
     with pytest.raises(ValueError, match="buffer of 32 bytes, needs 64"):
-        fast.fast.replay_steps(np.array([1]), 1, hp, DEV32, EXEC, STREAM, 0, 0, 0, np.zeros(4, np.int64))
+        fast.fast.replay_steps(ids32(1).numpy(), 1, hp, DEV32, EXEC, STREAM, 0, 0, 0, np.zeros(4, np.int64))
 
 
 def test_replay_takes_an_address_and_skips_a_null_event(runtime):
     rt = runtime()
-    ids = torch.tensor([3, 1, 4])
+    ids = ids32(3, 1, 4)
     host, hp = _host(3)
     assert fast.fast.replay(ids.data_ptr(), 3, hp, DEV32, EXEC, STREAM, 0, 0, 0) == 0
     assert [e[0] for e in rt.log] == ["memcpy", "launch"]  # no event: the caller records its own
@@ -170,7 +175,7 @@ def test_replay_takes_an_address_and_skips_a_null_event(runtime):
 def test_replay_switches_to_the_streams_device_and_back(runtime):
     rt = runtime(device=1)
     host, hp = _host(2)
-    assert fast.fast.replay(np.array([1, 2]), 2, hp, DEV32, EXEC, STREAM, EVENT, 0, 0) == 0
+    assert fast.fast.replay(np.array([1, 2], np.int32), 2, hp, DEV32, EXEC, STREAM, EVENT, 0, 0) == 0
     assert rt.log[0] == ("set_device", 0) and rt.log[-1] == ("set_device", 1) and rt.device == 1
 
 
@@ -182,7 +187,7 @@ def test_replay_switches_to_the_streams_device_and_back(runtime):
 def test_replay_names_the_failed_step(runtime, fail, step, calls):
     rt = runtime(device=1 if fail == "set_device" else 0, fail={fail: 700})
     host, hp = _host(2)
-    rc = fast.fast.replay(np.array([1, 2]), 2, hp, DEV32, EXEC, STREAM, EVENT, 0, GUARD)
+    rc = fast.fast.replay(np.array([1, 2], np.int32), 2, hp, DEV32, EXEC, STREAM, EVENT, 0, GUARD)
     assert (rc >> 32, rc & 0xFFFFFFFF) == (step, 700)
     assert [e[0] for e in rt.log] == ["query", *calls]  # nothing after the failed call
 
@@ -190,7 +195,7 @@ def test_replay_names_the_failed_step(runtime, fail, step, calls):
 def test_replay_waits_for_nothing_while_its_buffer_is_still_read(runtime):
     rt = runtime(busy={GUARD})
     host, hp = _host(2)
-    rc = fast.fast.replay(np.array([1, 2]), 2, hp, DEV32, EXEC, STREAM, EVENT, 0, GUARD)
+    rc = fast.fast.replay(np.array([1, 2], np.int32), 2, hp, DEV32, EXEC, STREAM, EVENT, 0, GUARD)
     assert (rc >> 32, rc & 0xFFFFFFFF) == (5, NOT_READY)
     assert rt.log == [("query", GUARD)] and host.tolist() == [-1, -1]  # nothing written or enqueued
 
@@ -199,16 +204,24 @@ def test_bad_arguments_raise():
     f = fast.fast
     with pytest.raises(TypeError):
         f.check_ids(1, 2)
-    with pytest.raises(ValueError, match="buffer of 8 bytes"):
-        f.check_ids(np.zeros(2, np.int64), 1, 2, 10, None, np.zeros(1, np.int64))  # out too small
+    with pytest.raises(ValueError, match="buffer of 4 bytes"):
+        f.check_ids(np.zeros(2, np.int64), 1, 2, 10, None, np.zeros(1, np.int32))  # out too small
     with pytest.raises(ValueError):
-        f.check_ids(np.zeros(2, np.int64), 1, -1, 10, None, np.zeros(2, np.int64))
+        f.check_ids(np.zeros(2, np.int64), 1, -1, 10, None, np.zeros(2, np.int32))
     with pytest.raises(BufferError):
-        f.check_ids(np.zeros(2, np.int64), 1, 2, 10, None, b"0123456789abcdef")  # read-only out
+        f.check_ids(np.zeros(2, np.int64), 1, 2, 10, None, np.zeros(2, np.int32).tobytes())  # read-only out
     with pytest.raises(ValueError, match="null function address"):
         f.set_runtime(0, 1, 2, 3, 4, 5)
     with pytest.raises(TypeError):
         f.replay(np.array([1]), 1, np.zeros(1, np.int32), DEV32, EXEC, STREAM, 0, 0)  # no guard
+    with pytest.raises(ValueError, match="8-byte items, needs 4-byte"):  # int64 ids read as int32: other ids
+        f.replay(np.array([1, 2]), 2, np.zeros(2, np.int32), DEV32, EXEC, STREAM, 0, 0, 0)
+    with pytest.raises(ValueError, match="8-byte items, needs 4-byte"):  # an int64 job copy
+        f.check_ids(np.zeros(2, np.int64), 1, 2, 10, None, np.zeros(2, np.int64))
+    with pytest.raises(ValueError, match="4-byte items, needs 8-byte"):  # int32 ids said to be int64
+        f.check_ids(np.zeros(4, np.int32), 1, 2, 10, None, np.zeros(2, np.int32))
+    with pytest.raises(ValueError, match="num_blocks"):  # ids of a bigger cache would not fit int32
+        f.check_ids(np.zeros(2, np.int64), 1, 2, 2**31 + 1, None, np.zeros(2, np.int32))
 
 
 # ---- the fused graph replay (graphs.StagedGraphs._fused) on the fake runtime ------------------
@@ -276,7 +289,7 @@ def test_fused_replay_records_the_jobs_event_and_guards_the_buffer(runtime):
     g, key, entry = _graphs()
     rt = runtime()
     done, on = RawEvent(), object()
-    assert g.replay(key, torch.tensor([5, 1, 6, 2]), FakeStream(), Nodes.base, done, on)
+    assert g.replay(key, ids32(5, 1, 6, 2), FakeStream(), Nodes.base, done, on)
     buf = entry.ring.buffers[0]
     assert rt.log == [
         ("memcpy", entry.ids_dev.data_ptr(), buf.ptr, 16, 1, STREAM, [5, 1, 6, 2]),
@@ -285,7 +298,7 @@ def test_fused_replay_records_the_jobs_event_and_guards_the_buffer(runtime):
     ]
     assert done.stream is on  # the engine sees it recorded and records nothing more
     assert entry.ring.guards[0] is done  # buffer 0 is rewritten only after the job's event
-    assert g.replay(key, np.array([0, 1, 2, 3]), FakeStream(), Nodes.base, RawEvent(), on)
+    assert g.replay(key, np.array([0, 1, 2, 3], np.int32), FakeStream(), Nodes.base, RawEvent(), on)
     assert rt.log[3][2] == entry.ring.buffers[1].ptr  # buffer 0 still read: the next one
     assert g.stats.replays == 2
 
@@ -294,7 +307,7 @@ def test_fused_replay_leaves_a_torch_event_to_the_caller(runtime):
     g, key, _entry = _graphs()
     rt = runtime()
     done = TorchLikeEvent()
-    assert g.replay(key, torch.tensor([5, 1, 6, 2]), FakeStream(), Nodes.base, done, object())
+    assert g.replay(key, ids32(5, 1, 6, 2), FakeStream(), Nodes.base, done, object())
     assert [e[0] for e in rt.log] == ["memcpy", "launch"] and done.stream is None
 
 
@@ -304,7 +317,7 @@ def test_fused_replay_failure_is_a_miss(runtime, fail, armed):
     runtime(fail={fail: 1})
     done = RawEvent()
     with pytest.warns(UserWarning, match="fused graph replay failed"):
-        assert not g.replay(key, torch.tensor([5, 1, 6, 2]), FakeStream(), Nodes.base, done, object())
+        assert not g.replay(key, ids32(5, 1, 6, 2), FakeStream(), Nodes.base, done, object())
     assert not g.fused and g.stats.misses == 1 and g.stats.failures == 1 and done.stream is None
     # A copy that was enqueued still reads buffer 0: it waits for the job's event (recorded after
     # the eager path); one that was not leaves the buffer free.
@@ -316,7 +329,7 @@ def test_fused_replay_failed_record_raises_after_the_copy_ran(runtime):
     runtime(fail={"record": 2})
     stream = FakeStream()
     with pytest.raises(RuntimeError, match="cudaEventRecord"):
-        g.replay(key, torch.tensor([5, 1, 6, 2]), stream, Nodes.base, RawEvent(), object())
+        g.replay(key, ids32(5, 1, 6, 2), stream, Nodes.base, RawEvent(), object())
     assert stream.synced == 1  # the queued copy has read the buffer before anyone may reuse it
 
 
@@ -329,10 +342,10 @@ def test_fused_replay_asks_the_guard_in_c_and_grows_the_ring_when_busy(runtime, 
     rt = runtime(busy={EVENT})
     on, first = object(), [RawEvent(), RawEvent()]
     for k, d in enumerate(first):
-        assert g.replay(key, torch.full((4,), k), FakeStream(), Nodes.base, d, on)
+        assert g.replay(key, ids32(k, k, k, k), FakeStream(), Nodes.base, d, on)
     old = [b.ptr for b in entry.ring.buffers]
     rt.log.clear()
-    assert g.replay(key, torch.tensor([0, 1, 2, 3]), FakeStream(), Nodes.base, RawEvent(), on)
+    assert g.replay(key, ids32(0, 1, 2, 3), FakeStream(), Nodes.base, RawEvent(), on)
     assert rt.log[0] == ("query", EVENT)  # buffer 0's copy may not have read it yet: not rewritten
     assert rt.log[1][0] == "memcpy" and rt.log[1][2] not in old and entry.ring.grown == 1
     assert sorted(b.array[0] for b in entry.ring.buffers) == [0, 0, 1]  # each still holds its ids
@@ -340,7 +353,7 @@ def test_fused_replay_asks_the_guard_in_c_and_grows_the_ring_when_busy(runtime, 
     for d in first:
         d.completed = True
     rt.log.clear()
-    assert g.replay(key, torch.tensor([3, 2, 1, 0]), FakeStream(), Nodes.base, RawEvent(), on)
+    assert g.replay(key, ids32(3, 2, 1, 0), FakeStream(), Nodes.base, RawEvent(), on)
     assert rt.log[0] == ("query", EVENT) and rt.log[1][2] == old[0]  # done now: rewritten in place
 
 
@@ -351,14 +364,14 @@ def test_fused_replay_skips_the_query_of_a_guard_seen_complete(runtime):
     rt = runtime(busy={EVENT})
     on, first = object(), [RawEvent(), RawEvent()]
     for d in first:
-        assert g.replay(key, torch.tensor([5, 1, 6, 2]), FakeStream(), Nodes.base, d, on)
+        assert g.replay(key, ids32(5, 1, 6, 2), FakeStream(), Nodes.base, d, on)
     old = [b.ptr for b in entry.ring.buffers]
     first[0].seen = True  # e.g. the engine's wait returned for that job
     rt.log.clear()
-    assert g.replay(key, torch.tensor([0, 1, 2, 3]), FakeStream(), Nodes.base, RawEvent(), on)
+    assert g.replay(key, ids32(0, 1, 2, 3), FakeStream(), Nodes.base, RawEvent(), on)
     assert rt.log[0][0] == "memcpy" and rt.log[0][2] == old[0] and entry.ring.grown == 0
     rt.log.clear()  # buffer 1's guard was not seen complete: asked (busy here), a new buffer
-    assert g.replay(key, torch.tensor([3, 2, 1, 0]), FakeStream(), Nodes.base, RawEvent(), on)
+    assert g.replay(key, ids32(3, 2, 1, 0), FakeStream(), Nodes.base, RawEvent(), on)
     assert rt.log[0] == ("query", EVENT) and rt.log[1][2] not in old and entry.ring.grown == 1
 
 
@@ -369,11 +382,11 @@ def test_fused_replay_asks_a_torch_guard_in_python(runtime):
     rt = runtime()
     guards = [TorchLikeEvent(), TorchLikeEvent()]
     for d in guards:
-        assert g.replay(key, torch.tensor([5, 1, 6, 2]), FakeStream(), Nodes.base, d, object())
+        assert g.replay(key, ids32(5, 1, 6, 2), FakeStream(), Nodes.base, d, object())
     old = [b.ptr for b in entry.ring.buffers]
     guards[0].completed = False  # its copy has not run yet
     rt.log.clear()
-    assert g.replay(key, torch.tensor([0, 1, 2, 3]), FakeStream(), Nodes.base, TorchLikeEvent(), object())
+    assert g.replay(key, ids32(0, 1, 2, 3), FakeStream(), Nodes.base, TorchLikeEvent(), object())
     assert "query" not in [e[0] for e in rt.log]
     assert rt.log[0][2] not in old and entry.ring.grown == 1  # a new buffer, buffer 0 untouched
 
@@ -385,10 +398,10 @@ def test_traced_fused_replay_splits_the_call_into_its_runtime_calls(runtime):
     rt = runtime(slow={"memcpy": 0.006, "launch": 0.003, "get_device": 0.002})
     tr = g.trace = SubmitTrace()
     tr.begin("save")
-    assert g.replay(key, torch.tensor([5, 1, 6, 2]), FakeStream(), Nodes.base, RawEvent(), object())
+    assert g.replay(key, ids32(5, 1, 6, 2), FakeStream(), Nodes.base, RawEvent(), object())
     tr.end()
     rec = tr.records[-1]
-    steps = ("replay_prep", "replay_args", "guard", "narrow", "device", "ids_h2d", "launch", "event")
+    steps = ("replay_prep", "replay_args", "guard", "ids_fill", "device", "ids_h2d", "launch", "event")
     assert {*steps, "replay_return"} <= set(rec)
     assert rec["ids_h2d"] >= 6e6 and 3e6 <= rec["launch"] < 6e6  # each call its own, not the other's
     assert 2e6 <= rec["device"] < 3e6 and rec["guard"] < 1e6 and rec["replay_prep"] < 2e6

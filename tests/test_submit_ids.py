@@ -43,9 +43,10 @@ def test_accepted_forms(ids):
     check = IdCheck(num_blocks=10, block_size=4)
     want = [3, 1] if isinstance(ids, range) else [3, 1, 2]
     t, blocks = check.check(ids, unique=True, num_tokens=4 * len(want) - 3)
-    assert t.dtype == torch.int64 and t.tolist() == want
+    assert t.dtype == torch.int64 and t.tolist() == want  # `check`'s tensor: int64, for its callers
     assert isinstance(blocks, CheckedBlocks) and blocks.bound == 10
-    assert np.shares_memory(blocks.ids, t.numpy())  # one array: the tracker keeps the job's own ids
+    assert blocks.ids.dtype == np.int32 and blocks.ids.tolist() == want  # the job's own: int32
+    assert not np.shares_memory(blocks.ids, t.numpy())
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(FAST is None, reason=f"C helper: {fast.why}")
 
 
 def test_check_writes_only_a_spare_nothing_else_holds():
-    spares = [np.full(4, -1, np.int64) for _ in range(3)]
+    spares = [np.full(4, -1, np.int32) for _ in range(3)]
     first, second, third = (id(a) for a in spares)  # ids only: a name would hold the array
     held = FAST.check_ids(np.arange(4), 1, 4, 10, None, spares)  # the first: free
     assert id(held) == first and held.tolist() == [0, 1, 2, 3]
@@ -37,20 +37,20 @@ def test_check_writes_only_a_spare_nothing_else_holds():
 
 
 def test_check_skips_spares_of_another_length_and_probes_only_the_first_few():
-    spares = [np.zeros(3, np.int64), *(np.zeros(4, np.int64) for _ in range(5))]
-    holders = spares[1:5]  # the four after the short one are someone's
+    spares = [np.zeros(3, np.int32), np.zeros(2, np.int64), *(np.zeros(4, np.int32) for _ in range(4))]
+    holders = spares[2:5]  # after a short one and one of int64 (its 16 bytes: not 4 int32), someone's
     assert FAST.check_ids(np.arange(4), 1, 4, 10, None, spares) is None  # the free one is the sixth
-    want = id(spares[1])
+    want = id(spares[2])
     holders.clear()
     assert id(FAST.check_ids(np.arange(4), 1, 4, 10, None, spares)) == want
-    assert spares[0].tolist() == [0, 0, 0]
+    assert spares[0].tolist() == [0, 0, 0] and spares[1].tolist() == [0, 0]
 
 
 @pytest.mark.parametrize("bad, rc", [([1, 2, 10, 3], 1), ([1, 2, 1, 3], 2)])
 def test_bad_ids_leave_the_spares_as_they_were(bad, rc):
-    spares = [np.zeros(4, np.int64), np.zeros(4, np.int64)]
+    spares = [np.zeros(4, np.int32), np.zeros(4, np.int32)]
     order = [id(a) for a in spares]
-    seen = np.zeros(2, np.uint8)
+    seen = np.zeros(1, np.uint64)
     assert FAST.check_ids(np.array(bad), 1, 4, 10, seen, spares) == rc
     assert [id(a) for a in spares] == order and not seen.any()
 
@@ -80,8 +80,8 @@ def test_both_passes_match_numpy_around_the_vector_width(simd):
                     a[at] = -1
                 for src in (a, a.astype(np.int32)):
                     for unique in (False, True):
-                        seen = np.zeros((nb + 7) // 8, np.uint8) if unique else None
-                        out = np.full(n, -7, np.int64)
+                        seen = np.zeros((nb + 63) // 64, np.uint64) if unique else None
+                        out = np.full(n, -7, np.int32)
                         rc = FAST.check_ids(src, src.dtype == np.int64, n, nb, seen, out)
                         bad = ((a < 0) | (a >= nb)).any()
                         want = 1 if bad else 2 if unique and len(np.unique(a)) != n else 0
@@ -110,8 +110,8 @@ def test_idcheck_reuses_a_job_array_once_nothing_holds_it():
 def test_idcheck_spares_are_bounded():
     check = IdCheck(num_blocks=1 << 16, block_size=1)
     n = SPARE_MIN * 4
-    held = [check.checked(torch.arange(n), False).ids for _ in range(SPARE_BYTES // (8 * n) + 5)]
-    assert len(check._spares[n]) * n * 8 <= SPARE_BYTES and len(held) > len(check._spares[n])
+    held = [check.checked(torch.arange(n), False).ids for _ in range(SPARE_BYTES // (4 * n) + 5)]
+    assert len(check._spares[n]) * n * 4 <= SPARE_BYTES and len(held) > len(check._spares[n])
     for k in range(SPARE_LENGTHS + 2):  # more lengths than kept: the oldest give theirs up
         check.checked(torch.arange(SPARE_MIN + k), False)
     assert len(check._spares) == SPARE_LENGTHS and n not in check._spares
@@ -159,3 +159,52 @@ def test_engine_jobs_keep_their_ids_while_spares_are_reused():
         eng.close()
         pool.close()
         dev.close()
+
+
+@pytest.mark.parametrize("simd", [True, False])
+def test_repeat_check_in_a_big_cache_clears_only_the_words_it_marked(simd):
+    """A mask far bigger than the ids (2**20 blocks, 100 ids: the word-by-word clear): repeats of
+    the same word, of a neighbour word and of a far id found, none where there is none, and the
+    mask all zero again after each call (its poisoned neighbours untouched)."""
+    was = FAST.set_simd(simd)
+    try:
+        nb, rng = 1 << 20, np.random.default_rng(7)
+        seen = np.zeros((nb + 63) // 64 + 2, np.uint64)
+        seen[-2:] = 0xFFFF  # past the mask: never read as marks, never cleared
+        mask = seen[:-2]
+        for trial in range(40):
+            a = rng.choice(nb, 100, replace=False).astype(np.int64)
+            kind = trial % 4
+            if kind == 1:
+                a[50] = a[49] ^ 1  # the same 64-bit word, another bit: no repeat
+            elif kind == 2:
+                a[99] = a[3]  # a far repeat
+            elif kind == 3:
+                a[10] = a[11]  # adjacent: the two chains of the loop see one word
+            out = np.full(100, -7, np.int32)
+            rc = FAST.check_ids(a, 1, 100, nb, mask, out)
+            assert rc == (2 if kind in (2, 3) else 0) or (kind == 1 and len(np.unique(a)) != 100)
+            assert not mask.any() and seen[-2:].tolist() == [0xFFFF, 0xFFFF]
+    finally:
+        FAST.set_simd(was)
+
+
+def test_engine_jobs_keep_int32_ids_and_idcheck_refuses_a_cache_too_big_for_them():
+    dev = SimDevice()
+    kv = random_cache("vllm_flash", 1, 16, 2, 1, 8, torch.float16, seed=1)
+    pool = PinnedPool(dev, 4 * kv.chunk_nbytes(3))
+    eng = TransferEngine(dev, kv, pool, path="staged")
+    try:
+        job = eng.save(torch.tensor([5, 2, 7]), after=None)
+        assert job.ids.dtype == np.int32 and job.ids.tolist() == [5, 2, 7]
+        assert job.blocks.dtype == torch.int64 and job.blocks.tolist() == [5, 2, 7]
+        assert job.wait()
+        load = eng.load(job.slot, np.array([9, 12, 1], np.int32))
+        assert load.ids.dtype == np.int32 and load.wait()
+        assert bits_equal(gather_ref(kv, torch.tensor([9, 12, 1])), gather_ref(kv, torch.tensor([5, 2, 7])))
+        eng.release(job.slot)
+    finally:
+        eng.close()
+        pool.close()
+    with pytest.raises(ValueError, match="num_blocks"):
+        IdCheck(num_blocks=2**31 + 1, block_size=1)

@@ -33,13 +33,13 @@ class ComputeAccess:
     def compute_read(self, blocks, event: Event, waited=()) -> None:
         """Compute reads `blocks` until `event`; a later load into them waits for it."""
         check_event(self.device, event)
-        _ids, bset = self._check_ids.check(blocks, False)
+        bset = self._check_ids.checked(blocks, False)
         self.blocks.compute_read(bset, event, waited=self._waited(event, waited))
 
     def compute_write(self, blocks, event: Event, waited=()) -> None:
         """Compute writes `blocks` until `event`; a later save or load of them waits for it."""
         check_event(self.device, event)
-        _ids, bset = self._check_ids.check(blocks, False)
+        bset = self._check_ids.checked(blocks, False)
         self.blocks.compute_write(bset, event, waited=self._waited(event, waited))
 
     def _note_wait(self, stream: Stream, event: Event) -> None:

@@ -124,7 +124,7 @@ class TransferEngine(Completion, ComputeAccess):
         if self._closed:
             self._check_open()
         bset = self._check_ids.checked(block_ids, False, num_tokens)
-        ids = bset.ids  # int64 numpy, the job's own
+        ids = bset.ids  # int32 numpy, the job's own
         if tr is not None:
             tr.mark("ids")
         p = self._auto.get(("save", False)) if path is None else None  # decided once: see _path
@@ -190,7 +190,7 @@ class TransferEngine(Completion, ComputeAccess):
         if per_layer is not True and per_layer is not False:
             check_per_layer(per_layer)
         bset = self._check_ids.checked(block_ids, True, num_tokens)
-        ids = bset.ids  # int64 numpy, the job's own
+        ids = bset.ids  # int32 numpy, the job's own
         if tr is not None:
             tr.mark("ids")
         nbytes = len(ids) * self._block_nbytes

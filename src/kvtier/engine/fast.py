@@ -7,11 +7,12 @@ back, 28-230 us right after other work; on the CI CPU with its caches flushed `n
 us, `torch.from_numpy` 0.7 -> 12, one ctypes call 1.5 -> 13). So the two steps made of many such
 calls become one C call each:
 
-    check_ids  the ids copied to the job's own int64 array, range-checked, (loads) checked for
+    check_ids  the ids copied to the job's own int32 array, range-checked, (loads) checked for
                repeats -- instead of astype, max, two scatters and a count (`ids.IdCheck`); one
-               AVX2 pass where the CPU has it (copy, range and rising test at once); for 1024+
-               ids the array taken from spares that nothing else holds any more
-    replay     the query of the event guarding the graph's pinned ids buffer, the ids narrowed
+               AVX2 pass where the CPU has it (copy, range and rising test at once), a branch-free
+               bit mask for the repeats; for 1024+ ids the array taken from spares that nothing
+               else holds any more
+    replay     the query of the event guarding the graph's pinned ids buffer, the ids copied
                into it, then cudaMemcpyAsync, cudaGraphLaunch and the job's cudaEventRecord --
                instead of np.copyto and four ctypes calls (`graphs.StagedGraphs`)
 

@@ -1,6 +1,6 @@
 """A staged-graph replay as one call of the C helper (`fast.py`, `_fast.c`), for
 `graphs.StagedGraphs`: the query of the event guarding the next pinned ids buffer, the ids
-narrowed into it, their copy to the graph's device buffer, the graph launch and the record of
+copied into it, their copy to the graph's device buffer, the graph launch and the record of
 the job's raw event. The module docstring of `graphs.py` has the whole design."""
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ WHAT = {GUARD: "cudaEventQuery", DEVICE: "cudaSetDevice", COPY: "cudaMemcpyAsync
 
 
 def replay_fused(graphs, entry, ex, ids, stream, done, done_on) -> bool:
-    """Replay exec `ex` of `entry` with `ids` (int64, checked) on `stream`, `done` the job's event
-    (recorded here when it is raw and `done_on` its device stream, else by the caller). False:
+    """Replay exec `ex` of `entry` with `ids` (int32, checked: `IdCheck`'s) on `stream`, `done` the
+    job's event (recorded here when it is raw and `done_on` its device stream, else by the caller). False:
     nothing of the graph was launched (the job goes eager; later replays go through ctypes)."""
     tr, ring = graphs.trace, entry.ring  # tr: marks only when tracing
     ev = getattr(done, "handle", 0) if done_on is not None else 0  # torch's events: the caller records
-    n, ptr = ids.shape[0], (ids.data_ptr() if isinstance(ids, torch.Tensor) else ids)
+    n, ptr = ids.shape[0], (ids.numpy() if isinstance(ids, torch.Tensor) else ids)  # C: int32 only
     h, dev = stream.cuda_stream, stream.device_index
     i = ring.next  # the buffer to try first and its guard (queried below, in C where it can be)
     g = ring.guards[i]
@@ -66,13 +66,13 @@ def replay_fused(graphs, entry, ex, ids, stream, done, done_on) -> bool:
 
 
 # replay_steps' stamps: the phase that ends at each
-STEPS = ("replay_prep", "replay_args", "guard", "narrow", "device", "ids_h2d", "launch", "event")
+STEPS = ("replay_prep", "replay_args", "guard", "ids_fill", "device", "ids_h2d", "launch", "event")
 
 
 def _traced(ns, tr, ring, i, guard, ptr, n, ids_ptr, exec_handle, h, ev, dev):
     """`_fast.replay_steps` (the call `replay_fused` makes, stamping each step) -> (rc, the ring
     buffer used). Marks replay_prep (Python up to the C call), replay_args (the call's
-    arguments read), guard (the buffer's cudaEventQuery, where asked), narrow (the ids into the
+    arguments read), guard (the buffer's cudaEventQuery, where asked), ids_fill (the ids into the
     pinned buffer), device (cudaGetDevice, and cudaSetDevice where another device is current),
     ids_h2d, launch (the graph's launch alone), event (the record) and replay_return (back in
     Python, these marks included)."""

@@ -87,7 +87,7 @@ class StagedGraphs:
         self.fused = self.direct and runtime_bound()  # replays as one call of the C helper
 
     def replay(self, key, ids, stream: torch.cuda.Stream, slot_ptr: int, done=None, done_on=None) -> bool:
-        """Replay the graph of `key` for the slot at `slot_ptr` with block ids `ids` (int64 CPU,
+        """Replay the graph of `key` for the slot at `slot_ptr` with block ids `ids` (int32 CPU,
         checked: the engine's numpy array, or a tensor); False on a miss. `done`: the job's event,
         recorded on `stream` after the graph (it guards the ids buffer instead of an event record
         of its own). With `done_on` (the device stream wrapping `stream`) the C helper may record

@@ -2,15 +2,18 @@
 sort), and handed to the GPU through a ring of pinned host buffers (no allocation per job).
 
 `IdCheck` turns what the caller passed (a 1-D int32/int64 tensor, a numpy array, a range or a
-sequence of ints) into an int64 array of its own -- the job keeps it, so the caller may reuse its
-buffer -- and checks it: in range (one pass: a negative id viewed as unsigned is out of range
-too), distinct where asked (one byte per block marked, counted, cleared), `num_tokens` fitting.
+sequence of ints) into an int32 array of its own -- the job keeps it, so the caller may reuse its
+buffer; int32 because every id of a cache of at most 2**31 blocks fits, and half the bytes are
+half the memory traffic of a big job's submit -- and checks it: in range (one pass: a negative id
+viewed as unsigned is out of range too), distinct where asked (a mask marked, counted, cleared),
+`num_tokens` fitting.
 With the C helper (`fast.py`) the usual input -- a contiguous int64/int32 tensor or array -- is
 copied and checked in one C call instead; the errors are the same. For jobs of SPARE_MIN ids or
 more that call also picks the job's array from a few spares of that length: one that no job,
 tracker entry or view holds any more (a reference count of 1, read under the GIL), so a serving
 loop of like-sized jobs touches no new memory per job (the H200 hosts: a new 64 KiB array cost
-~6 us more than a reused one right after a 1 GiB copy, `probe_ids_cost.py`).
+~6 us more than a reused one right after a 1 GiB copy, `probe_ids_cost.py`). `check` and
+`__call__` give int64 tensors (a copy) to callers that want them; the engine takes `checked`.
 
 `HostRing` holds the host buffers a graph's ids are copied from. An asynchronous H2D copy reads
 its pinned source when the stream reaches it, not when it is enqueued: a buffer is written again
@@ -31,39 +34,44 @@ from kvtier.engine.fast import fast as _fast
 from kvtier.lifecycle.blocks import CheckedBlocks
 
 SPARE_MIN = 1024  # ids from which a job's array comes from spares (smaller ones: malloc's bins)
-SPARE_BYTES = 4 << 20  # spares of one length, at most (64 arrays of 8192 ids)
+SPARE_BYTES = 2 << 20  # spares of one length, at most (64 arrays of 8192 ids)
 SPARE_LENGTHS = 4  # lengths with spares, the latest ones (others: a new array per job)
+MAX_BLOCKS = 1 << 31  # every id of a cache up to this size fits the int32 copies
 
 
 class IdCheck:
     """Checks ids against a cache of `num_blocks` blocks of `block_size` tokens. Thread-safe."""
 
     def __init__(self, num_blocks: int, block_size: int, spares: bool = True):
+        if not 0 < num_blocks <= MAX_BLOCKS:
+            raise ValueError(f"num_blocks: expected 1..{MAX_BLOCKS} (ids are int32), got {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self._spare_min = SPARE_MIN if spares else sys.maxsize  # spares: see the module docstring
         self._lock = threading.Lock()
         self._seen = np.zeros(num_blocks, dtype=bool)  # scratch of the duplicate check, all False between
-        self._bits = np.zeros((num_blocks + 7) // 8, dtype=np.uint8)  # the C check's: a bit per block
+        self._bits = np.zeros((num_blocks + 63) // 64, dtype=np.uint64)  # the C check's: a bit per block
         self._spares: dict[int, list[np.ndarray]] = {}  # length -> arrays, in order of use (`_fast`)
 
     def __call__(self, block_ids, unique: bool, num_tokens: int | None = None) -> torch.Tensor:
-        """int64 [n] CPU block ids (the job's own copy), in range (distinct when `unique`),
+        """int64 [n] CPU block ids (a copy of the caller's), in range (distinct when `unique`),
         num_tokens fitting n blocks. Raises ValueError naming the argument."""
         return self.check(block_ids, unique, num_tokens)[0]
 
     def check(self, block_ids, unique: bool, num_tokens: int | None = None):
-        """(int64 [n] CPU tensor, the same ids as `CheckedBlocks` for the block tracker): one array."""
+        """(int64 [n] CPU tensor, the same ids as `CheckedBlocks` for the block tracker)."""
         b = self.checked(block_ids, unique, num_tokens)
-        return torch.from_numpy(b.ids), b
+        return torch.from_numpy(b.ids).long(), b
 
     def checked(self, block_ids, unique: bool, num_tokens: int | None = None) -> CheckedBlocks:
-        """The checked ids as `CheckedBlocks` only: `.ids` is the job's own int64 numpy array (no
+        """The checked ids as `CheckedBlocks` only: `.ids` is the job's own int32 numpy array (no
         torch view made: one call fewer on a submit, whose movers take numpy ids)."""
         got = self._native(block_ids, unique) if _fast is not None else None
         if got is None:
             a = self._array(block_ids)
             hi = int(a.view(np.uint64).max())  # one pass: negatives wrap to huge values
             bad = 1 if hi >= self.num_blocks else 2 if unique and self.has_duplicates(a, hi) else 0
+            if not bad:
+                a = a.astype(np.int32)  # in range: every id fits (num_blocks <= 2**31)
         else:
             a, bad = got
         if bad == 1:
@@ -111,13 +119,13 @@ class IdCheck:
                 got = _fast.check_ids(src, wide, n, self.num_blocks, None, spares)
             if got is not None:  # a free spare held the copy: the array, or what was wrong
                 return (got, 0) if type(got) is np.ndarray else (None, got)
-        a = np.empty(n, dtype=np.int64)  # the job's own copy
+        a = np.empty(n, dtype=np.int32)  # the job's own copy
         if unique:
             with self._lock:  # the scratch mask is shared: one check at a time marks it
                 rc = _fast.check_ids(src, wide, n, self.num_blocks, bits, a)
         else:
             rc = _fast.check_ids(src, wide, n, self.num_blocks, None, a)
-        if spares is not None and rc == 0 and len(spares) * n * 8 < SPARE_BYTES:
+        if spares is not None and rc == 0 and len(spares) * n * 4 < SPARE_BYTES:
             spares.append(a)  # a spare once the job and the tracker let it go
         return a, rc
 
@@ -132,7 +140,8 @@ class IdCheck:
 
     @staticmethod
     def _array(block_ids) -> np.ndarray:
-        """A new 1-D int64 array of the ids (never a view of the caller's buffer)."""
+        """A new 1-D int64 array of the ids (never a view of the caller's buffer); `checked`
+        narrows it to int32 once the range check passed."""
         if isinstance(block_ids, torch.Tensor):
             if block_ids.ndim != 1 or block_ids.dtype not in (torch.int32, torch.int64):
                 raise ValueError(

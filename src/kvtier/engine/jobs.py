@@ -31,7 +31,7 @@ class _Job:
     engine: TransferEngine = field(repr=False)
     slot: Slot
     event: Event  # e_save / e_load: after it the whole job has landed
-    ids: np.ndarray  # int64 [n] block ids; read-only (the block tracker holds this memory)
+    ids: np.ndarray  # int32 [n] block ids (`IdCheck`); read-only (the block tracker holds this memory)
     nbytes: int
     path: str
     submit_s: float  # CPU seconds spent in save()/load()
@@ -40,8 +40,8 @@ class _Job:
 
     @property
     def blocks(self) -> torch.Tensor:
-        """The job's block ids as an int64 CPU tensor (a view of `ids`; read-only)."""
-        return torch.from_numpy(self.ids)
+        """The job's block ids as an int64 CPU tensor (a copy of `ids`)."""
+        return torch.from_numpy(self.ids).long()
 
     def done(self) -> bool:
         """True once the job's event has completed (settles it on the way)."""
@@ -86,7 +86,7 @@ class LoadJob(_Job):
 
 # The runtime calls of a staged graph replay (the C helper's call split by its own stamps when
 # traced, graph_fused.STEPS: the guard's query where asked, the device check, the ids copy, the
-# launch, the record); the rest of the call (Python around it, its arguments, the narrowing)
+# launch, the record); the rest of the call (Python around it, its arguments, the ids' fill)
 # counts as kvtier's work.
 CALL_PHASES = ("guard", "device", "ids_h2d", "launch", "event")
 
@@ -94,7 +94,7 @@ CALL_PHASES = ("guard", "device", "ids_h2d", "launch", "event")
 class SubmitTrace:
     """Where the CPU time of each save()/load() goes: perf_counter_ns deltas between the engine's
     marks (ids, slot, tracker_wait, graph_lookup, retarget, ids_fill, replay_prep, replay_args,
-    guard, narrow, device, ids_h2d, launch, event, replay_return, eager, capture, mover,
+    guard, device, ids_h2d, launch, event, replay_return, eager, capture, mover,
     tracker_begin, ...), one dict per job, the last `keep` jobs. Set `engine.trace =
     SubmitTrace()` or KVTIER_SUBMIT_TRACE=1; off (None) each mark costs one test. The record in
     progress is per thread."""

@@ -45,7 +45,7 @@ WHY: dict[tuple[Access, Access], str] = {
 
 
 class CheckedBlocks:
-    """Block ids a caller has checked already (the engine's `IdCheck`): a 1-D int64 numpy array
+    """Block ids a caller has checked already (the engine's `IdCheck`): a 1-D int32 numpy array
     `ids` of ids in [0, `bound`) that nobody writes any more. The tracker keeps it as is: no copy,
     no check. (A plain slotted class: made once per job, it must cost next to nothing.)"""
 
@@ -69,7 +69,7 @@ class _Pending:
 
     def __init__(self, kind: Access, blocks: np.ndarray, hi: int, event: Event):
         self.kind = kind
-        self.blocks = blocks  # int64 [n], owned by the tracker
+        self.blocks = blocks  # int64 [n] (int32 from the engine's IdCheck), owned by the tracker
         self.hi = hi  # above every id in `blocks`
         self.event = event
         self.stream = event.stream  # where it was recorded (registered events are not re-recorded)
@@ -83,7 +83,7 @@ def _same(a: object, b: object) -> bool:
 class BlockTracker:
     """Pending accesses to the serving engine's GPU blocks. Thread-safe.
 
-    Each access's blocks are one int64 numpy array; a call costs a few numpy passes over its own
+    Each access's blocks are one integer numpy array; a call costs a few numpy passes over its own
     blocks and over those of the pending accesses it could conflict with (a scratch mask of the
     new blocks, gathered at each candidate's ids): no Python loop or set per block, no sort.
     A count of the pending accesses of each kind lets a call that follows none of the kinds

@@ -72,9 +72,10 @@ def block_ids(
 
 
 def checked_block_ids(kv: PagedKV, cpu: torch.Tensor, unique: bool, num_tokens: int | None) -> BlockIds:
-    """BlockIds of int64 CPU ids its caller has checked already (the engine's `IdCheck`: in range,
-    distinct when `unique`, num_tokens fitting): only the copy to the device, no second check."""
-    return _landed(kv, cpu, None, unique, num_tokens)
+    """BlockIds of CPU ids its caller has checked already (the engine's `IdCheck`: in range,
+    distinct when `unique`, num_tokens fitting; int32, as the engine keeps them, taken as int64):
+    only the copy to the device, no second check."""
+    return _landed(kv, cpu.to(torch.int64), None, unique, num_tokens)
 
 
 def _landed(kv: PagedKV, cpu: torch.Tensor, dev, unique: bool, num_tokens: int | None) -> BlockIds:
