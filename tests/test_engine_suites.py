@@ -65,6 +65,9 @@ def test_submit_overhead_dry_pass_on_sim():
         assert p["submit_busy_us"] > 0 and p["busy_ms"] > 0 and isinstance(p["meets_target_busy"], bool)
         assert p["submit_hot_py_us"] > 0 and p["submit_hot_calls_us"] > 0  # the sim's event record
         assert p["submit_traced_us"] >= p["submit_hot_py_us"]  # the traced pass whole
+        phases = p["submit_traced_phases_us"]  # each marked phase's median, the whole among them
+        assert {"ids", "tracker_begin", "total"} <= set(phases)
+        assert phases["total"] == pytest.approx(p["submit_traced_us"], abs=0.01)
         assert p["hot_sampling"] == "interleaved"
 
 

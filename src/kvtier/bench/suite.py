@@ -80,6 +80,8 @@ def _jsonable(v: Any) -> Any:
         return v
     if isinstance(v, float):
         return v if math.isfinite(v) else None
+    if isinstance(v, dict):  # e.g. a phase -> us table
+        return {str(k): _jsonable(x) for k, x in v.items()}
     return str(v).removeprefix("torch.")  # e.g. torch.bfloat16 -> "bfloat16"
 
 

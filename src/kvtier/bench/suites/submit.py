@@ -183,7 +183,7 @@ def _rig_rows(ctx, dev, rig: _Rig, ceil: tuple[str, str], reps: int, sampling: s
             submit_busy_us=statistics.median(busy), busy_ms=BUSY_MS,
             meets_target_busy=statistics.median(busy) <= P6_US,
             submit_hot_py_us=split["py_us"], submit_hot_calls_us=split["calls_us"],
-            submit_traced_us=split["total_us"],
+            submit_traced_us=split["total_us"], submit_traced_phases_us=split["phases_us"],
         )  # fmt: skip
         if g0 is not None:  # staged CUDA graphs during this row's jobs (warm-up included)
             p |= {f"graph_{k}": g1[k] - g0[k] for k in g0}
@@ -230,14 +230,17 @@ def _traced_split(eng, call, reps: int, direction: str) -> dict:
     """Hot submits once more, traced (`SubmitTrace`: its marks cost ~0.3 us each on the CI CPU and
     ~1 on the H200 hosts, so apart from the figures above): kvtier's Python per job (`py_us`, the
     marks included) apart from its runtime calls (`calls_us`), and the traced submit whole
-    (`total_us`), medians over the timed submits only (the warming one before each is not traced)."""
+    (`total_us`), medians over the timed submits only (the warming one before each is not traced);
+    `phases_us`: each phase's median (`SubmitTrace.medians`: slot, tracker_begin, launch, ...),
+    to see which phases swell on a slow pass."""
     from kvtier.engine.jobs import SubmitTrace
 
     prev, tr = eng.trace, SubmitTrace()
     try:
         eng.trace = None
         _hot_submits(eng, call, reps, trace=tr)
-        return tr.split(direction)
+        phases = {k: round(v, 2) for k, v in tr.medians(direction).items()}
+        return tr.split(direction) | {"phases_us": phases}
     finally:
         eng.trace = prev
 
