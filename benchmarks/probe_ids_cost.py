@@ -14,6 +14,13 @@ and in a tight loop:
   empty         np.empty of the job's array alone
   fill          the job's int32 ids into a pinned buffer (the replay's first step), numpy
   read_src      one pass over the caller's ids (np.max): the source read alone
+  torch_reads   the torch reads `IdCheck` makes of a tensor (dtype, shape, is_cpu, is_contiguous,
+                data_ptr: five since session 15)
+  torch_reads6  the six it made before (ndim and shape[0] apart)
+  stream_props  the copy stream's torch properties (cuda_stream, device_index: what the fused
+                replay read before session 15; on SimDevice: two attribute reads of a stand-in)
+  stream_ints   the same two ints read off kvtier's device stream (what it reads now)
+  nothing       an empty call: the floor of every figure here
 
 Variants are interleaved sample by sample (shuffled per cycle). A step that costs far more when
 its memory is new (check_fresh against check_reused plus empty) points at page / TLB misses
@@ -39,7 +46,7 @@ from kvtier.engine.fast import fast
 from kvtier.engine.ids import IdCheck
 
 
-def steps(num_blocks: int, src: torch.Tensor) -> dict:
+def steps(num_blocks: int, src: torch.Tensor, stream=None) -> dict:
     n, p = src.shape[0], src.data_ptr()
     reused = np.empty(n, np.int32)
     pinned = torch.empty(n, dtype=torch.int32, pin_memory=torch.cuda.is_available()).numpy()
@@ -78,7 +85,22 @@ def steps(num_blocks: int, src: torch.Tensor) -> dict:
     ids_small = torch.from_numpy(rng.permutation(num_blocks)[:n])
     ids_big = torch.from_numpy(rng.permutation(1 << 20)[:n])
 
+    def torch_reads():
+        return src.dtype, src.shape, src.is_cpu, src.is_contiguous(), src.data_ptr()
+
+    def torch_reads6():
+        return src.dtype, src.is_cpu, src.ndim, src.is_contiguous(), src.shape[0], src.data_ptr()
+
+    raw = getattr(stream, "raw", None) if torch.cuda.is_available() else None
+    if raw is None:  # no torch stream here: a stand-in with the same two attributes
+        raw = type("RawStream", (), {"cuda_stream": 0, "device_index": 0})()
+
     return {
+        "torch_reads": torch_reads,
+        "torch_reads6": torch_reads6,
+        "stream_props": lambda: (raw.cuda_stream, raw.device_index),
+        "stream_ints": lambda: (stream.handle, stream.index) if hasattr(stream, "index") else (0, 0),
+        "nothing": lambda: None,
         "check_fresh": check_fresh,
         "random_small": lambda: keep(small.checked(ids_small, True).ids),
         "random_1m": lambda: keep(big.checked(ids_big, True).ids),
@@ -106,7 +128,7 @@ def main() -> int:
         print("no CUDA GPU: a check of this script on SimDevice (tiny cache), not figures")
     dev, kv, pool, eng, ids = make_engine(args.block_size, gpu)
     src = ids[0].contiguous()
-    ops = steps(kv.num_blocks, src)
+    ops = steps(kv.num_blocks, src, eng.save_stream)
     print(f"{src.shape[0]} ids ({src.shape[0] * 8 // 1024} KiB as int64), cache of {kv.num_blocks} blocks")
     for name, op in ops.items():
         print(f"tight loop   {name:14s} {tight_us(op, 300, skip=50):7.2f} us")

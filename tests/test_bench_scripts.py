@@ -73,7 +73,16 @@ def test_probe_ids_cost_dry_pass_times_every_step():
         pytest.skip(f"C helper: {fast.why}")
     r = run("probe_ids_cost.py", "--reps", "2", "--block-size", "16")
     assert r.returncode == 0, r.stdout + r.stderr
-    for step in ("check_fresh", "check_reused", "empty", "fill", "read_src"):
+    for step in (
+        "check_fresh",
+        "check_reused",
+        "empty",
+        "fill",
+        "read_src",
+        "torch_reads",
+        "stream_ints",
+        "nothing",
+    ):
         assert f"tight loop   {step}" in r.stdout and f"after a save {step}" in r.stdout
 
 

@@ -413,3 +413,27 @@ def test_traced_fused_replay_splits_the_call_into_its_runtime_calls(runtime):
     ]
     split = tr.split("save")
     assert split["calls_us"] == sum(rec[k] for k in CALL_PHASES) / 1e3 >= 11e3
+
+
+def test_fused_replay_reads_the_device_streams_ints_not_torchs(runtime):
+    """With the device stream given (`done_on`: `.handle` / `.index`, plain ints), the replay asks
+    the torch stream nothing (its properties are slow on a cold host)."""
+
+    class NoTorch(FakeStream):
+        @property
+        def cuda_stream(self):
+            raise AssertionError("the torch stream's handle was read")
+
+        @property
+        def device_index(self):
+            raise AssertionError("the torch stream's device was read")
+
+    class DeviceStream:
+        handle, index = STREAM, 0
+
+    g, key, _entry = _graphs()
+    rt = runtime()
+    done, on = RawEvent(), DeviceStream()
+    assert g.replay(key, ids32(5, 1, 6, 2), NoTorch(), Nodes.base, done, on)
+    assert [e[0] for e in rt.log] == ["memcpy", "launch", "record"] and rt.log[0][5] == STREAM
+    assert done.stream is on

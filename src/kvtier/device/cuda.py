@@ -37,7 +37,8 @@ class CudaStream(Stream):
         self._dev = device
         self.raw = raw
         self.handle = raw.cuda_stream  # the cudaStream_t, for raw runtime calls (0: legacy default)
-        self._key = (raw.device_index, self.handle)  # what identifies the stream (0 is per device)
+        self.index = raw.device_index  # its device; both plain ints, read without a torch call
+        self._key = (self.index, self.handle)  # what identifies the stream (0 is per device)
         self.name = name
         self._seq = itertools.count(1)
 
