@@ -25,6 +25,8 @@
 #   verdict: ($GPU_TESTS) suites $P6_SUITES (default bidir save_beside_matmul submit_overhead), then
 #       submit_overhead $P6_REPEAT more times (default 0) into $out/again<i>/: the issue's figures at one commit
 #       (with P6_REPEAT=1 it writes 7 files; the device tool returns 8 at most, so add one file at most)
+#   cold: ($GPU_TESTS) probe_cold_steps.py (steps hot and after a cache flush), probe_ids_cost.py at
+#       block sizes 1 and 16 (the id steps and torch reads right after a save)
 #   calls: ($GPU_TESTS) probe_enqueue_beside.py, probe_memcpy_size.py, probe_fold_ids.py,
 #       probe_calls.py and probe_hot_submit.py (pair) at block sizes 1 and 16: what each runtime
 #       call of a hot submit costs, after a large copy too, what folding the ids copy into the
@@ -219,6 +221,15 @@ if [ "$mode" = calls ]; then  # the replay's runtime calls one by one (session 1
     echo "## block size $bs" | tee -a "$out/probe_hot_submit.txt"
     timeout 120 $py benchmarks/probe_hot_submit.py --reps 60 --block-size $bs --variants pair 2>&1 \
       | tee -a "$out/probe_hot_submit.txt"
+  done
+  exit 0
+fi
+if [ "$mode" = cold ]; then  # what a submit's small steps cost on a cold host (session 15's lead)
+  gpu_tests
+  timeout 200 $py benchmarks/probe_cold_steps.py --reps 60 2>&1 | tee "$out/probe_cold_steps.txt"
+  for bs in 1 16; do  # the id steps and the torch reads in the hot pair's state (right after a save)
+    echo "## block size $bs" | tee -a "$out/probe_ids_cost.txt"
+    timeout 200 $py benchmarks/probe_ids_cost.py --reps 60 --block-size $bs 2>&1 | tee -a "$out/probe_ids_cost.txt"
   done
   exit 0
 fi

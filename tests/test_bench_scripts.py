@@ -124,3 +124,15 @@ def test_gpu_only_probes_say_they_need_a_gpu(script):
 def test_probe_enqueue_beside_refuses_a_negative_gap():
     bad = run("probe_enqueue_beside.py", "--gaps", "-1")
     assert bad.returncode != 0 and "--gaps" in bad.stdout + bad.stderr
+
+
+def test_probe_cold_steps_times_each_step_hot_and_cold_and_refuses_bad_args():
+    r = run("probe_cold_steps.py", "--reps", "2", "--flush-mib", "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    for step in ("nothing", "t.data_ptr()", "checked(tensor)", "checked(numpy)"):
+        assert any(line.startswith(step) and " hot " in line and " cold " in line for line in lines)
+    for state in ("hot", "cold"):
+        assert f"save phases {state}" in r.stdout and "slot" in r.stdout and "tracker_begin" in r.stdout
+    bad = run("probe_cold_steps.py", "--reps", "0")
+    assert bad.returncode == 2 and "--reps" in bad.stderr
