@@ -25,7 +25,7 @@ def replay_fused(graphs, entry, ex, ids, stream, done, done_on) -> bool:
     tr, ring = graphs.trace, entry.ring  # tr: marks only when tracing
     ev = getattr(done, "handle", 0) if done_on is not None else 0  # torch's events: the caller records
     n, ptr = ids.shape[0], (ids.numpy() if isinstance(ids, torch.Tensor) else ids)  # C: int32 only
-    try:  # the device stream's plain ints: each torch stream property read cost 8-15 us cold (CI CPU)
+    try:  # the device stream's plain ints, not torch's properties (calls into torch: a cold host pays each)
         h, dev = done_on.handle, done_on.index
     except AttributeError:  # no device stream (None, or another object): ask torch
         h, dev = stream.cuda_stream, stream.device_index
