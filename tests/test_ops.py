@@ -144,5 +144,8 @@ def test_checked_block_ids_equal_the_checked_path():
     ids = torch.tensor([7, 2, 9], dtype=torch.int64)
     a, b = checked_block_ids(kv, ids, True, 10), block_ids(kv, ids, unique=True, num_tokens=10)
     assert torch.equal(a.dev, b.dev) and a.last_valid == b.last_valid == 2 and a.unique
+    c = checked_block_ids(kv, ids.to(torch.int32), True, 10)  # the engine's int32 copy: the same BlockIds
+    assert c.dev.dtype == torch.int32 and torch.equal(c.dev, b.dev) and c.cpu.dtype == torch.int64
+    assert torch.equal(c.cpu, b.cpu) and c.last_valid == 2
     with pytest.raises(ValueError, match="num_tokens"):
         checked_block_ids(kv, ids, True, 13)  # 13 tokens do not fit 3 blocks of 4

@@ -3,9 +3,9 @@ submit figures (P6) are read against.
 
 The step is one `IdCheck.checked` of 512 block ids (what every save / load does first) and a
 tensor view of them: the work `IdCheck.check` did until 9edb36f, kept as it was so the yardstick
-reads the same across runs. (Since 9edb36f `check` makes an int64 copy instead: runs `-39` and
-`-40` timed that, ~2x the step on the CI CPU; their yardstick is not comparable with the others'.) Timed in a
-hot loop, then once each right after the thread slept 20 ms and right after it waited 20 ms on
+reads the same across runs (since 9edb36f `check` makes an int64 copy instead: runs `-39` and
+`-40` timed that, ~2x the step on the CI CPU; their yardstick is not comparable). Timed in a hot
+loop, then once each right after the thread slept 20 ms and right after it waited 20 ms on
 the GPU (as a job submitted after waiting for the one before). On the H200 boxes the same step
 took 4-9 us hot and 120-260 us after a wait (`benchmarks/host_jitter.py`): every phase of a
 submit swells so, which no change inside kvtier removes.

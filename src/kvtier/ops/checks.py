@@ -73,9 +73,10 @@ def block_ids(
 
 def checked_block_ids(kv: PagedKV, cpu: torch.Tensor, unique: bool, num_tokens: int | None) -> BlockIds:
     """BlockIds of CPU ids its caller has checked already (the engine's `IdCheck`: in range,
-    distinct when `unique`, num_tokens fitting; int32, as the engine keeps them, taken as int64):
-    only the copy to the device, no second check."""
-    return _landed(kv, cpu.to(torch.int64), None, unique, num_tokens)
+    distinct when `unique`, num_tokens fitting): only the copy to the device, no second check. The
+    engine's ids are int32: they go to the device as they are, `BlockIds.cpu` gets an int64 copy."""
+    dev = cpu.to(kv.device, non_blocking=True) if cpu.dtype == torch.int32 else None  # pageable: staged now
+    return _landed(kv, cpu.to(torch.int64), dev, unique, num_tokens)
 
 
 def _landed(kv: PagedKV, cpu: torch.Tensor, dev, unique: bool, num_tokens: int | None) -> BlockIds:
