@@ -94,12 +94,13 @@ def steps(num_blocks: int, src: torch.Tensor, stream=None) -> dict:
     raw = getattr(stream, "raw", None) if torch.cuda.is_available() else None
     if raw is None:  # no torch stream here: a stand-in with the same two attributes
         raw = type("RawStream", (), {"cuda_stream": 0, "device_index": 0})()
+    dev_stream = stream if hasattr(stream, "index") else type("DevStream", (), {"handle": 0, "index": 0})()
 
     return {
         "torch_reads": torch_reads,
         "torch_reads6": torch_reads6,
         "stream_props": lambda: (raw.cuda_stream, raw.device_index),
-        "stream_ints": lambda: (stream.handle, stream.index) if hasattr(stream, "index") else (0, 0),
+        "stream_ints": lambda: (dev_stream.handle, dev_stream.index),
         "nothing": lambda: None,
         "check_fresh": check_fresh,
         "random_small": lambda: keep(small.checked(ids_small, True).ids),
