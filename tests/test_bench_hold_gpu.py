@@ -49,3 +49,20 @@ def test_a_held_run_leaves_the_hosts_submit_out():
     t = _time_jobs(dev, submit, finish, 3, hold_ms=30.0, held=held)
     assert unheld.median_ms >= 10  # the host's submit counted
     assert t.median_ms < 5 and held == [True, True, True]
+
+
+def test_the_copies_timed_beside_the_jobs_move_both_ways_near_the_link_rate():
+    from kvtier.bench.suites.engine import HOLD_MS, _Copies, _time_alternating
+    from kvtier.device import CudaDevice
+
+    dev = CudaDevice()
+    copies = _Copies(dev, 256 << 20)
+    try:
+        copies.h_in.random_(0, 256)
+        want_out = copies.g_out.cpu()
+        t = _time_alternating(dev, [(copies, copies.finish, None)], reps=3, hold_ms=HOLD_MS)[0]
+        assert torch.equal(copies.g_in.cpu(), copies.h_in) and torch.equal(copies.h_out, want_out)
+    finally:
+        copies.close()
+    gbps = 2 * (256 << 20) / t.median_ms / 1e6
+    assert 20 < gbps < 130  # both directions of a PCIe 5 x16 link at once (H200: ~100 GB/s)

@@ -93,3 +93,10 @@ def test_bidir_rows_say_how_they_were_held():
     p = {"hold_ms": 3.0, "held_runs": "9/10"}  # an alone row: no unheld figure
     assert _engine_figure({"params": p}) == "held 3 ms before each run (9/10 fully enqueued)"
     assert _engine_figure({"params": {}}) == "-"  # rows of before the hold
+    p = {"hold_ms": 3.0, "held_runs": "10/10", "unheld_ratio": 1.0071, "beside_ratio": 0.9712,
+         "beside_ceiling_gbps": 93.04}  # fmt: skip
+    want = (
+        "held 3 ms before each run (10/10 fully enqueued), 100.7% without it;"
+        " 97.1% of the bidirectional copy timed beside it (93.0 GB/s)"
+    )
+    assert _engine_figure({"params": p}) == want

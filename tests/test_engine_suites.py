@@ -230,3 +230,44 @@ def test_a_hold_keeps_the_hosts_submit_out_of_the_job_timing():
     assert unheld.median_ms >= 30  # the host's submit counted
     assert 5 <= t.median_ms < 25 and held == [True, True, True]
     assert short == [False, False]  # a hold shorter than the submit: said so
+
+
+def test_alternating_runs_take_turns_and_copies_move_the_bytes():
+    """P4's verdict times the jobs and the plain bidirectional copies in turn: one run of each per
+    round, the order reversed every other round, warm-up runs untimed; `_Copies` moves both ways."""
+    from types import SimpleNamespace
+
+    from kvtier.bench.suites.engine import _Copies, _time_alternating
+    from kvtier.device import SimDevice
+
+    dev = SimDevice()
+    order: list[str] = []
+    side = dev.new_stream("copy")
+
+    def job(name):
+        def submit(start):
+            order.append(name)
+            side.wait_event(start)  # no earlier than the timer's start
+            return [SimpleNamespace(event=side.record(name))]
+
+        return submit
+
+    def finish(jobs):
+        for j in jobs:
+            j.event.synchronize()  # the next run starts from an idle device
+
+    copies = _Copies(dev, 1 << 16)
+    try:
+        held: list[bool] = []
+        runs = [(job("a"), finish, held), (job("b"), finish, None)]
+        a, b = _time_alternating(dev, runs, reps=3, warmup=1)
+        copies.h_in.random_(0, 256)
+        want_out = copies.g_out.clone()
+        _time_alternating(dev, [(copies, copies.finish, None)], reps=1, warmup=0)
+    finally:
+        copies.close()
+        dev.close()
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]  # warm-up round, then 3 timed ones
+    assert a.count == b.count == 3 and len(held) == 3
+    assert torch.equal(copies.g_in, copies.h_in) and torch.equal(copies.h_out, want_out)
+    assert want_out.float().std() > 0  # random bytes, not zeros

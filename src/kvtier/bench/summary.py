@@ -103,7 +103,11 @@ def _engine_figure(r: dict) -> str:
         return f"{p['vs_path']:.0%} of the path model's bottleneck"
     if "held_runs" in p:  # bidir: runs started after a hold, so both jobs were enqueued first
         unheld = f", {p['unheld_ratio']:.1%} without it" if p.get("unheld_ratio") is not None else ""
-        return f"held {p['hold_ms']:g} ms before each run ({p['held_runs']} fully enqueued){unheld}"
+        beside = ""
+        if p.get("beside_ratio") is not None:  # P4's verdict: the copies timed in turn with the jobs
+            gbps = p["beside_ceiling_gbps"]
+            beside = f"; {p['beside_ratio']:.1%} of the bidirectional copy timed beside it ({gbps:.1f} GB/s)"
+        return f"held {p['hold_ms']:g} ms before each run ({p['held_runs']} fully enqueued){unheld}{beside}"
     return "-"
 
 
