@@ -20,11 +20,12 @@ $(STAMP): pyproject.toml setup.py Makefile
 	$(BIN)/pip install -q -e ".[gpu,dev,hf]"
 	touch $(STAMP)
 
-# The submit path's optional C helper (src/kvtier/engine/_fast.c, see engine/fast.py), rebuilt
-# when it changes; without a C compiler kvtier runs those steps in numpy / ctypes instead.
-$(FAST): src/kvtier/engine/_fast.c setup.py $(STAMP)
+# The submit path's optional C helpers (src/kvtier/engine/_fast.c, see engine/fast.py, and
+# src/kvtier/_slab.c, see slab.py), rebuilt when they change; without a C compiler kvtier runs
+# those steps in Python / numpy / ctypes instead.
+$(FAST): src/kvtier/engine/_fast.c src/kvtier/_slab.c setup.py $(STAMP)
 	$(BIN)/python setup.py -q build_ext --inplace > $(VENV)/fast-build.log 2>&1 \
-	  || echo "kvtier: C helper not built (see $(VENV)/fast-build.log); the submit runs without it"
+	  || echo "kvtier: C helpers not built (see $(VENV)/fast-build.log); the submit runs without it"
 	touch $(FAST)
 
 demo: $(FAST)
@@ -44,4 +45,4 @@ fmt: $(STAMP)
 	$(BIN)/ruff check --fix src tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache src/kvtier/engine/_fast*.so
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache src/kvtier/engine/_fast*.so src/kvtier/_slab*.so

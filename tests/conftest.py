@@ -19,3 +19,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(params=["c", "py"])
+def slab(request, monkeypatch):
+    """A test that uses it runs twice: with the pool's C bookkeeping (`kvtier._slab`, where built)
+    and with the Python reference (`slab.PySlab`)."""
+    from kvtier import slab as slab_mod
+
+    if request.param == "c" and slab_mod.Slab is None:
+        pytest.skip(f"kvtier._slab: {slab_mod.why}")
+    if request.param == "py":
+        monkeypatch.setattr(slab_mod, "Slab", None)
+    return request.param

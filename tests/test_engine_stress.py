@@ -4,6 +4,7 @@ the pool fully free at the end."""
 import random
 import threading
 
+import pytest
 import torch
 
 from kvtier.device import SimDevice
@@ -11,6 +12,8 @@ from kvtier.engine import TransferEngine
 from kvtier.lifecycle import Access
 from kvtier.pool import PinnedPool
 from kvtier.reference import gather_ref, random_cache
+
+pytestmark = pytest.mark.usefixtures("slab")  # each test with the C and the Python bookkeeping
 
 THREADS, ROUNDS, PER = 6, 20, 3  # each thread owns 2 * PER blocks: A (computed, saved), B (loaded)
 L, BS, H, D = 2, 4, 2, 8

@@ -21,6 +21,8 @@ from kvtier.lifecycle import (
 )
 from kvtier.pool import PinnedPool
 
+pytestmark = pytest.mark.usefixtures("slab")  # each test with the C and the Python bookkeeping
+
 
 @pytest.fixture
 def dev():

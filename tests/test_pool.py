@@ -8,9 +8,13 @@ import time
 import pytest
 import torch
 
+from kvtier import slab as slab_module
 from kvtier.device import SimDevice
 from kvtier.freelist import FreeList
 from kvtier.pool import PinnedPool, PoolExhausted
+
+pytestmark = pytest.mark.usefixtures("slab")  # each test with the C and the Python bookkeeping
+C_SLAB = slab_module.Slab  # the C type where built (the fixture hides it from the pools it makes)
 
 KiB = 1024
 
@@ -292,3 +296,62 @@ def test_free_list_takes_the_best_fit_as_a_brute_force_model_does():
                 used.append((got, span))
         assert sorted(fl.extents()) == model, step
         assert fl.total() == sum(n for _, n in model)
+
+
+def test_the_pool_runs_the_bookkeeping_it_was_given(dev, slab):
+    pool = PinnedPool(dev, 4 * KiB)
+    assert pool.native == (slab == "c")
+    assert (pool.try_alloc == pool._slab.take) == pool.native  # the C call itself: no pool frame
+    with pytest.raises(ValueError, match="exceeds the largest chunk"):
+        pool.try_alloc(8 * KiB)
+
+
+def test_c_bookkeeping_matches_the_python_reference_step_by_step():
+    """kvtier._slab.Slab against slab.PySlab on the same random takes, frees and in-flight marks:
+    the same slots (id, chunk, offset, sizes, address), extents, counts and errors."""
+    from kvtier import slab as slab_mod
+    from kvtier.device.base import check_nbytes
+    from kvtier.pool import Slot
+
+    if C_SLAB is None:
+        pytest.skip(f"kvtier._slab: {slab_mod.why}")
+    rng, chunk = random.Random(5), 4096
+    chunks = [torch.empty(n, dtype=torch.uint8) for n in (chunk, chunk, 1536)]
+    ptrs, sizes = [c.data_ptr() for c in chunks], [c.numel() for c in chunks]
+    args = (Slot, chunks, ptrs, sizes, chunk, 256, check_nbytes)
+    c, p = C_SLAB(*args), slab_mod.PySlab(*args)
+    live: list[tuple[Slot, Slot]] = []
+    for step in range(4000):
+        r = rng.random()
+        if live and r < 0.35:
+            a, b = live.pop(rng.randrange(len(live)))
+            c.free(a), p.free(b)
+            for s, sl in ((c, a), (p, b)):
+                with pytest.raises(ValueError, match="is not allocated"):
+                    s.free(sl)  # a second release: nothing lives there any more
+        elif live and r < 0.55:
+            a, b = live[rng.randrange(len(live))]
+            busy = rng.random() < 0.6
+            c.set_in_flight(a, busy), p.set_in_flight(b, busy)
+        else:
+            n = rng.choice([1, 255, 256, 257, 700, 1024, 1536, 2000, 4096])
+            a, b = c.take(n), p.take(n)
+            assert (a is None) == (b is None), step
+            if a is not None:
+                fa = (a.id, a.chunk, a.offset, a.nbytes, a.span, a.ptr, a._tensor)
+                assert fa == (b.id, b.chunk, b.offset, b.nbytes, b.span, b.ptr, b._tensor), step
+                assert a.base is chunks[a.chunk] and type(a) is Slot
+                assert bytes(a.tensor.numpy()) == bytes(chunks[a.chunk][a.offset : a.offset + n].numpy())
+                live.append((a, b))
+        assert c.extents() == p.extents(), step
+        counts = [(s.used, s.waste, s.in_flight_bytes, s.total()) for s in (c, p)]
+        assert counts[0] == counts[1], step
+        assert c.largest() == p.largest() and c.smaller_than(700) == p.smaller_than(700)
+        assert sorted(c.live) == sorted(p.live) and len(c.in_flight) == len(p.in_flight)
+    for bad, match in ((0, "positive int"), (2.0, "positive int"), (True, "positive int"), (5000, "exceeds")):
+        for s in (c, p):
+            with pytest.raises(ValueError, match=match):
+                s.take(bad)
+    for s in (c, p):
+        with pytest.raises(ValueError, match="slot must be a Slot"):
+            s.set_in_flight("slot-7", True)

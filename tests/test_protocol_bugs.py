@@ -18,6 +18,8 @@ from kvtier.device import SimDevice
 from kvtier.lifecycle import Access, BlockTracker, LifecycleError, SlotTracker
 from kvtier.pool import PinnedPool, PoolExhausted
 
+pytestmark = pytest.mark.usefixtures("slab")  # each test with the C and the Python bookkeeping
+
 DELAY = 0.15  # seconds each copy takes to land
 BLOCK = 256  # bytes per GPU block
 B = 2  # the block the scenarios work on

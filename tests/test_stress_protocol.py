@@ -26,6 +26,8 @@ from kvtier.device import SimDevice
 from kvtier.lifecycle import Access, BlockTracker, SlotTracker
 from kvtier.pool import PinnedPool
 
+pytestmark = pytest.mark.usefixtures("slab")  # each test with the C and the Python bookkeeping
+
 BLOCK = 1024
 THREADS = 8
 JOBS = 40

@@ -21,11 +21,15 @@ for a `free` (asking `on_pressure`, e.g. an evictor, to make room), then raises
 `free` trusts its handle, as free(3) trusts its pointer: releasing a stale handle frees
 whatever now lives at that address. The lifecycle tracker (`kvtier.lifecycle`) is what
 refuses stale handles, double releases and releases under DMA.
+
+The bookkeeping (free extents, live slots, byte counts, the in-flight set) is `slab.py`'s: in C
+where it is built (then `try_alloc` and `set_in_flight` are its calls themselves, atomic under
+the GIL: a save's submit allocates without a Python frame of the pool), else in Python under the
+pool's lock. `native=False` picks the Python one.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -34,8 +38,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.device.base import Device, check_nbytes, check_timeout
-from kvtier.freelist import FreeList
 from kvtier.numa import allocate_near
+from kvtier.slab import make_slab
 
 
 class PoolExhausted(RuntimeError):
@@ -101,6 +105,7 @@ class PinnedPool:
         numa_node: best effort: allocate and first-touch the slab with this thread bound to
             the node's CPUs (Linux), so pages land near the GPU's node; ignored with a
             warning where the node is unknown. `numa_bound` says whether it happened.
+        native: the C bookkeeping (`slab.py`): None where built, False the Python reference.
     """
 
     def __init__(
@@ -111,6 +116,7 @@ class PinnedPool:
         chunk_bytes: int = 1 << 30,
         alignment: int = 256,
         numa_node: int | None = None,
+        native: bool | None = None,
     ):
         if not isinstance(device, Device):
             raise ValueError(f"device must be a kvtier Device (CudaDevice, SimDevice), got {device!r}")
@@ -131,43 +137,26 @@ class PinnedPool:
         self.numa_bound = False
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)
-        self._ids = itertools.count(1)
-        self._free = FreeList(chunk_bytes)  # free extents by global address (freelist.py)
-        self._live: dict[int, Slot] = {}  # start -> slot
-        self._used = 0
-        self._waste = 0
-        self._in_flight: set[Slot] = set()
-        self._in_flight_bytes = 0
         self.chunks = self._allocate_slab()
-        self._ptrs = [c.data_ptr() for c in self.chunks]
-        self._max_request = max(c.numel() for c in self.chunks)
-        for i, c in enumerate(self.chunks):
-            self._free.add(i * chunk_bytes, c.numel())
+        sizes = [c.numel() for c in self.chunks]
+        ptrs = [c.data_ptr() for c in self.chunks]
+        self._slab = make_slab(Slot, self.chunks, ptrs, sizes, chunk_bytes, alignment, check_nbytes, native)
+        self._max_request = self._slab.max_request
+        self.native = type(self._slab).__module__ == "kvtier._slab"
+        if self.native:  # one atomic C call each (the GIL): no pool frame, no lock on a submit
+            self.try_alloc = self._slab.take
+            self.set_in_flight = self._slab.set_in_flight
 
     def _allocate_slab(self) -> list[torch.Tensor]:
         sizes = [min(self.chunk_bytes, self.capacity - o) for o in range(0, self.capacity, self.chunk_bytes)]
         chunks, self.numa_bound = allocate_near(self.device.alloc_pinned, sizes, self.numa_node)
         return chunks
 
-    def _take(self, nbytes: int) -> Slot | None:
-        span = -(-nbytes // self.alignment) * self.alignment
-        start = self._free.take(span)
-        if start is None:
-            return None
-        chunk, off = divmod(start, self.chunk_bytes)
-        slot = Slot(next(self._ids), chunk, off, nbytes, span, self.chunks[chunk], self._ptrs[chunk] + off)
-        self._live[start] = slot
-        self._used += span
-        self._waste += span - nbytes
-        return slot
-
     # -- public ----------------------------------------------------------------------------
     def try_alloc(self, nbytes: int) -> Slot | None:
         """A slot of exactly `nbytes` usable bytes, or None when no free extent fits."""
-        if type(nbytes) is not int or not 0 < nbytes <= self._max_request:  # the usual int: one test
-            self._check_request(nbytes)
-        with self._lock:
-            return self._take(nbytes)
+        with self._lock:  # the Python bookkeeping's (the C one replaces this method: see __init__)
+            return self._slab.take(nbytes)
 
     def alloc(
         self, nbytes: int, timeout: float | None = 0.0, on_pressure: Callable[[int], bool] | None = None
@@ -181,23 +170,24 @@ class PinnedPool:
         self._check_request(nbytes)
         check_timeout(timeout)
         with self._lock:
-            if (slot := self._take(nbytes)) is not None:
+            if (slot := self._slab.take(nbytes)) is not None:
                 return slot  # the usual case: room now, no clock read
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
-                if (slot := self._take(nbytes)) is not None:
+                if (slot := self._slab.take(nbytes)) is not None:
                     return slot
             if on_pressure is not None and on_pressure(nbytes):
                 continue
             with self._lock:
-                if (slot := self._take(nbytes)) is not None:
+                if (slot := self._slab.take(nbytes)) is not None:
                     return slot
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
+                    sl = self._slab
                     raise PoolExhausted(
-                        f"no room for {nbytes} B within {timeout} s: {self.capacity - self._used} B free "
-                        f"(largest extent {self._free.largest()} B), {self._in_flight_bytes} B in flight"
+                        f"no room for {nbytes} B within {timeout} s: {self.capacity - sl.used} B free "
+                        f"(largest extent {sl.largest()} B), {sl.in_flight_bytes} B in flight"
                     )
                 wait = left
                 if on_pressure is not None:
@@ -209,35 +199,16 @@ class PinnedPool:
         """Return the memory at `slot`'s address. Trusts the handle (see module doc)."""
         if not isinstance(slot, Slot):
             raise ValueError(f"slot must be a Slot of this pool, got {slot!r}")
-        start = slot.chunk * self.chunk_bytes + slot.offset
         with self._lock:
-            live = self._live.pop(start, None)
-            if live is None:
-                raise ValueError(f"slot {slot.name} is not allocated: nothing lives at its address")
-            self._used -= live.span
-            self._waste -= live.span - live.nbytes
-            self._mark(live, False)
-            self._free.release(start, live.span)
+            self._slab.free(slot)
             self._freed.notify_all()
 
     def set_in_flight(self, slot: Slot, busy: bool) -> None:
         """Count `slot` as in flight (a copy may touch it) or not; idempotent."""
         if not isinstance(slot, Slot):
             raise ValueError(f"slot must be a Slot of this pool, got {slot!r}")
-        with self._lock:
-            if not busy:
-                self._mark(slot, False)
-            elif slot not in self._in_flight:  # a submit's case, `_mark` inline (a call fewer)
-                self._in_flight.add(slot)
-                self._in_flight_bytes += slot.span
-
-    def _mark(self, slot: Slot, busy: bool) -> None:
-        if busy and slot not in self._in_flight:
-            self._in_flight.add(slot)
-            self._in_flight_bytes += slot.span
-        elif not busy and slot in self._in_flight:
-            self._in_flight.discard(slot)
-            self._in_flight_bytes -= slot.span
+        with self._lock:  # the Python bookkeeping's (the C one replaces this method: see __init__)
+            self._slab.set_in_flight(slot, busy)
 
     def _check_request(self, nbytes: int) -> None:
         check_nbytes(nbytes)
@@ -248,29 +219,29 @@ class PinnedPool:
         """Fraction of free bytes in extents too small for a request of `nbytes`."""
         span = -(-check_nbytes(nbytes) // self.alignment) * self.alignment
         with self._lock:
-            free = self.capacity - self._used
-            return self._free.smaller_than(span) / free if free else 0.0
+            free = self.capacity - self._slab.used
+            return self._slab.smaller_than(span) / free if free else 0.0
 
     def stats(self) -> PoolStats:
         with self._lock:
-            free = self.capacity - self._used
-            largest = self._free.largest()
+            sl = self._slab
+            free, largest = self.capacity - sl.used, sl.largest()
             return PoolStats(
                 capacity=self.capacity,
-                used=self._used,
+                used=sl.used,
                 free=free,
-                in_flight=self._in_flight_bytes,
-                slots=len(self._live),
+                in_flight=sl.in_flight_bytes,
+                slots=len(sl.live),
                 largest_free=largest,
                 external_fragmentation=1.0 - largest / free if free else 0.0,
-                internal_waste=self._waste,
+                internal_waste=sl.waste,
             )
 
     def check(self) -> None:
         """Verify the free list: sorted, disjoint, coalesced, and adding up (for tests)."""
         with self._lock:
-            ext = [(s, n, "free") for s, n in self._free.extents()]
-            ext = sorted(ext + [(s, sl.span, "used") for s, sl in self._live.items()])
+            ext = [(s, n, "free") for s, n in self._slab.extents()]
+            ext = sorted(ext + [(s, sl.span, "used") for s, sl in self._slab.live.items()])
             pos, prev = 0, None  # chunks tile [0, capacity) with no gaps
             for start, size, kind in ext:
                 if start != pos:
@@ -280,7 +251,7 @@ class PinnedPool:
                 pos, prev = start + size, kind
             if pos != self.capacity:
                 raise AssertionError(f"extents end at {pos}, capacity is {self.capacity}")
-            assert self._free.total() + self._used == self.capacity
+            assert self._slab.total() + self._slab.used == self.capacity
 
     def close(self) -> None:
         """Give the slab back to the device; no copy may still be using it."""
