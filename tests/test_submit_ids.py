@@ -237,3 +237,27 @@ def test_repeats_in_a_big_cache(dtype):
     top = np.array([(1 << 22) - 1, 0, (1 << 22) - 1], dtype=dtype)  # the largest id, repeated
     with pytest.raises(ValueError, match="duplicate"):
         check(top, unique=True)
+
+
+@pytest.mark.parametrize("n", [3, 2048])  # 2048: the job's array from spares
+def test_lists_and_tuples_of_ints_check_as_arrays_do(n):
+    """A caller's list of ints (vLLM's block ids) is checked in one C call where the helper is
+    built: the same copy and errors as an array; an item that is no plain int (a numpy scalar, a
+    bool, one past 64 bits) leaves the list to the numpy path, as without the helper."""
+    check = IdCheck(num_blocks=3 * n, block_size=4)
+    ids = np.random.default_rng(n).permutation(3 * n)[:n].tolist()
+    for form in (ids, tuple(ids), sorted(ids)):
+        for unique in (False, True):
+            got = check.checked(form, unique)
+            assert got.ids.dtype == np.int32 and got.ids.tolist() == list(form)
+    with pytest.raises(ValueError, match="duplicate"):
+        check.checked([*ids[:-1], ids[0]], unique=True)
+    assert check.checked([*ids[:-1], ids[0]], unique=False).ids[-1] == ids[0]  # a save may repeat
+    for bad in (3 * n, -1):
+        with pytest.raises(ValueError, match="out of range"):
+            check.checked([*ids[:-1], bad], unique=False)
+    mixed = [*ids[:-1], np.int64(ids[-1])]  # a numpy scalar: the numpy path, the same result
+    assert check.checked(mixed, unique=True).ids.tolist() == ids
+    with pytest.raises(ValueError, match="expected a sequence of ints"):
+        check.checked([*ids[:-1], 2**70], unique=False)
+    assert check.checked(ids, unique=True).ids.tolist() == ids  # the mask left clear by the errors

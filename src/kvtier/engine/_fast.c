@@ -4,6 +4,7 @@
  * it kvtier runs the same steps in numpy and ctypes (engine/ids.py, engine/graphs.py).
  *
  *   check_ids(src, wide, n, num_blocks, seen, out) -> 0 ok | 1 an id out of range | 2 a repeat
+ *             (wide: 1 int64, 0 int32, 2 a list or tuple of ints -- 3: an item is no int)
  *   check_ids(src, wide, n, num_blocks, seen, spares) -> the array used | 1 | 2 | None (none free)
  *             (the job's copy is int32: num_blocks <= 2**31, so every checked id fits)
  *   set_simd(on) -> whether the AVX2 pass was on (tests run both passes; off where unsupported)
@@ -174,6 +175,31 @@ static int simd_on(void) {
 }
 #endif
 
+/* The range-checked copy of a list or tuple of n Python ints: 1 at the first out of range, 3 at
+ * the first item that is not an exact int or does not fit 64 bits (the caller's numpy path then
+ * handles the list and raises what is wrong), else 0. A caller's list (vLLM's block ids) in one
+ * C pass: numpy's conversion of it cost 28 us for 512 ids and 179 us for 8192 on the CI CPU. */
+static int copy_seq(PyObject *seq, long long n, uint64_t lim, int32_t *out, int *up) {
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    int upward = 1;
+    for (long long i = 0; i < n; i++) {
+        PyObject *o = items[i];
+        if (!PyLong_CheckExact(o))
+            return 3;  /* bool, float, numpy scalar...: numpy's path decides */
+        int over = 0;
+        const long long v = PyLong_AsLongLongAndOverflow(o, &over);
+        if (over)
+            return 3;  /* past 64 bits: numpy's path says what is wrong, as without the helper */
+        if ((uint64_t)v >= lim)
+            return 1;
+        out[i] = (int32_t)v;
+        upward &= i == 0 || out[i] > out[i - 1];
+    }
+    if (up != NULL)
+        *up = upward;
+    return 0;
+}
+
 /* The range-checked copy, through whichever pass this CPU runs. */
 static int copy_ids(const void *src, int wide, long long n, uint64_t lim, int32_t *out, int *up) {
 #ifdef HAVE_AVX2_PASS
@@ -256,7 +282,8 @@ static PyObject *free_spare(PyObject *spares, Py_ssize_t nbytes, Py_ssize_t *at)
  * plain copy). The buffer: `out`, or, where `out` is a list, a free array of it (`free_spare`),
  * returned (moved to the list's end) when the ids pass, left where it is when they do not; None
  * (nothing checked) when no array of the list is free. Returns 0 or the array, 1 (an id out of
- * range) or 2 (a repeated id). */
+ * range) or 2 (a repeated id). wide=2: `src` is a list or tuple of n Python ints (`copy_seq`),
+ * and 3 means an item is no int: nothing checked, the caller's own path decides. */
 static PyObject *check_ids(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6) {
         PyErr_SetString(PyExc_TypeError, "check_ids(src, wide, n, num_blocks, seen, out)");
@@ -277,11 +304,17 @@ static PyObject *check_ids(PyObject *self, PyObject *const *args, Py_ssize_t nar
         if (out_obj == NULL)
             Py_RETURN_NONE;
     }
-    void *src, *outp, *seenp = NULL;
+    void *src = NULL, *outp, *seenp = NULL;
     Py_buffer vs, vo, vm;
-    vm.obj = NULL;
-    if (address(args[0], n * (wide ? 8 : 4), wide ? 8 : 4, 0, &src, &vs) < 0)
+    vm.obj = vs.obj = NULL;
+    if (wide == 2) {  /* a list or tuple of ints */
+        if (!(PyList_CheckExact(args[0]) || PyTuple_CheckExact(args[0])) || PySequence_Fast_GET_SIZE(args[0]) != n) {
+            PyErr_SetString(PyExc_ValueError, "check_ids: wide=2 takes a list or tuple of n ints");
+            return NULL;
+        }
+    } else if (address(args[0], n * (wide ? 8 : 4), wide ? 8 : 4, 0, &src, &vs) < 0) {
         return NULL;
+    }
     if (address(out_obj, n * 4, 4, 1, &outp, &vo) < 0) {
         if (vs.obj) PyBuffer_Release(&vs);
         return NULL;
@@ -293,7 +326,9 @@ static PyObject *check_ids(PyObject *self, PyObject *const *args, Py_ssize_t nar
     }
     int32_t *out = (int32_t *)outp;
     int up = 0;
-    long rc = copy_ids(src, (int)wide, n, (uint64_t)num_blocks, out, seenp != NULL ? &up : NULL);
+    int *upp = seenp != NULL ? &up : NULL;
+    long rc = wide == 2 ? copy_seq(args[0], n, (uint64_t)num_blocks, out, upp)
+                        : copy_ids(src, (int)wide, n, (uint64_t)num_blocks, out, upp);
     if (rc == 0 && seenp != NULL && !up)  /* a rising list (the usual request) has no repeat */
         rc = repeats(out, n, num_blocks, (uint64_t *)seenp);
     if (vs.obj) PyBuffer_Release(&vs);
