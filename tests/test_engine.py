@@ -337,3 +337,78 @@ def test_auto_path_decided_once_per_direction_and_overridable():
         eng.close()
         pool.close()
         dev.close()
+
+
+def test_a_failed_save_lets_what_it_enqueued_land_before_its_slot_is_reused():
+    """A mover that enqueued work into the slot and then raised: the engine waits for that work
+    before the slot goes back to the pool, so the next owner's bytes (here a host write, as the
+    disk tier makes) are not overwritten by the failed job's late copy."""
+    dev, kv, pool, eng = rig(slots=1)
+    try:
+
+        def broken(path, ids, num_tokens, slot, stream, done=None):
+            dev.launch(lambda: (time.sleep(0.05), slot.tensor.fill_(0xEE)), stream)  # a late copy
+            raise RuntimeError("boom")
+
+        eng.mover.save = broken
+        with pytest.raises(RuntimeError, match="boom"):
+            eng.save([0, 1, 2], after=None)
+        assert pool.stats().slots == 0  # released: nothing of the job is in flight any more
+        slot = eng.slots.alloc(kv.chunk_nbytes(3))  # the same bytes (one slot in the pool)
+        slot.tensor.fill_(0x11)
+        eng.slots.fill_host(slot)
+        time.sleep(0.1)  # a copy still queued would have landed by now
+        assert bool((slot.tensor == 0x11).all())
+        eng.slots.release(slot)
+    finally:
+        eng.close()
+        dev.close()
+
+
+def test_a_failed_load_lets_what_it_enqueued_land_before_it_raises():
+    """A load whose mover enqueued part of its copies and raised: when the error reaches the
+    caller nothing of the job is still in flight (no late write into the blocks, no read of the
+    slot the caller may now release)."""
+    dev, kv, pool, eng = rig()
+    try:
+        job = eng.save([0, 1, 2], after=None)
+        eng.wait(job)  # the load's source is complete
+        landed = []
+
+        def broken(path, ids, num_tokens, slot, stream, per_layer, label, done=None):
+            dev.launch(lambda: (time.sleep(0.05), landed.append(True)), stream)  # a late copy
+            raise RuntimeError("boom")
+
+        eng.mover.load = broken
+        with pytest.raises(RuntimeError, match="boom"):
+            eng.load(job.slot, [3, 4, 5])
+        assert landed == [True]
+        eng.release(job.slot)
+        assert pool.stats().slots == 0
+    finally:
+        eng.close()
+        dev.close()
+
+
+def test_a_failed_save_whose_copies_cannot_be_waited_for_keeps_its_slot():
+    """Where even the wait fails (a lost device), the slot stays out of the pool: a leak, never a
+    reuse under a copy that may still write it."""
+    dev, kv, pool, eng = rig(slots=1)
+    try:
+
+        def broken(*args, **kw):
+            raise RuntimeError("boom")
+
+        def lost():
+            raise RuntimeError("device lost")
+
+        eng.mover.save = broken
+        eng.save_stream.synchronize = lost
+        lost_warning = pytest.warns(UserWarning, match="could not be waited for")
+        with lost_warning, pytest.raises(RuntimeError, match="boom"):
+            eng.save([0, 1, 2], after=None)
+        assert pool.stats().slots == 1 and pool.try_alloc(kv.chunk_nbytes(3)) is None
+        del eng.save_stream.synchronize
+    finally:
+        eng.close()
+        dev.close()

@@ -102,3 +102,30 @@ def test_load_slots_refuses_bad_arguments_and_unfilled_slots():
         eng.close()
     finally:
         dev.close()
+
+
+def test_a_failed_load_slots_lets_what_it_enqueued_land_before_it_raises():
+    """As a single load: when the mover's error reaches the caller, nothing it enqueued is in
+    flight any more (the slots may be released right away)."""
+    import time
+
+    dev, kv, pool, eng = rig()
+    try:
+        slots = saved(eng, [[1, 2], [3]])
+        landed = []
+
+        def broken(ids, counts, num_tokens, slots, stream, label):
+            dev.launch(lambda: (time.sleep(0.05), landed.append(True)), stream)  # a late layer
+            raise RuntimeError("boom")
+
+        eng.mover.load_slots = broken
+        with pytest.raises(RuntimeError, match="boom"):
+            eng.load_slots(slots, [5, 6, 7])
+        assert landed == [True]
+        for s in slots:
+            assert eng.slots.state(s) is SlotState.READY  # no read was begun
+            eng.release(s)
+        assert pool.stats().used == 0
+    finally:
+        eng.close()
+        dev.close()

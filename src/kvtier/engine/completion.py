@@ -3,11 +3,16 @@
 A job is settled once its event has completed — never on a timeout, never because a call
 returned: a save's slot turns READY, a load's read of its slot ends. `release` only retires a
 slot; the slot tracker frees it once no copy into/out of it is pending.
+
+A submit that fails after its mover may have enqueued part of the job (`_quiesce`) waits for the
+job's stream and the mover's helper streams before the error reaches the caller: a save's slot
+goes back to the pool only then, and a load's blocks and slot are no longer touched by it.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import TYPE_CHECKING
 
 from kvtier.engine.jobs import SaveJob, _Job
@@ -66,6 +71,19 @@ class Completion:
                 self.slots.end_read(job.slot, job.event)  # e_load completed: the copy read it all
             job.settled = True
             self._jobs.remove(job)
+
+    def _quiesce(self, stream) -> bool:
+        """After a failed submit: wait until nothing it may have enqueued is in flight (`stream`,
+        the job's, and the mover's helper streams). False, with a warning, when the wait itself
+        failed (the device is lost): the caller then keeps the job's buffers out of reuse."""
+        try:
+            stream.synchronize()  # copies enqueued before the failure still read / write the buffers
+            self.mover.synchronize()  # and its helper streams' gathers / scatters
+        except Exception as e:  # the submit's own error is the one to raise
+            why = f"kvtier: a failed job's copies could not be waited for ({e}); its slot is kept"
+            warnings.warn(why, stacklevel=3)
+            return False
+        return True
 
     def release(self, slot: Slot) -> None:
         """The owner drops `slot`; it returns to the pool once no copy into/out of it is pending."""

@@ -166,8 +166,9 @@ class TransferEngine(Completion, ComputeAccess):
                     tr.end()
                 return job
         except BaseException:
-            if self.slots.state(slot) is SlotState.ALLOCATED:
-                self.slots.release(slot)  # nothing was submitted into it
+            # A failed mover may have enqueued copies into the slot: they land before it is reused.
+            if self.slots.state(slot) is SlotState.ALLOCATED and self._quiesce(self.save_stream):
+                self.slots.release(slot)  # nothing of the job is in flight any more
             raise
 
     def load(
@@ -216,9 +217,13 @@ class TransferEngine(Completion, ComputeAccess):
             if tr is not None:
                 tr.mark("tracker_wait")
             e_load = self.device.new_event(f"e_load#{k}")
-            layers = self.mover.load(
-                p, ids, num_tokens, slot, self.load_stream, per_layer, f"e_load#{k}", e_load
-            )
+            try:
+                layers = self.mover.load(
+                    p, ids, num_tokens, slot, self.load_stream, per_layer, f"e_load#{k}", e_load
+                )
+            except BaseException:
+                self._quiesce(self.load_stream)  # its enqueued copies must not outlive the error
+                raise
             if tr is not None:
                 tr.mark("mover")
             if e_load.stream is None:  # not recorded by a graph replay right after its copies

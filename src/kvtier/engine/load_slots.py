@@ -58,7 +58,11 @@ def load_slots(engine: TransferEngine, slots, block_ids, *, num_tokens: int | No
         for e in waits:
             # The load must not overwrite blocks still read, written or saved (vLLM #47282).
             stream.wait_event(e)
-        layers = engine.mover.load_slots(ids, counts, num_tokens, slots, stream, f"e_load#{k}")
+        try:
+            layers = engine.mover.load_slots(ids, counts, num_tokens, slots, stream, f"e_load#{k}")
+        except BaseException:
+            engine._quiesce(stream)  # its enqueued layers must not outlive the error (they read the slots)
+            raise
         e_load = stream.record(f"e_load#{k}")
         for s in slots:
             engine.slots.begin_read(s, e_load)  # each slot may be freed only after e_load
