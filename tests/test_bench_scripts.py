@@ -136,3 +136,12 @@ def test_probe_cold_steps_times_each_step_hot_and_cold_and_refuses_bad_args():
         assert f"save phases {state}" in r.stdout and "slot" in r.stdout and "tracker_begin" in r.stdout
     bad = run("probe_cold_steps.py", "--reps", "0")
     assert bad.returncode == 2 and "--reps" in bad.stderr
+
+
+def test_probe_slab_dry_pass_takes_both_sides_in_turn():
+    r = run("probe_slab.py", "--reps", "3")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "c   (pool.native=True)" in r.stdout and "py  (pool.native=False)" in r.stdout
+    assert "c   traced:" in r.stdout and "py  traced:" in r.stdout and "slot" in r.stdout
+    bad = run("probe_slab.py", "--reps", "0")
+    assert bad.returncode == 2 and "--reps" in bad.stderr
