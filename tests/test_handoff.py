@@ -161,3 +161,23 @@ def test_arguments(devs):
         h.send([1, NB], [3, 4], after=None)
     assert isinstance(side(Side(a, ka, BlockTracker())), Side)
     h.close()
+
+
+def test_a_failed_send_lets_what_it_enqueued_land_before_it_raises(devs):
+    """A send whose scatter step raised after part of the job was enqueued: when the error reaches
+    the caller nothing of it is in flight (no late write into b's blocks, no read of a's)."""
+    import time
+
+    a, b = devs
+    ka, kb = caches("vllm_flash", "vllm_flash")
+    h = Handoff(ka, kb, src_device=a, dst_device=b, sanitize=True)
+    landed = []
+
+    def broken(*args, **kw):
+        b.launch(lambda: (time.sleep(0.05), landed.append(True)), h.recv_stream)  # a late scatter
+        raise RuntimeError("boom")
+
+    h._scatter = broken
+    with pytest.raises(RuntimeError, match="boom"):
+        h.send([1, 2], [3, 4], after=None)
+    assert landed == [True]

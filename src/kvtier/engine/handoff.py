@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import warnings
 
 import torch
 
@@ -126,11 +127,16 @@ class Handoff:
             waits_b = b.blocks.waits_for(Access.LOAD, dset, stream=sb)
             for e in waits_b:
                 cross_wait(sb, b.device, e)  # the scatter must not overwrite blocks still read (#47282)
-            chunk_a, chunk_b, landed, e_sent, ids_a = self._gather_and_copy(src_ids, pieces, f"e_sent#{k}")
-            a.blocks.begin_save(sset, e_sent, waited=waits_a + ([after] if after is not None else []))
-            layers, ids_b = self._scatter(dst_ids, chunk_b, pieces, landed, per_layer, f"e_done#{k}")
-            e_done = sb.record(f"e_done#{k}")  # after it b may read every destination block
-            b.blocks.begin_load(dset, e_done, waited=waits_b + [e_sent])
+            try:
+                sent = self._gather_and_copy(src_ids, pieces, f"e_sent#{k}")
+                chunk_a, chunk_b, landed, e_sent, ids_a = sent
+                a.blocks.begin_save(sset, e_sent, waited=waits_a + ([after] if after is not None else []))
+                layers, ids_b = self._scatter(dst_ids, chunk_b, pieces, landed, per_layer, f"e_done#{k}")
+                e_done = sb.record(f"e_done#{k}")  # after it b may read every destination block
+                b.blocks.begin_load(dset, e_done, waited=waits_b + [e_sent])
+            except BaseException:
+                self._quiesce()  # what it enqueued must not read a's or write b's blocks after the error
+                raise
         layer_events = [*layers, e_done] if layers else [e_done] * b.kv.num_layers
         n = len(src_ids)
         return HandoffJob(e_sent, e_done, layer_events, src_ids, dst_ids, a.kv.chunk_nbytes(n), self.route,
@@ -245,6 +251,14 @@ class Handoff:
         from kvtier import ops
 
         return lambda: ops.scatter(b.kv, ids, part, layers=layers)  # ids: a BlockIds with its tokens
+
+    def _quiesce(self) -> None:
+        """After a failed send: wait until nothing it enqueued is in flight (a warning where even
+        that fails: the device is lost)."""
+        try:
+            self.close()
+        except Exception as e:  # the send's own error is the one to raise
+            warnings.warn(f"kvtier: a failed handoff's copies could not be waited for ({e})", stacklevel=3)
 
     def close(self) -> None:
         """Wait for every handoff submitted; the streams stay with their devices."""
