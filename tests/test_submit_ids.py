@@ -261,3 +261,16 @@ def test_lists_and_tuples_of_ints_check_as_arrays_do(n):
     with pytest.raises(ValueError, match="expected a sequence of ints"):
         check.checked([*ids[:-1], 2**70], unique=False)
     assert check.checked(ids, unique=True).ids.tolist() == ids  # the mask left clear by the errors
+
+
+def test_list_ids_past_one_digit_check_as_small_ones():
+    """Ints of 2**30 and up take two 30-bit digits in CPython: the C pass reads one-digit ints
+    directly and converts the others; both give the same copy and errors."""
+    check = IdCheck(num_blocks=2**30 + 16, block_size=1)
+    ids = [0, 5, 2**30 - 1, 2**30, 2**30 + 15]
+    assert check.checked(ids, unique=True).ids.tolist() == ids
+    for bad in (2**30 + 16, -1, -(2**40)):
+        with pytest.raises(ValueError, match="out of range"):
+            check.checked([*ids, bad], unique=False)
+    with pytest.raises(ValueError, match="duplicate"):
+        check.checked([*ids, 2**30], unique=True)

@@ -9,13 +9,13 @@ viewed as unsigned is out of range too), distinct where asked (a mask marked, co
 `num_tokens` fitting.
 With the C helper (`fast.py`) the usual input -- a contiguous int64/int32 tensor or array, or a
 list or tuple of ints (vLLM's block ids; numpy's conversion of a list cost 28 us for 512 ids and
-179 us for 8192 on the CI CPU) -- is copied and checked in one C call instead; the errors are the
-same. For jobs of SPARE_MIN ids or
-more that call also picks the job's array from a few spares of that length: one that no job,
-tracker entry or view holds any more (a reference count of 1, read under the GIL), so a serving
-loop of like-sized jobs touches no new memory per job (the H200 hosts: a new 64 KiB array cost
-~6 us more than a reused one right after a 1 GiB copy, `probe_ids_cost.py`). `check` and
-`__call__` give int64 tensors (a copy) to callers that want them; the engine takes `checked`.
+179 us for 8192 on the CI CPU, the C pass 1.7 and 10) -- is copied and checked in one C call
+instead; the errors are the same. For jobs of SPARE_MIN ids or more that call also picks the
+job's array from a few spares of that length: one that no job, tracker entry or view holds any
+more (a reference count of 1, read under the GIL), so a serving loop of like-sized jobs touches
+no new memory per job (the H200 hosts: a new 64 KiB array cost ~6 us more than a reused one right
+after a 1 GiB copy, `probe_ids_cost.py`). `check` and `__call__` give int64 tensors (a copy) to
+callers that want them; the engine takes `checked`.
 
 `HostRing` holds the host buffers a graph's ids are copied from. An asynchronous H2D copy reads
 its pinned source when the stream reaches it, not when it is enqueued: a buffer is written again
