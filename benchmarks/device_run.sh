@@ -26,8 +26,9 @@
 #       submit_overhead $P6_REPEAT more times (default 0) into $out/again<i>/: the figures at one commit
 #       (with P6_REPEAT=1 it writes 7 files; the device tool returns 8 at most, so add one file at most)
 #   cold: ($GPU_TESTS) probe_cold_steps.py (steps hot and after a cache flush), probe_ids_cost.py at
-#       block sizes 1 and 16 (the id steps and torch reads right after a save), probe_py_cost.py and
-#       probe_calls.py: what a submit core in C would save
+#       block sizes 1 and 16 (the id steps and torch reads right after a save), probe_py_cost.py,
+#       probe_calls.py and probe_slab.py (the pool's C bookkeeping against the Python one): what a
+#       submit core in C saves
 #   calls: ($GPU_TESTS) probe_enqueue_beside.py, probe_memcpy_size.py, probe_fold_ids.py,
 #       probe_calls.py and probe_hot_submit.py (pair) at block sizes 1 and 16: what each runtime
 #       call of a hot submit costs, after a large copy too, what folding the ids copy into the
@@ -240,6 +241,9 @@ if [ "$mode" = cold ]; then  # what a submit's small steps cost on a cold host (
   # what one more Python call / object costs in that window, and the calls a hot save / load makes
   timeout 200 $py benchmarks/probe_py_cost.py --reps 40 2>&1 | tee "$out/probe_py_cost.txt"
   timeout 100 $py benchmarks/probe_calls.py --block-size 16 --top 80 2>&1 | tee "$out/probe_calls.txt" | grep "##"
+  for bs in 16 1; do  # the pool's C bookkeeping against the Python one, hot pairs in turn on this box
+    timeout 100 $py benchmarks/probe_slab.py --reps 60 --block-size $bs 2>&1 | tee -a "$out/probe_slab.txt"
+  done
   exit 0
 fi
 if [ "$mode" = events-ab ]; then  # the submit with raw runtime events against torch's, on one box
