@@ -112,7 +112,7 @@ static int add(Slab *s, long long start, long long size) {
 }
 
 /* The start of `span` bytes cut from the smallest extent that fits (ties: the lowest address);
- * -1 when none fits; -2 on a memory error (the list is then unchanged). */
+ * -1 when none fits. Allocates nothing: the count of extents never grows here. */
 static long long take_span(Slab *s, long long span) {
     Py_ssize_t j = by_size(s, span, -1);
     if (j == s->n)
@@ -130,7 +130,7 @@ static long long take_span(Slab *s, long long span) {
     cut_size(s, j);
     s->n--;
     Py_ssize_t k = by_size(s, rest, at);
-    s->n++;  /* entry i of the start order is still counted: put() below re-adds the size entry */
+    s->n++;  /* entry i of the start order stays (now the rest): the size order gets it back below */
     memmove(s->ks + k + 1, s->ks + k, (s->n - 1 - k) * sizeof(long long));
     memmove(s->kt + k + 1, s->kt + k, (s->n - 1 - k) * sizeof(long long));
     s->ks[k] = rest, s->kt[k] = at;
