@@ -355,3 +355,14 @@ def test_c_bookkeeping_matches_the_python_reference_step_by_step():
     for s in (c, p):
         with pytest.raises(ValueError, match="slot must be a Slot"):
             s.set_in_flight("slot-7", True)
+
+
+def test_a_closed_pool_refuses_to_allocate(dev):
+    pool = PinnedPool(dev, 4 * KiB)
+    slot = pool.try_alloc(KiB)
+    pool.free(slot)
+    pool.close()
+    for call in (lambda: pool.try_alloc(KiB), lambda: pool.alloc(KiB)):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+    pool.close()  # twice: nothing more to give back

@@ -135,6 +135,7 @@ class PinnedPool:
         self.capacity = -(-capacity_bytes // alignment) * alignment
         self.numa_node = numa_node
         self.numa_bound = False
+        self.closed = False
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)
         self.chunks = self._allocate_slab()
@@ -167,6 +168,8 @@ class PinnedPool:
         whenever the pool is short; it returns True when it freed something.
         Raises PoolExhausted when the time is up.
         """
+        if self.closed:
+            self._refuse()
         self._check_request(nbytes)
         check_timeout(timeout)
         with self._lock:
@@ -254,7 +257,13 @@ class PinnedPool:
             assert self._slab.total() + self._slab.used == self.capacity
 
     def close(self) -> None:
-        """Give the slab back to the device; no copy may still be using it."""
+        """Give the slab back to the device; no copy may still be using it. Allocations then raise
+        (the slab's bookkeeping still holds the chunks: it must not hand out unpinned memory)."""
         for c in self.chunks:
             self.device.free_pinned(c)
         self.chunks = []
+        self.closed = True
+        self.try_alloc = self._refuse  # the C slab's own call too (an instance attribute)
+
+    def _refuse(self, nbytes: int = 0) -> None:
+        raise RuntimeError("PinnedPool is closed: its slab was given back to the device")
