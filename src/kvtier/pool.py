@@ -142,7 +142,6 @@ class PinnedPool:
         sizes = [c.numel() for c in self.chunks]
         ptrs = [c.data_ptr() for c in self.chunks]
         self._slab = make_slab(Slot, self.chunks, ptrs, sizes, chunk_bytes, alignment, check_nbytes, native)
-        self._max_request = self._slab.max_request
         self.native = type(self._slab).__module__ == "kvtier._slab"
         if self.native:  # one atomic C call each (the GIL): no pool frame, no lock on a submit
             self.try_alloc = self._slab.take
@@ -170,9 +169,8 @@ class PinnedPool:
         """
         if self.closed:
             self._refuse()
-        self._check_request(nbytes)
         check_timeout(timeout)
-        with self._lock:
+        with self._lock:  # `take` checks nbytes (ValueError naming it) before anything else
             if (slot := self._slab.take(nbytes)) is not None:
                 return slot  # the usual case: room now, no clock read
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -200,23 +198,15 @@ class PinnedPool:
 
     def free(self, slot: Slot) -> None:
         """Return the memory at `slot`'s address. Trusts the handle (see module doc)."""
-        if not isinstance(slot, Slot):
-            raise ValueError(f"slot must be a Slot of this pool, got {slot!r}")
-        with self._lock:
+        with self._lock:  # the slab refuses what is no Slot, or no live one (ValueError)
             self._slab.free(slot)
             self._freed.notify_all()
 
     def set_in_flight(self, slot: Slot, busy: bool) -> None:
-        """Count `slot` as in flight (a copy may touch it) or not; idempotent."""
-        if not isinstance(slot, Slot):
-            raise ValueError(f"slot must be a Slot of this pool, got {slot!r}")
+        """Count `slot` as in flight (a copy may touch it) or not; idempotent. (What is no Slot:
+        ValueError, from the slab.)"""
         with self._lock:  # the Python bookkeeping's (the C one replaces this method: see __init__)
             self._slab.set_in_flight(slot, busy)
-
-    def _check_request(self, nbytes: int) -> None:
-        check_nbytes(nbytes)
-        if nbytes > self._max_request:
-            raise ValueError(f"nbytes={nbytes} exceeds the largest chunk; a slot never straddles chunks")
 
     def unusable_fraction(self, nbytes: int) -> float:
         """Fraction of free bytes in extents too small for a request of `nbytes`."""
