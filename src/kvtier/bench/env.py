@@ -98,9 +98,11 @@ def environment(device: str = "cpu") -> dict:
                 env["events"] = choose_events()[1]
             except (ValueError, RuntimeError) as e:  # a bad KVTIER_EVENTS: CudaDevice would refuse it
                 env["events"] = f"refused: {e}"
+            from kvtier import slab
             from kvtier.engine.fast import status
 
             env["c_helper"] = status()  # the submit's C helper: "in use", or why not
+            env["c_slab"] = slab.status()  # the pool's C bookkeeping: "in use", or why not
     except ImportError:
         pass
     try:
