@@ -55,6 +55,19 @@ def test_bad_ids_leave_the_spares_as_they_were(bad, rc):
     assert [id(a) for a in spares] == order and not seen.any()
 
 
+def test_a_refused_buffer_gives_the_taken_spare_back():
+    """A spare is exported while the check writes it; when a later argument is refused (a source
+    too short, a mask of the wrong item size) the export ends, so the spare is free again."""
+    spares = [np.zeros(4, np.int32)]
+    with pytest.raises(ValueError, match="buffer"):
+        FAST.check_ids(np.arange(3), 1, 4, 10, None, spares)  # 3 int64 ids where 4 are read
+    with pytest.raises(ValueError, match="buffer"):
+        FAST.check_ids(np.arange(4), 1, 4, 10, np.zeros(1, np.int32), spares)
+    got = FAST.check_ids(np.arange(4), 1, 4, 10, None, spares)
+    assert got is spares[-1] and got.tolist() == [0, 1, 2, 3]
+    got.resize(4, refcheck=False)  # numpy refuses to resize an array whose buffer is exported
+
+
 @pytest.mark.parametrize("simd", [True, False])
 def test_both_passes_match_numpy_around_the_vector_width(simd):
     """Lengths 1..40 and a few large ones, int64 and int32 sources, rising or not, one id out of

@@ -263,10 +263,12 @@ static int repeats(const int32_t *out, long long n, long long num_blocks, uint64
 
 /* The first array of the list `spares` that nothing but the list holds (a reference count of 1,
  * read under the GIL: no job, tracker entry, view or buffer export has it), of exactly `nbytes`;
- * NULL if the first SPARE_PROBES hold none. Its index in *at. The list is kept in order of use
- * (`check_ids` moves the one it takes to the end), so the first is the one used longest ago. */
+ * NULL if the first SPARE_PROBES hold none. Its index in *at, its writable buffer in *view (the
+ * caller releases it: one export per call, not one to look and another to write). The list is
+ * kept in order of use (`check_ids` moves the one it takes to the end), so the first is the one
+ * used longest ago. */
 #define SPARE_PROBES 4
-static PyObject *free_spare(PyObject *spares, Py_ssize_t nbytes, Py_ssize_t *at) {
+static PyObject *free_spare(PyObject *spares, Py_ssize_t nbytes, Py_ssize_t *at, Py_buffer *view) {
     const Py_ssize_t len = PyList_GET_SIZE(spares);
     for (Py_ssize_t k = 0; k < len && k < SPARE_PROBES; k++) {
         PyObject *a = PyList_GET_ITEM(spares, k);
@@ -277,12 +279,12 @@ static PyObject *free_spare(PyObject *spares, Py_ssize_t nbytes, Py_ssize_t *at)
             PyErr_Clear();
             continue;
         }
-        const int fits = v.len == nbytes && v.itemsize == 4;
-        PyBuffer_Release(&v);
-        if (fits) {
+        if (v.len == nbytes && v.itemsize == 4) {
             *at = k;
+            *view = v;
             return a;
         }
+        PyBuffer_Release(&v);
     }
     return NULL;
 }
@@ -311,30 +313,27 @@ static PyObject *check_ids(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyErr_SetString(PyExc_ValueError, "n must be >= 0 and 0 <= num_blocks <= 2**31");
         return NULL;
     }
+    if (wide == 2 && (!(PyList_CheckExact(args[0]) || PyTuple_CheckExact(args[0])) ||
+                      PySequence_Fast_GET_SIZE(args[0]) != n)) {  /* a list or tuple of n ints */
+        PyErr_SetString(PyExc_ValueError, "check_ids: wide=2 takes a list or tuple of n ints");
+        return NULL;
+    }
     PyObject *out_obj = args[5], *spares = NULL;
     Py_ssize_t at = 0;
+    void *src = NULL, *outp = NULL, *seenp = NULL;
+    Py_buffer vs, vo, vm;
+    vm.obj = vs.obj = vo.obj = NULL;
     if (PyList_CheckExact(out_obj)) {
         spares = out_obj;
-        out_obj = free_spare(spares, (Py_ssize_t)(n * 4), &at);
+        out_obj = free_spare(spares, (Py_ssize_t)(n * 4), &at, &vo);  /* vo: its buffer, exported */
         if (out_obj == NULL)
             Py_RETURN_NONE;
-    }
-    void *src = NULL, *outp, *seenp = NULL;
-    Py_buffer vs, vo, vm;
-    vm.obj = vs.obj = NULL;
-    if (wide == 2) {  /* a list or tuple of ints */
-        if (!(PyList_CheckExact(args[0]) || PyTuple_CheckExact(args[0])) || PySequence_Fast_GET_SIZE(args[0]) != n) {
-            PyErr_SetString(PyExc_ValueError, "check_ids: wide=2 takes a list or tuple of n ints");
-            return NULL;
-        }
-    } else if (address(args[0], n * (wide ? 8 : 4), wide ? 8 : 4, 0, &src, &vs) < 0) {
+        outp = vo.buf;
+    } else if (address(out_obj, n * 4, 4, 1, &outp, &vo) < 0) {
         return NULL;
     }
-    if (address(out_obj, n * 4, 4, 1, &outp, &vo) < 0) {
-        if (vs.obj) PyBuffer_Release(&vs);
-        return NULL;
-    }
-    if (args[4] != Py_None && address(args[4], (num_blocks + 63) / 64 * 8, 8, 1, &seenp, &vm) < 0) {
+    if ((wide != 2 && address(args[0], n * (wide ? 8 : 4), wide ? 8 : 4, 0, &src, &vs) < 0) ||
+        (args[4] != Py_None && address(args[4], (num_blocks + 63) / 64 * 8, 8, 1, &seenp, &vm) < 0)) {
         if (vs.obj) PyBuffer_Release(&vs);
         if (vo.obj) PyBuffer_Release(&vo);
         return NULL;
