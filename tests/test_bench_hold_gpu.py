@@ -66,3 +66,32 @@ def test_the_copies_timed_beside_the_jobs_move_both_ways_near_the_link_rate():
         copies.close()
     gbps = 2 * (256 << 20) / t.median_ms / 1e6
     assert 20 < gbps < 130  # both directions of a PCIe 5 x16 link at once (H200: ~100 GB/s)
+
+
+@pytest.mark.parametrize("beside", [True, False])
+def test_bidir_quick_reads_p4_beside_the_copy_or_says_it_could_not(beside, monkeypatch):
+    """The bidir suite in quick mode: its save+load rows carry the copy timed beside them and P4's
+    verdict reads it; where that copy cannot be made (memory short) the suite records a skip and
+    the rows fall back to the start-of-run ceiling, saying so in their target."""
+    from kvtier.bench.suite import SUITES, Context
+    from kvtier.bench.suites import engine as suites_engine
+
+    if not beside:
+
+        def short(*args, **kw):
+            raise torch.OutOfMemoryError("pinned memory short")
+
+        monkeypatch.setattr(suites_engine, "_Copies", short)
+    ctx = Context("cuda", quick=True)
+    ctx.suite = "bidir"
+    rows = [r for r in SUITES["bidir"].fn(ctx) if r.case.startswith("save+load")]
+    assert rows and all(r.correct is not False for r in rows)
+    for r in rows:
+        p = r.params
+        if beside:
+            assert p["beside_ratio"] > 0 and p["meets_target"] == (p["beside_ratio"] >= 0.95)
+            assert "timed beside it" in p["target"]
+        else:
+            assert "beside_ratio" not in p and p["meets_target"] == (r.ratio >= 0.95)
+            assert p["target"] == "P4 >= 95% of bidir_pinned"
+    assert any("timed beside" in s["case"] for s in ctx.skipped) == (not beside)

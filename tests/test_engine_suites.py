@@ -271,3 +271,23 @@ def test_alternating_runs_take_turns_and_copies_move_the_bytes():
     assert a.count == b.count == 3 and len(held) == 3
     assert torch.equal(copies.g_in, copies.h_in) and torch.equal(copies.h_out, want_out)
     assert want_out.float().std() > 0  # random bytes, not zeros
+
+
+def test_copies_give_back_what_they_pinned_when_an_allocation_fails():
+    from kvtier.bench.suites.engine import _Copies
+    from kvtier.device import SimDevice
+
+    dev = SimDevice()
+    freed = []
+    dev.free_pinned = freed.append  # a spy: the buffers given back
+
+    def short(nbytes):
+        raise torch.OutOfMemoryError("device memory short")
+
+    dev.empty = short
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            _Copies(dev, 1 << 12)
+    finally:
+        dev.close()
+    assert len(freed) == 2  # both pinned buffers, made before the failing device allocation

@@ -99,9 +99,15 @@ class _Copies:
     once, on two streams of their own, pinned host buffers (made once, freed by `close`)."""
 
     def __init__(self, dev, nbytes: int):
-        self.dev = dev
-        self.h_in, self.h_out = dev.alloc_pinned(nbytes), dev.alloc_pinned(nbytes)
-        self.g_in, self.g_out = dev.empty(nbytes), dev.empty(nbytes)
+        self.dev, self.pinned = dev, []
+        try:
+            for _ in range(2):
+                self.pinned.append(dev.alloc_pinned(nbytes))
+            self.g_in, self.g_out = dev.empty(nbytes), dev.empty(nbytes)
+        except BaseException:
+            self.close()  # what was pinned goes back: nothing runs on it yet
+            raise
+        self.h_in, self.h_out = self.pinned
         self.g_out.random_(0, 256)  # never time a copy of zeros
         self.up, self.down = dev.new_stream("bench:h2d"), dev.new_stream("bench:d2h")
 
@@ -120,8 +126,9 @@ class _Copies:
 
     def close(self) -> None:
         self.dev.synchronize()  # no copy may still read or write the pinned buffers
-        for h in (self.h_in, self.h_out):
+        for h in self.pinned:
             self.dev.free_pinned(h)
+        self.pinned = []
 
 
 def _hold(dev, stream, ms: float) -> None:
@@ -183,11 +190,16 @@ def bidir(ctx: Context):
     w = Work(ctx, 64 * MiB if ctx.quick else GiB, layers=2 if ctx.quick else 32)
     kv, src, dst = w.request(16)
     nbytes, reps = w.payload, 3 if ctx.quick else 10
-    copies = _Copies(dev, nbytes)  # the bidirectional copy timed beside each path's jobs (P4)
+    try:
+        copies = _Copies(dev, nbytes)  # the bidirectional copy timed beside each path's jobs (P4)
+    except (RuntimeError, MemoryError) as e:  # pinned or GPU memory short (OutOfMemoryError included)
+        ctx.skip("bidir: the copy timed beside the jobs", f"{type(e).__name__}: {e}"[:300])
+        copies = None  # P4 then reads the start-of-run ceiling, as the row says
     try:
         yield from _bidir_paths(ctx, dev, w, kv, src, dst, nbytes, reps, copies)
     finally:
-        copies.close()
+        if copies is not None:
+            copies.close()
 
 
 def _bidir_paths(ctx, dev, w, kv, src, dst, nbytes, reps, copies):
@@ -214,18 +226,22 @@ def _bidir_rows(ctx, dev, w, eng, src_slot, src, dst, reps, copies):
     both = lambda start: save(start) + load(start)
     settle = lambda js: _settle(eng, js)
     ok = _checked(eng, kv, src, dst, both, src_slot)
-    p = w.params(16, path, target="P4 >= 95% of the bidirectional copy timed beside it (interleaved runs)")
+    target = "the bidirectional copy timed beside it (interleaved runs)" if copies else "bidir_pinned"
+    p = w.params(16, path, target=f"P4 >= 95% of {target}")
     unheld = _time_jobs(dev, both, settle, reps)  # as a caller sees it: the host's submits included
     held: list[bool] = []
-    runs = [(both, settle, held), (copies, copies.finish, None)]
-    t, beside = _time_alternating(dev, runs, reps, hold_ms=HOLD_MS)  # the jobs and the plain copies in turn
+    runs = [(both, settle, held)] + ([(copies, copies.finish, None)] if copies else [])
+    t, *beside = _time_alternating(dev, runs, reps, hold_ms=HOLD_MS)  # the jobs and the plain copies in turn
     r = ctx.row(f"save+load {path} bs16", 2 * nbytes, t, "bidir_pinned", correct=ok, **p)
-    beside_ratio = beside.median_ms / t.median_ms  # the same bytes: the copies' time over the jobs'
-    r.params |= {
-        "meets_target": beside_ratio >= P4, "hold_ms": HOLD_MS, "held_runs": f"{sum(held)}/{len(held)}",
-        "beside_ratio": beside_ratio, "beside_ceiling_gbps": 2 * nbytes / beside.median_ms / 1e6,
-        "beside_timing": {"median_ms": beside.median_ms, "min_ms": beside.min_ms, "max_ms": beside.max_ms},
-    }  # fmt: skip
+    r.params |= {"meets_target": r.ratio >= P4, "hold_ms": HOLD_MS, "held_runs": f"{sum(held)}/{len(held)}"}
+    if beside:
+        b = beside[0]
+        beside_ratio = b.median_ms / t.median_ms  # the same bytes: the copies' time over the jobs'
+        r.params |= {
+            "meets_target": beside_ratio >= P4,
+            "beside_ratio": beside_ratio, "beside_ceiling_gbps": 2 * nbytes / b.median_ms / 1e6,
+            "beside_timing": {"median_ms": b.median_ms, "min_ms": b.min_ms, "max_ms": b.max_ms},
+        }  # fmt: skip
     unheld_ratio = r.ratio * t.median_ms / unheld.median_ms  # the same ceiling, the unheld time
     r.params |= {"unheld_median_ms": unheld.median_ms, "unheld_ratio": unheld_ratio}
     yield r
