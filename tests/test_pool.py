@@ -366,3 +366,25 @@ def test_a_closed_pool_refuses_to_allocate(dev):
         with pytest.raises(RuntimeError, match="closed"):
             call()
     pool.close()  # twice: nothing more to give back
+
+
+def test_slab_holds_no_reference_past_a_slots_life(dev, slab):
+    """Thousands of takes and frees leave the chunks' and the Slot type's reference counts where
+    they were: the slab (C or Python) keeps nothing of a freed slot."""
+    import gc
+    import sys
+
+    from kvtier.pool import Slot
+
+    pool = PinnedPool(dev, 8 * KiB, chunk_bytes=4 * KiB)
+    gc.collect()
+    before = [sys.getrefcount(c) for c in pool.chunks] + [sys.getrefcount(Slot)]
+    for i in range(5000):
+        slot = pool.try_alloc(256 * (1 + i % 7))
+        pool.set_in_flight(slot, True)
+        pool.set_in_flight(slot, False)
+        pool.free(slot)
+    del slot
+    gc.collect()
+    assert [sys.getrefcount(c) for c in pool.chunks] + [sys.getrefcount(Slot)] == before
+    assert pool.stats().slots == 0 and pool.stats().used == 0
