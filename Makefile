@@ -7,7 +7,7 @@ TRITON  ?= triton==3.6.0
 STAMP   := $(VENV)/.installed
 FAST    := $(VENV)/.fast-built
 
-.PHONY: demo test lint fmt clean venv
+.PHONY: demo test lint fmt clean venv asan
 
 venv: $(STAMP)
 
@@ -36,6 +36,21 @@ test: $(FAST)
 	$(BIN)/ruff format --check src tests
 	TRITON_INTERPRET=$${TRITON_INTERPRET-$$($(BIN)/python -c "import torch; print(0 if torch.cuda.is_available() else 1)")} \
 	  $(BIN)/pytest -q $(PYTEST_ARGS)
+
+# The C helpers' tests with both helpers built under AddressSanitizer + UBSan (gcc), in a scratch
+# folder; the normal builds are put back afterwards.
+ASAN_TESTS ?= tests/test_pool.py tests/test_submit_ids.py tests/test_submit_spares.py tests/test_submit_fused.py \
+	tests/test_submit_graphs.py tests/test_lifecycle.py tests/test_stress_protocol.py tests/test_engine.py
+asan: $(FAST)
+	@inc=$$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['include'])"); \
+	suf=$$($(BIN)/python -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))"); \
+	d=$$(mktemp -d); flags="-O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -shared -fPIC -I$$inc"; \
+	gcc $$flags src/kvtier/_slab.c -o $$d/_slab$$suf && gcc $$flags src/kvtier/engine/_fast.c -o $$d/_fast$$suf && \
+	cp src/kvtier/_slab$$suf $$d/slab.keep && cp src/kvtier/engine/_fast$$suf $$d/fast.keep && \
+	cp $$d/_slab$$suf src/kvtier/ && cp $$d/_fast$$suf src/kvtier/engine/ && \
+	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" ASAN_OPTIONS=detect_leaks=0 \
+	  $(BIN)/pytest -q $(ASAN_TESTS); rc=$$?; \
+	cp $$d/slab.keep src/kvtier/_slab$$suf; cp $$d/fast.keep src/kvtier/engine/_fast$$suf; rm -rf $$d; exit $$rc
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
