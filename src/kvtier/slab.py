@@ -10,7 +10,7 @@ slots in flight. One interface, two implementations:
                       (`submit_traced_phases_us`), 34 us after a cache flush (`probe_cold_steps`)
 
 `make_slab` picks one: the C one unless KVTIER_NATIVE=0, it is not built, or the interpreter runs
-without a GIL (its calls rely on the GIL to be atomic). The tests run both (`native=False`).
+without a GIL (its calls rely on the GIL to be atomic: `native.py`). The tests run both (`native=False`).
 
 Interface: take(nbytes) -> a new slot or None when no free extent fits (nbytes checked:
 `check_request` raises for what is no positive int -- a plain function, not a bound method of the
@@ -25,11 +25,10 @@ under the GIL.
 from __future__ import annotations
 
 import itertools
-import os
-import sysconfig
 from collections.abc import Callable, Sequence
 
 from kvtier.freelist import FreeList
+from kvtier.native import load
 
 
 class PySlab:
@@ -108,19 +107,8 @@ class PySlab:
         return self._free.total()
 
 
-def _load_native():
-    if os.environ.get("KVTIER_NATIVE", "1") == "0":
-        return None, "off (KVTIER_NATIVE=0)"
-    if sysconfig.get_config_var("Py_GIL_DISABLED"):
-        return None, "off (no GIL: its calls would not be atomic)"
-    try:
-        from kvtier._slab import Slab
-    except ImportError as e:
-        return None, f"not built ({e}); `make` builds it"
-    return Slab, ""
-
-
-Slab, why = _load_native()  # the C type or None, and why not
+_module, why = load("kvtier._slab")
+Slab = None if _module is None else _module.Slab  # the C type or None, and why not (`why`)
 
 
 def make_slab(slot_type, chunks, ptrs, sizes, chunk_bytes, alignment, check_request, native=None):

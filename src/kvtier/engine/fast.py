@@ -25,20 +25,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
+from kvtier.native import load
 
-def _load():
-    if os.environ.get("KVTIER_NATIVE", "1") == "0":
-        return None, "off (KVTIER_NATIVE=0)"
-    try:
-        from kvtier.engine import _fast
-    except ImportError as e:
-        return None, f"not built ({e}); `make` builds it"
-    return _fast, ""
-
-
-fast, why = _load()  # the module or None, and why not
+fast, why = load("kvtier.engine._fast")  # the module or None, and why not
 
 
 @functools.cache
