@@ -39,7 +39,7 @@ import torch
 
 from kvtier.device.base import Device, check_nbytes, check_timeout
 from kvtier.numa import allocate_near
-from kvtier.slab import make_slab
+from kvtier.slab import PySlab, make_slab
 
 
 class PoolExhausted(RuntimeError):
@@ -142,7 +142,7 @@ class PinnedPool:
         sizes = [c.numel() for c in self.chunks]
         ptrs = [c.data_ptr() for c in self.chunks]
         self._slab = make_slab(Slot, self.chunks, ptrs, sizes, chunk_bytes, alignment, check_nbytes, native)
-        self.native = type(self._slab).__module__ == "kvtier._slab"
+        self.native = not isinstance(self._slab, PySlab)
         if self.native:  # one atomic C call each (the GIL): no pool frame, no lock on a submit
             self.try_alloc = self._slab.take
             self.set_in_flight = self._slab.set_in_flight
