@@ -33,6 +33,9 @@
 #       probe_calls.py and probe_hot_submit.py (pair) at block sizes 1 and 16: what each runtime
 #       call of a hot submit costs, after a large copy too, what folding the ids copy into the
 #       graph would save, and every Python call a hot submit makes
+#   noisy: ($GPU_TESTS) suite submit_overhead beside benchmarks/host_load.py workers, for each count
+#       in $NOISY_PROCS (default "0 8 14"; kind $NOISY_KIND, default copy): P6 on a host made slow on
+#       purpose; writes noisy<count>.json and noisy.log
 #   multi: (2+ GPUs) handoff/probe GPU tests, memcheck/racecheck of a handoff, probe --all-gpus,
 #          suites handoff + contention, `kvtier path` with the measured sharing
 set -uo pipefail
@@ -260,6 +263,24 @@ if [ "$mode" = events-ab ]; then  # the submit with raw runtime events against t
     done
   done
   p6_suites
+  exit 0
+fi
+if [ "$mode" = noisy ]; then  # P6 on a host loaded on purpose (benchmarks/host_load.py)
+  gpu_tests
+  for procs in ${NOISY_PROCS:-0 8 14}; do
+    echo "== submit_overhead beside $procs ${NOISY_KIND:-copy} workers" | tee -a "$out/noisy.log"
+    pid=
+    if [ "$procs" -gt 0 ]; then
+      $py benchmarks/host_load.py --procs $procs --kind ${NOISY_KIND:-copy} --seconds 600 | tee -a "$out/noisy.log" &
+      pid=$!
+      sleep 3  # the workers running before the suite's first sample
+    fi
+    tmp=$(mktemp -d)  # the suite's plot stays there: the device tool returns 8 files at most
+    timeout ${BENCH_TIMEOUT:-200} $py -m kvtier bench --out "$tmp" --suite submit_overhead 2>&1 \
+      | tail -20 | tee -a "$out/noisy.log"
+    cp "$tmp"/*.json "$out/noisy$procs.json"
+    if [ -n "$pid" ]; then pkill -TERM -f benchmarks/host_load.py; wait $pid 2>/dev/null; fi
+  done
   exit 0
 fi
 if [ "$mode" = ab ]; then  # the submit of this tree against an older one ($AB_OLD: a worktree, carried)

@@ -153,3 +153,38 @@ def test_probe_slab_compares_the_ring_replay_too():
     # On the simulator both pools are C and there are no graphs: a check of the script only.
     assert "c   (pool.native=True)" in r.stdout and "py  (pool.native=True)" in r.stdout
     assert run("probe_slab.py", "--compare", "other").returncode == 2
+
+
+@pytest.mark.parametrize("kind", ["copy", "spin"])
+def test_host_load_runs_its_workers_for_the_time_given(kind):
+    r = run("host_load.py", "--procs", "2", "--kind", kind, "--mib", "1", "--seconds", "0.5")
+    assert r.returncode == 0, r.stderr
+    assert f"host_load: 2 {kind} workers" in r.stdout
+    assert run("host_load.py", "--procs", "0").returncode == 2
+
+
+def test_host_load_stopped_leaves_no_worker():
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "host_load.py"), "--procs", "2", "--mib", "1", "--seconds", "60"]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert "host_load: 2 copy workers" in p.stdout.readline()
+        kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+        assert len(kids) >= 2
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=20) == 0
+        time.sleep(0.2)
+        assert not [k for k in kids if Path(f"/proc/{k}").exists() and "Z" not in _state(k)]
+    finally:
+        p.kill()
+        p.wait()
+
+
+def _state(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return "Z"
