@@ -50,7 +50,8 @@ def main(argv=None) -> int:
         ap.error("--mib must be >= 1")
     if not args.seconds > 0:
         ap.error("--seconds must be > 0")
-    workers = [mp.Process(target=work, args=(args.kind, args.mib, args.seconds), daemon=True) for _ in range(args.procs)]
+    job = (args.kind, args.mib, args.seconds)
+    workers = [mp.Process(target=work, args=job, daemon=True) for _ in range(args.procs)]
 
     def stop(_sig, _frame):
         raise SystemExit(0)
@@ -59,7 +60,8 @@ def main(argv=None) -> int:
     try:
         for w in workers:
             w.start()
-        print(f"host_load: {args.procs} {args.kind} workers ({args.mib} MiB arrays) for {args.seconds:g} s", flush=True)
+        what = f"{args.procs} {args.kind} workers ({args.mib} MiB arrays) for {args.seconds:g} s"
+        print(f"host_load: {what}", flush=True)
         for w in workers:
             w.join()
     finally:

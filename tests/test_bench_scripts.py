@@ -168,7 +168,8 @@ def test_host_load_stopped_leaves_no_worker():
     import time
 
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "host_load.py"), "--procs", "2", "--mib", "1", "--seconds", "60"]
+    script = str(ROOT / "benchmarks" / "host_load.py")
+    cmd = [sys.executable, script, "--procs", "2", "--mib", "1", "--seconds", "60"]
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
     try:
         assert "host_load: 2 copy workers" in p.stdout.readline()
