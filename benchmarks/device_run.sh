@@ -34,8 +34,8 @@
 #       call of a hot submit costs, after a large copy too, what folding the ids copy into the
 #       graph would save, and every Python call a hot submit makes
 #   noisy: ($GPU_TESTS) suite submit_overhead beside benchmarks/host_load.py workers, for each count
-#       in $NOISY_PROCS (default "0 8 14"; kind $NOISY_KIND, default copy): P6 on a host made slow on
-#       purpose; writes noisy<count>.json and noisy.log
+#       in $NOISY_PROCS (default "0 8 14"; kind $NOISY_KIND, default copy, or count:kind items such as
+#       "15:spin 14:copy"): P6 on a host made slow on purpose; writes noisy<count><kind>.json and noisy.log
 #   multi: (2+ GPUs) handoff/probe GPU tests, memcheck/racecheck of a handoff, probe --all-gpus,
 #          suites handoff + contention, `kvtier path` with the measured sharing
 set -uo pipefail
@@ -267,19 +267,21 @@ if [ "$mode" = events-ab ]; then  # the submit with raw runtime events against t
 fi
 if [ "$mode" = noisy ]; then  # P6 on a host loaded on purpose (benchmarks/host_load.py)
   gpu_tests
-  for procs in ${NOISY_PROCS:-0 8 14}; do
-    echo "== submit_overhead beside $procs ${NOISY_KIND:-copy} workers" | tee -a "$out/noisy.log"
+  for item in ${NOISY_PROCS:-0 8 14}; do
+    procs=${item%%:*}
+    kind=$([ "$item" = "$procs" ] && echo ${NOISY_KIND:-copy} || echo ${item#*:})
+    echo "== submit_overhead beside $procs $kind workers" | tee -a "$out/noisy.log"
     pid=
     if [ "$procs" -gt 0 ]; then
-      $py benchmarks/host_load.py --procs $procs --kind ${NOISY_KIND:-copy} --seconds 600 | tee -a "$out/noisy.log" &
-      pid=$!
+      $py benchmarks/host_load.py --procs $procs --kind $kind --seconds 600 >> "$out/noisy.log" &
+      pid=$!  # host_load's own pid: its SIGTERM handler stops the workers
       sleep 3  # the workers running before the suite's first sample
     fi
     tmp=$(mktemp -d)  # the suite's plot stays there: the device tool returns 8 files at most
     timeout ${BENCH_TIMEOUT:-200} $py -m kvtier bench --out "$tmp" --suite submit_overhead 2>&1 \
       | tail -20 | tee -a "$out/noisy.log"
-    cp "$tmp"/*.json "$out/noisy$procs.json"
-    if [ -n "$pid" ]; then pkill -TERM -f benchmarks/host_load.py; wait $pid 2>/dev/null; fi
+    cp "$tmp"/*.json "$out/noisy$procs$kind.json"
+    if [ -n "$pid" ]; then kill -TERM $pid; wait $pid 2>/dev/null; fi  # (pkill -f would match a caller's command line)
   done
   exit 0
 fi
