@@ -1,15 +1,11 @@
-"""What a C step of the submit does to a hot save (P6), on one box at one time: two engines on the
-same cache, alike but for that step, their hot pairs (an untimed save, then the timed one, both
-waited) taken in turn, sample by sample, so the host's drift hits both alike. Prints per side the
-hot submit's median and quartiles, then the traced phases' medians of a second set of pairs.
+"""What the pool's C bookkeeping (`kvtier._slab`) does to a hot save (P6), on one box at one time:
+two engines on the same cache, one whose pool runs the C slab and one the Python reference
+(`slab.PySlab`), their hot pairs (an untimed save, then the timed one, both waited) taken in
+turn, sample by sample, so the host's drift hits both alike. Prints per side the hot submit's
+median and quartiles, then the traced phases' medians of a second set of pairs (the "slot"
+phase is the one the slab changes).
 
-    --compare slab  the pool's bookkeeping: the C slab (`kvtier._slab`) against the Python
-                    reference (`slab.PySlab`); the "slot" phase is the one it changes
-    --compare ring  a graph replay's one C call reading and arming the ids ring
-                    (`_fast.replay_ring`) against `graph_fused.replay_fused` doing that in Python
-                    (`StagedGraphs.ring` off); the phases from graph_lookup to replay_args
-
-    PYTHONPATH=src python benchmarks/probe_slab.py [--compare slab] [--reps 60] [--block-size 16]
+    PYTHONPATH=src python benchmarks/probe_slab.py [--reps 60] [--block-size 16]
 
 Without a GPU it runs on SimDevice as a check of the script (not figures).
 """
@@ -26,14 +22,14 @@ import torch
 from kvtier import layout
 from kvtier import slab as slab_mod
 from kvtier.device import CudaDevice, SimDevice
-from kvtier.engine import TransferEngine, fast
+from kvtier.engine import TransferEngine
 from kvtier.engine.jobs import SubmitTrace
 from kvtier.pool import PinnedPool
 
 
-def engines(bs: int, gpu: bool, compare: str = "slab"):
+def engines(bs: int, gpu: bool):
     """(device, ids, {"c": (engine, pool), "py": (engine, pool)}) over one 1 GiB cache of the 8B
-    shape (a tiny one on the simulator): "py" the Python side of `compare`."""
+    shape (a tiny one on the simulator)."""
     n = 8192 // bs
     layers, heads, dim, where = (32, 8, 128, "cuda") if gpu else (2, 1, 8, "cpu")
     g = torch.Generator(device=where).manual_seed(bs)
@@ -44,12 +40,8 @@ def engines(bs: int, gpu: bool, compare: str = "slab"):
     dev = CudaDevice() if gpu else SimDevice()
     sides = {}
     for kind in ("c", "py"):
-        pool = PinnedPool(dev, 3 * kv.chunk_nbytes(n), native=kind == "c" or compare != "slab")
-        eng = TransferEngine(dev, kv, pool, path="staged")
-        graphs = getattr(eng.mover, "graphs", None)  # None on the simulator: no graphs to compare
-        if compare == "ring" and graphs is not None:
-            graphs.ring = kind == "c"
-        sides[kind] = (eng, pool)
+        pool = PinnedPool(dev, 3 * kv.chunk_nbytes(n), native=kind == "c")
+        sides[kind] = (TransferEngine(dev, kv, pool, path="staged"), pool)
     return dev, torch.arange(n), sides
 
 
@@ -72,18 +64,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=60)
     ap.add_argument("--block-size", type=int, default=16, choices=(1, 4, 16, 64, 256))
-    ap.add_argument("--compare", default="slab", choices=("slab", "ring"))
     args = ap.parse_args()
     if args.reps < 1:
         ap.error("--reps must be >= 1")
     gpu = torch.cuda.is_available()
-    if args.compare == "slab" and slab_mod.Slab is None:
+    dev, ids, sides = engines(args.block_size, gpu)
+    if slab_mod.Slab is None:
         print(f"the C slab is not available ({slab_mod.why}): both sides would be Python")
         return 2
-    if args.compare == "ring" and fast.fast is None:
-        print(f"the C helper is not available ({fast.why}): both sides would be Python")
-        return 2
-    dev, ids, sides = engines(args.block_size, gpu, args.compare)
     try:
         for eng, _ in sides.values():
             for _ in range(5):  # graphs captured, execs made, spares and rings warm
@@ -102,11 +90,8 @@ def main() -> int:
         )
         for k, xs in hot.items():
             q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
-            eng, pool = sides[k]
-            ring = getattr(getattr(eng.mover, "graphs", None), "ring", None)
-            what = f"pool.native={pool.native}" + ("" if ring is None else f", graphs.ring={ring}")
-            med = statistics.median(xs)
-            print(f"{k:3s} ({what}): median {med:7.1f} us  p25 {q[0]:7.1f}  p75 {q[2]:7.1f}")
+            med, native = statistics.median(xs), sides[k][1].native
+            print(f"{k:3s} (pool.native={native}): median {med:7.1f} us  p25 {q[0]:7.1f}  p75 {q[2]:7.1f}")
         for k, tr in traces.items():
             phases = tr.medians("save")
             print(f"{k:3s} traced: " + "  ".join(f"{p} {v:.1f}" for p, v in phases.items()))

@@ -147,14 +147,6 @@ def test_probe_slab_dry_pass_takes_both_sides_in_turn():
     assert bad.returncode == 2 and "--reps" in bad.stderr
 
 
-def test_probe_slab_compares_the_ring_replay_too():
-    r = run("probe_slab.py", "--reps", "2", "--compare", "ring")
-    assert r.returncode == 0, r.stdout + r.stderr
-    # On the simulator both pools are C and there are no graphs: a check of the script only.
-    assert "c   (pool.native=True)" in r.stdout and "py  (pool.native=True)" in r.stdout
-    assert run("probe_slab.py", "--compare", "other").returncode == 2
-
-
 @pytest.mark.parametrize("kind", ["copy", "spin"])
 def test_host_load_runs_its_workers_for_the_time_given(kind):
     r = run("host_load.py", "--procs", "2", "--kind", kind, "--mib", "1", "--seconds", "0.5")

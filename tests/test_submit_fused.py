@@ -254,78 +254,10 @@ class TorchLikeEvent:
         return self.stream is None or self.seen
 
 
-class RawEvent:
-    """A raw event as CudaEvent: `handle` for the C helper to record, `stream` and the counts `_gen`
-    (records) / `_seen` (the count a query last saw complete) the C ring replay reads and sets as
-    `mark_recorded` does. `completed`: what a query in Python says."""
+class RawEvent(TorchLikeEvent):
+    """A raw event as CudaEvent: `handle` for the C helper to record, `mark_recorded` after."""
 
     handle = EVENT
-
-    def __init__(self):
-        self.stream, self._gen, self._seen, self._landed = None, 0, -1, 0
-
-    def mark_recorded(self, stream):
-        self.stream = stream
-        self._gen += 1
-
-    @property
-    def completed(self):  # the work before its last record has run (a new record: not yet)
-        return self._landed == self._gen
-
-    @completed.setter
-    def completed(self, value):
-        self._landed = self._gen if value else -1
-
-    def query(self):
-        if self.completed:
-            self._seen = self._gen
-        return self.completed
-
-    @property
-    def seen(self):
-        return self._seen == self._gen
-
-    @seen.setter
-    def seen(self, value):  # a wait or poll saw it complete
-        self._seen = self._gen if value else -1
-
-    @property
-    def known_complete(self):  # as CudaEvent's: never recorded, or seen complete since
-        return self.stream is None or self.seen
-
-
-class DeviceStream:
-    """The engine's device stream (CudaStream): plain ints the replay reads instead of torch's."""
-
-    handle, index = STREAM, 0
-
-
-class Form:
-    """How a replay reaches the C helper. "ring": the engine's objects (int32 numpy ids, a raw
-    event, the device stream) -> one `_fast.replay_ring` call, which reads and arms the ring;
-    "general": a tensor and no device stream -> `graph_fused.replay_fused` (`calls` counts those)."""
-
-    def __init__(self, name):
-        self.name, self.calls = name, []
-        self.on = DeviceStream() if name == "ring" else object()
-
-    def ids(self, *ids):
-        return np.array(ids, np.int32) if self.name == "ring" else ids32(*ids)
-
-
-@pytest.fixture(params=["ring", "general"])
-def form(request, monkeypatch):
-    from kvtier.engine import graph_fused, graphs
-
-    f, real = Form(request.param), graph_fused.replay_fused
-
-    def spy(*args):
-        f.calls.append(args[0])
-        return real(*args)
-
-    monkeypatch.setattr(graphs, "replay_fused", spy)
-    monkeypatch.setattr(graph_fused, "replay_fused", spy)
-    return f
 
 
 class Nodes:
@@ -353,68 +285,67 @@ def _graphs(n=4):
     return g, key, entry
 
 
-def test_fused_replay_records_the_jobs_event_and_guards_the_buffer(runtime, form):
+def test_fused_replay_records_the_jobs_event_and_guards_the_buffer(runtime):
     g, key, entry = _graphs()
     rt = runtime()
-    done, on = RawEvent(), form.on
-    assert g.replay(key, form.ids(5, 1, 6, 2), FakeStream(), Nodes.base, done, on)
+    done, on = RawEvent(), object()
+    assert g.replay(key, ids32(5, 1, 6, 2), FakeStream(), Nodes.base, done, on)
     buf = entry.ring.buffers[0]
     assert rt.log == [
         ("memcpy", entry.ids_dev.data_ptr(), buf.ptr, 16, 1, STREAM, [5, 1, 6, 2]),
         ("launch", EXEC, STREAM),
         ("record", EVENT, STREAM),
     ]
-    assert done.stream is on and done._gen == 1  # the engine sees it recorded and records nothing more
-    assert entry.ring.guards[0] is done and entry.ring.next == 1  # buffer 0: rewritten after the job's event
-    assert len(form.calls) == (0 if form.name == "ring" else 1)  # the usual objects: one C call, no Python
+    assert done.stream is on  # the engine sees it recorded and records nothing more
+    assert entry.ring.guards[0] is done  # buffer 0 is rewritten only after the job's event
     assert g.replay(key, np.array([0, 1, 2, 3], np.int32), FakeStream(), Nodes.base, RawEvent(), on)
     assert rt.log[3][2] == entry.ring.buffers[1].ptr  # buffer 0 still read: the next one
     assert g.stats.replays == 2
 
 
-def test_fused_replay_leaves_a_torch_event_to_the_caller(runtime, form):
+def test_fused_replay_leaves_a_torch_event_to_the_caller(runtime):
     g, key, _entry = _graphs()
     rt = runtime()
     done = TorchLikeEvent()
-    assert g.replay(key, form.ids(5, 1, 6, 2), FakeStream(), Nodes.base, done, form.on)
+    assert g.replay(key, ids32(5, 1, 6, 2), FakeStream(), Nodes.base, done, object())
     assert [e[0] for e in rt.log] == ["memcpy", "launch"] and done.stream is None
 
 
 @pytest.mark.parametrize("fail, armed", [("memcpy", False), ("launch", True)])
-def test_fused_replay_failure_is_a_miss(runtime, fail, armed, form):
+def test_fused_replay_failure_is_a_miss(runtime, fail, armed):
     g, key, entry = _graphs()
     runtime(fail={fail: 1})
     done = RawEvent()
     with pytest.warns(UserWarning, match="fused graph replay failed"):
-        assert not g.replay(key, form.ids(5, 1, 6, 2), FakeStream(), Nodes.base, done, form.on)
+        assert not g.replay(key, ids32(5, 1, 6, 2), FakeStream(), Nodes.base, done, object())
     assert not g.fused and g.stats.misses == 1 and g.stats.failures == 1 and done.stream is None
     # A copy that was enqueued still reads buffer 0: it waits for the job's event (recorded after
     # the eager path); one that was not leaves the buffer free.
     assert (entry.ring.guards[0] is done) == armed
 
 
-def test_fused_replay_failed_record_raises_after_the_copy_ran(runtime, form):
+def test_fused_replay_failed_record_raises_after_the_copy_ran(runtime):
     g, key, entry = _graphs()
     runtime(fail={"record": 2})
     stream = FakeStream()
     with pytest.raises(RuntimeError, match="cudaEventRecord"):
-        g.replay(key, form.ids(5, 1, 6, 2), stream, Nodes.base, RawEvent(), form.on)
+        g.replay(key, ids32(5, 1, 6, 2), stream, Nodes.base, RawEvent(), object())
     assert stream.synced == 1  # the queued copy has read the buffer before anyone may reuse it
 
 
 @pytest.mark.parametrize("traced", [False, True])
-def test_fused_replay_asks_the_guard_in_c_and_grows_the_ring_when_busy(runtime, traced, form):
+def test_fused_replay_asks_the_guard_in_c_and_grows_the_ring_when_busy(runtime, traced):
     from kvtier.engine.jobs import SubmitTrace
 
     g, key, entry = _graphs()
     g.trace = SubmitTrace() if traced else None  # traced: replay_steps, the same guard and ring
     rt = runtime(busy={EVENT})
-    on, first = form.on, [RawEvent(), RawEvent()]
+    on, first = object(), [RawEvent(), RawEvent()]
     for k, d in enumerate(first):
-        assert g.replay(key, form.ids(k, k, k, k), FakeStream(), Nodes.base, d, on)
+        assert g.replay(key, ids32(k, k, k, k), FakeStream(), Nodes.base, d, on)
     old = [b.ptr for b in entry.ring.buffers]
     rt.log.clear()
-    assert g.replay(key, form.ids(0, 1, 2, 3), FakeStream(), Nodes.base, RawEvent(), on)
+    assert g.replay(key, ids32(0, 1, 2, 3), FakeStream(), Nodes.base, RawEvent(), on)
     assert rt.log[0] == ("query", EVENT)  # buffer 0's copy may not have read it yet: not rewritten
     assert rt.log[1][0] == "memcpy" and rt.log[1][2] not in old and entry.ring.grown == 1
     assert sorted(b.array[0] for b in entry.ring.buffers) == [0, 0, 1]  # each still holds its ids
@@ -422,53 +353,52 @@ def test_fused_replay_asks_the_guard_in_c_and_grows_the_ring_when_busy(runtime, 
     for d in first:
         d.completed = True
     rt.log.clear()
-    assert g.replay(key, form.ids(3, 2, 1, 0), FakeStream(), Nodes.base, RawEvent(), on)
+    assert g.replay(key, ids32(3, 2, 1, 0), FakeStream(), Nodes.base, RawEvent(), on)
     assert rt.log[0] == ("query", EVENT) and rt.log[1][2] == old[0]  # done now: rewritten in place
 
 
-def test_fused_replay_skips_the_query_of_a_guard_seen_complete(runtime, form):
+def test_fused_replay_skips_the_query_of_a_guard_seen_complete(runtime):
     """A guard a wait or poll already saw complete is not asked again (one runtime call fewer);
     one not seen is asked, busy or not."""
     g, key, entry = _graphs()
     rt = runtime(busy={EVENT})
-    on, first = form.on, [RawEvent(), RawEvent()]
+    on, first = object(), [RawEvent(), RawEvent()]
     for d in first:
-        assert g.replay(key, form.ids(5, 1, 6, 2), FakeStream(), Nodes.base, d, on)
+        assert g.replay(key, ids32(5, 1, 6, 2), FakeStream(), Nodes.base, d, on)
     old = [b.ptr for b in entry.ring.buffers]
     first[0].seen = True  # e.g. the engine's wait returned for that job
     rt.log.clear()
-    assert g.replay(key, form.ids(0, 1, 2, 3), FakeStream(), Nodes.base, RawEvent(), on)
+    assert g.replay(key, ids32(0, 1, 2, 3), FakeStream(), Nodes.base, RawEvent(), on)
     assert rt.log[0][0] == "memcpy" and rt.log[0][2] == old[0] and entry.ring.grown == 0
-    assert form.calls == [] or form.name == "general"  # the ring call skipped the query itself
     rt.log.clear()  # buffer 1's guard was not seen complete: asked (busy here), a new buffer
-    assert g.replay(key, form.ids(3, 2, 1, 0), FakeStream(), Nodes.base, RawEvent(), on)
+    assert g.replay(key, ids32(3, 2, 1, 0), FakeStream(), Nodes.base, RawEvent(), on)
     assert rt.log[0] == ("query", EVENT) and rt.log[1][2] not in old and entry.ring.grown == 1
 
 
-def test_fused_replay_asks_a_torch_guard_in_python(runtime, form):
+def test_fused_replay_asks_a_torch_guard_in_python(runtime):
     """A buffer guarded by an event without a raw handle (torch's): queried by the ring in Python
     (no cudaEventQuery of a handle it does not have), busy -> another buffer."""
     g, key, entry = _graphs()
     rt = runtime()
     guards = [TorchLikeEvent(), TorchLikeEvent()]
     for d in guards:
-        assert g.replay(key, form.ids(5, 1, 6, 2), FakeStream(), Nodes.base, d, form.on)
+        assert g.replay(key, ids32(5, 1, 6, 2), FakeStream(), Nodes.base, d, object())
     old = [b.ptr for b in entry.ring.buffers]
     guards[0].completed = False  # its copy has not run yet
     rt.log.clear()
-    assert g.replay(key, form.ids(0, 1, 2, 3), FakeStream(), Nodes.base, TorchLikeEvent(), form.on)
+    assert g.replay(key, ids32(0, 1, 2, 3), FakeStream(), Nodes.base, TorchLikeEvent(), object())
     assert "query" not in [e[0] for e in rt.log]
     assert rt.log[0][2] not in old and entry.ring.grown == 1  # a new buffer, buffer 0 untouched
 
 
-def test_traced_fused_replay_splits_the_call_into_its_runtime_calls(runtime, form):
+def test_traced_fused_replay_splits_the_call_into_its_runtime_calls(runtime):
     from kvtier.engine.jobs import CALL_PHASES, SubmitTrace
 
     g, key, entry = _graphs()
     rt = runtime(slow={"memcpy": 0.006, "launch": 0.003, "get_device": 0.002})
     tr = g.trace = SubmitTrace()
     tr.begin("save")
-    assert g.replay(key, form.ids(5, 1, 6, 2), FakeStream(), Nodes.base, RawEvent(), form.on)
+    assert g.replay(key, ids32(5, 1, 6, 2), FakeStream(), Nodes.base, RawEvent(), object())
     tr.end()
     rec = tr.records[-1]
     steps = ("replay_prep", "replay_args", "guard", "ids_fill", "device", "ids_h2d", "launch", "event")
@@ -485,7 +415,7 @@ def test_traced_fused_replay_splits_the_call_into_its_runtime_calls(runtime, for
     assert split["calls_us"] == sum(rec[k] for k in CALL_PHASES) / 1e3 >= 11e3
 
 
-def test_fused_replay_reads_the_device_streams_ints_not_torchs(runtime, form):
+def test_fused_replay_reads_the_device_streams_ints_not_torchs(runtime):
     """With the device stream given (`done_on`: `.handle` / `.index`, plain ints), the replay asks
     the torch stream nothing (its properties are slow on a cold host)."""
 
@@ -504,96 +434,6 @@ def test_fused_replay_reads_the_device_streams_ints_not_torchs(runtime, form):
     g, key, _entry = _graphs()
     rt = runtime()
     done, on = RawEvent(), DeviceStream()
-    assert g.replay(key, form.ids(5, 1, 6, 2), NoTorch(), Nodes.base, done, on)
+    assert g.replay(key, ids32(5, 1, 6, 2), NoTorch(), Nodes.base, done, on)
     assert [e[0] for e in rt.log] == ["memcpy", "launch", "record"] and rt.log[0][5] == STREAM
     assert done.stream is on
-
-
-def _ring_args(entry, ids=None, done=None, on=None):
-    ids = np.array([5, 1, 6, 2], np.int32) if ids is None else ids
-    return (ids, entry.ring, entry.ids_ptr, EXEC, RawEvent() if done is None else done,
-            DeviceStream() if on is None else on)  # fmt: skip
-
-
-class NoIndex:
-    handle = STREAM
-
-
-@pytest.mark.parametrize(
-    "case", ["tensor ids", "torch event", "no device index", "ring out of shape", "torch guard"]
-)
-def test_replay_ring_declines_what_it_does_not_know_and_does_nothing(runtime, case):
-    """Objects other than the engine's usual ones: DECLINED (6 << 32), no runtime call, the ring
-    and the event untouched -- the caller takes the general path."""
-    g, key, entry = _graphs()
-    rt = runtime()
-    ids = done = on = None
-    if case == "tensor ids":
-        ids = ids32(5, 1, 6, 2)
-    elif case == "torch event":
-        done = TorchLikeEvent()
-    elif case == "no device index":
-        on = NoIndex()
-    elif case == "ring out of shape":
-        entry.ring.next = 2
-    else:
-        entry.ring.guards[0] = TorchLikeEvent()
-        entry.ring.guards[0].stream = object()  # recorded, and no handle to ask
-    args = _ring_args(entry, ids, done, on)
-    guards, nxt = list(entry.ring.guards), entry.ring.next
-    assert fast.fast.replay_ring(*args) == 6 << 32
-    assert rt.log == [] and entry.ring.guards == guards and entry.ring.next == nxt
-    assert args[4].stream is None
-
-
-def test_replay_ring_arms_the_ring_and_marks_the_event(runtime):
-    g, key, entry = _graphs()
-    rt = runtime()
-    on, done = DeviceStream(), RawEvent()
-    assert fast.fast.replay_ring(*_ring_args(entry, done=done, on=on)) == 0
-    assert [e[0] for e in rt.log] == ["memcpy", "launch", "record"]
-    assert entry.ring.guards == [done, None] and entry.ring.next == 1
-    assert done.stream is on and done._gen == 1 and not done.known_complete
-    done2 = RawEvent()
-    assert fast.fast.replay_ring(*_ring_args(entry, done=done2)) == 0
-    assert entry.ring.guards == [done, done2] and entry.ring.next == 0  # round the ring
-
-
-def test_replay_ring_bad_arguments_raise(runtime):
-    g, key, entry = _graphs()
-    runtime()
-    with pytest.raises(TypeError, match="replay_ring"):
-        fast.fast.replay_ring(*_ring_args(entry)[:5])
-    with pytest.raises(ValueError, match="8-byte items, needs 4-byte"):  # int64 ids read as int32: other ids
-        fast.fast.replay_ring(*_ring_args(entry, ids=np.array([5, 1, 6, 2])))
-    with pytest.raises(ValueError, match="needs 64"):  # the stamps buffer too small
-        fast.fast.replay_ring(*_ring_args(entry), np.zeros(2, np.int64))
-
-
-def test_replay_ring_keeps_no_reference_past_a_guards_life(runtime):
-    """The ring holds a job's event while it guards a buffer, nothing more (fails on a leaked or a
-    missing reference in _fast.c)."""
-    import sys
-
-    g, key, entry = _graphs()
-    runtime()
-    on, done = DeviceStream(), RawEvent()
-    base_done, base_on = sys.getrefcount(done), sys.getrefcount(on)
-    assert fast.fast.replay_ring(*_ring_args(entry, done=done, on=on)) == 0
-    assert sys.getrefcount(done) == base_done + 1  # the guard of buffer 0
-    for _ in range(2):  # two more jobs: buffer 0 guarded by another event
-        assert fast.fast.replay_ring(*_ring_args(entry, on=on)) == 0
-    assert sys.getrefcount(done) == base_done
-    assert sys.getrefcount(on) == base_on + 3  # `stream` of the three events recorded on it, no more
-
-
-def test_ring_off_replays_through_the_python_ring(runtime, form):
-    """`StagedGraphs.ring` off (a probe's A/B): the same calls and the same ring, through
-    `replay_fused` whatever the objects."""
-    g, key, entry = _graphs()
-    g.ring = False
-    rt = runtime()
-    done = RawEvent()
-    assert g.replay(key, form.ids(5, 1, 6, 2), FakeStream(), Nodes.base, done, DeviceStream())
-    assert [e[0] for e in rt.log] == ["memcpy", "launch", "record"] and len(form.calls) == 1
-    assert entry.ring.guards[0] is done and done._gen == 1

@@ -11,8 +11,6 @@
  *   set_runtime(memcpy_async, graph_launch, event_record, get_device, set_device, event_query)
  *   replay(ids, n, host32, dev32, exec, stream, event, device, guard) -> 0 | step << 32 | cudaError
  *   replay_steps(..., ns)   the same, ns (8 int64) getting the time at entry and after each step
- *   replay_ring(ids, ring, dev32, exec, event, stream[, ns]) -> as replay, or 6 << 32 (declined):
- *             replay reading and arming the ids ring and marking the event recorded itself
  *
  * No CUDA headers: the runtime's functions arrive as addresses (those of the libcudart torch
  * loaded), with the prototypes below (CUDA 12 and 13 runtime API).
@@ -443,41 +441,6 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* The steps of a replay (the comment above), after its arguments were read: 0 or step << 32 | cudaError.
- * `ns` (NULL: untimed) gets the stamps from index 2 on. */
-static long long run_steps(const int32_t *ids, long long n, int32_t *host32, void *dev32, void *exec, void *stream,
-                           void *event, int device, void *guard, int64_t *ns) {
-    int rc, prev = -1;
-    if (guard != NULL && (rc = event_query(guard)) != 0)
-        return ((long long)STEP_GUARD << 32) | (unsigned)rc;   /* the buffer's last copy may not have read it */
-    if (ns != NULL) ns[2] = now_ns();
-    fill(ids, host32, n);
-    if (ns != NULL) ns[3] = now_ns();
-    if ((rc = get_device(&prev)) != 0)
-        return ((long long)STEP_DEVICE << 32) | (unsigned)rc;
-    if (prev != device && (rc = set_device(device)) != 0)
-        return ((long long)STEP_DEVICE << 32) | (unsigned)rc;
-    if (ns != NULL) ns[4] = now_ns();
-    long long out = 0;
-    if ((rc = memcpy_async(dev32, host32, (size_t)n * 4, H2D, stream)) != 0) {
-        out = ((long long)STEP_COPY << 32) | (unsigned)rc;
-    } else {
-        if (ns != NULL) ns[5] = now_ns();
-        if ((rc = graph_launch(exec, stream)) != 0) {
-            out = ((long long)STEP_LAUNCH << 32) | (unsigned)rc;
-        } else {
-            if (ns != NULL) ns[6] = now_ns();
-            if (event != NULL && (rc = event_record(event, stream)) != 0)
-                out = ((long long)STEP_RECORD << 32) | (unsigned)rc;
-            else if (ns != NULL)
-                ns[7] = now_ns();
-        }
-    }
-    if (prev != device)
-        set_device(prev);                             /* the caller's device stays current */
-    return out;
-}
-
 static PyObject *replay_impl(PyObject *const *args, Py_ssize_t nargs, int traced) {
     const int64_t entry = traced ? now_ns() : 0;
     const Py_ssize_t want = traced ? 10 : 9;
@@ -529,8 +492,42 @@ static PyObject *replay_impl(PyObject *const *args, Py_ssize_t nargs, int traced
         ns[0] = entry;
         ns[1] = now_ns();
     }
-    const long long out = run_steps((const int32_t *)ids_p, n, (int32_t *)host_p, dev32, exec, stream, event,
-                                    (int)device, guard, ns);
+    long long out = 0;
+    int rc, prev = -1;
+    if (guard != NULL && (rc = event_query(guard)) != 0) {
+        out = ((long long)STEP_GUARD << 32) | (unsigned)rc;   /* the buffer's last copy may not have read it */
+        goto done;
+    }
+    if (ns != NULL) ns[2] = now_ns();
+    int32_t *host32 = (int32_t *)host_p;
+    fill((const int32_t *)ids_p, host32, n);
+    if (ns != NULL) ns[3] = now_ns();
+    if ((rc = get_device(&prev)) != 0) {
+        out = ((long long)STEP_DEVICE << 32) | (unsigned)rc;
+        goto done;
+    }
+    if (prev != device && (rc = set_device((int)device)) != 0) {
+        out = ((long long)STEP_DEVICE << 32) | (unsigned)rc;
+        goto done;
+    }
+    if (ns != NULL) ns[4] = now_ns();
+    if ((rc = memcpy_async(dev32, host32, (size_t)n * 4, H2D, stream)) != 0) {
+        out = ((long long)STEP_COPY << 32) | (unsigned)rc;
+    } else {
+        if (ns != NULL) ns[5] = now_ns();
+        if ((rc = graph_launch(exec, stream)) != 0) {
+            out = ((long long)STEP_LAUNCH << 32) | (unsigned)rc;
+        } else {
+            if (ns != NULL) ns[6] = now_ns();
+            if (event != NULL && (rc = event_record(event, stream)) != 0)
+                out = ((long long)STEP_RECORD << 32) | (unsigned)rc;
+            else if (ns != NULL)
+                ns[7] = now_ns();
+        }
+    }
+    if (prev != device)
+        set_device(prev);                             /* the caller's device stays current */
+done:
     if (vi.obj) PyBuffer_Release(&vi);
     if (vh.obj) PyBuffer_Release(&vh);
     if (vt.obj) PyBuffer_Release(&vt);
@@ -545,167 +542,15 @@ static PyObject *replay_steps(PyObject *self, PyObject *const *args, Py_ssize_t 
     return replay_impl(args, nargs, 1);
 }
 
-/* replay_ring(ids, ring, dev32, exec, event, stream[, ns]) -> 0 | step << 32 | cudaError: `replay` that
- * reads and arms the graph's ring of pinned ids buffers (engine/ids.py HostRing: `buffers`, each with
- * an int `ptr`; `guards`; `next`) itself -- the usual replay in one call, no Python between the graph
- * lookup and the runtime calls (graphs.py). `event`: the job's CudaEvent (`handle`, `stream`, `_gen`),
- * recorded after the launch; `stream`: the device stream (`handle`, `index`) replayed on; ids: int32.
- * The guard of ring.buffers[ring.next] is asked as HostRing.take and graph_fused.replay_fused ask it:
- * none, never recorded (`stream` None) or seen complete (`_seen` == `_gen`: CudaEvent.known_complete)
- * means free, else its `handle` is queried (busy: STEP_GUARD | cudaErrorNotReady, nothing done). On
- * success the buffer is guarded by `event` (ring.guards[i] = event, ring.next = i + 1 mod len) and
- * the event is marked recorded on `stream` (event.stream = stream, event._gen += 1: as
- * CudaEvent.mark_recorded). A failed launch arms the ring too: its copy was enqueued, and the caller
- * records `event` after the eager job. STEP_DECLINED: nothing done, the caller takes the general
- * path -- the ids are no buffer, or an object is not what is described here (a torch event, a
- * guard without a raw handle, a ring out of shape). */
-enum { STEP_DECLINED = 6 };
-static PyObject *s_handle, *s_index, *s_stream, *s_gen, *s_seen, *s_guards, *s_next, *s_buffers, *s_ptr;
-
-/* An attribute that is an int (a pointer, an index): 0, or -1 with no error set (declined). */
-static int int_attr(PyObject *o, PyObject *name, long long *v) {
-    PyObject *a = PyObject_GetAttr(o, name);
-    if (a == NULL) {
-        PyErr_Clear();
-        return -1;
-    }
-    int ok = PyLong_Check(a);
-    if (ok) {
-        *v = (long long)PyLong_AsUnsignedLongLongMask(a);   /* a handle may use all 64 bits */
-        ok = !PyErr_Occurred();
-        PyErr_Clear();
-    }
-    Py_DECREF(a);
-    return ok ? 0 : -1;
-}
-
-/* The guard's handle to query (0: none needed) or -1 (declined). */
-static int guard_handle(PyObject *g, void **h) {
-    *h = NULL;
-    if (g == Py_None)
-        return 0;                                      /* never used */
-    PyObject *st = PyObject_GetAttr(g, s_stream);
-    if (st == NULL) {
-        PyErr_Clear();
-        return -1;
-    }
-    const int never = st == Py_None;
-    Py_DECREF(st);
-    if (never)
-        return 0;                                      /* never recorded: its handle may hold an old owner's record */
-    long long gen, seen, handle;
-    if (int_attr(g, s_gen, &gen) || int_attr(g, s_seen, &seen) || int_attr(g, s_handle, &handle) || handle == 0)
-        return -1;
-    if (gen != seen)
-        *h = (void *)(uintptr_t)handle;                /* not seen complete since its last record: ask */
-    return 0;
-}
-
-static PyObject *replay_ring(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    const int64_t entry = nargs == 7 ? now_ns() : 0;
-    if (nargs != 6 && nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "replay_ring(ids, ring, dev32, exec, event, stream[, ns])");
-        return NULL;
-    }
-    if (memcpy_async == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "replay_ring: set_runtime was not called");
-        return NULL;
-    }
-    PyObject *ids = args[0], *ring = args[1], *event = args[4], *stream = args[5];
-    void *dev32 = PyLong_AsVoidPtr(args[2]), *exec = NULL, *ns_p = NULL;
-    if ((dev32 == NULL && PyErr_Occurred()) || ((exec = PyLong_AsVoidPtr(args[3])) == NULL && PyErr_Occurred()))
-        return NULL;
-    Py_buffer vt;
-    vt.obj = NULL;
-    if (nargs == 7) {
-        if (address(args[6], NS_STEPS * 8, 8, 1, &ns_p, &vt) < 0)
-            return NULL;
-        memset(ns_p, 0, NS_STEPS * sizeof(int64_t));   /* declined: no stamp */
-    }
-    long long out = (long long)STEP_DECLINED << 32;
-    PyObject *guards = NULL, *buffers = NULL;
-    Py_buffer vi;
-    vi.obj = NULL;
-    if (!PyObject_CheckBuffer(ids))
-        goto end;                                      /* a tensor: the general path views it */
-    if (PyObject_GetBuffer(ids, &vi, PyBUF_C_CONTIGUOUS) < 0) {
-        vi.obj = NULL;
-        out = -1;
-        goto end;
-    }
-    if (vi.itemsize != 4) {                            /* int64 ids read as int32 would be other ids */
-        PyErr_Format(PyExc_ValueError, "buffer of %zd-byte items, needs 4-byte ones", vi.itemsize);
-        out = -1;
-        goto end;
-    }
-    long long ev, st, dev, i;
-    if (int_attr(event, s_handle, &ev) || ev == 0 || int_attr(stream, s_handle, &st) ||
-        int_attr(stream, s_index, &dev) || int_attr(ring, s_next, &i))
-        goto end;
-    long long gen;
-    if (int_attr(event, s_gen, &gen))
-        goto end;                                      /* no CudaEvent: its caller marks it recorded */
-    guards = PyObject_GetAttr(ring, s_guards);
-    buffers = guards == NULL ? NULL : PyObject_GetAttr(ring, s_buffers);
-    if (buffers == NULL) {
-        PyErr_Clear();
-        goto end;
-    }
-    if (!PyList_CheckExact(guards) || !PyList_CheckExact(buffers) || i < 0 ||
-        i >= PyList_GET_SIZE(buffers) || PyList_GET_SIZE(guards) != PyList_GET_SIZE(buffers))
-        goto end;
-    void *guard, *host32;
-    long long host;
-    if (guard_handle(PyList_GET_ITEM(guards, i), &guard) || int_attr(PyList_GET_ITEM(buffers, i), s_ptr, &host))
-        goto end;
-    host32 = (void *)(uintptr_t)host;
-    int64_t *ns = (int64_t *)ns_p;
-    if (ns != NULL) {
-        ns[0] = entry;
-        ns[1] = now_ns();
-    }
-    out = run_steps((const int32_t *)vi.buf, vi.len / 4, (int32_t *)host32, dev32, exec, (void *)(uintptr_t)st,
-                    (void *)(uintptr_t)ev, (int)dev, guard, ns);
-    if (out == 0 || out >> 32 == STEP_LAUNCH) {
-        /* The buffer is rewritten only after the job's event: its copy has read the ids by then. */
-        Py_INCREF(event);
-        PyList_SetItem(guards, i, event);              /* steals the reference; drops the old guard's */
-        PyObject *nx = PyLong_FromLongLong((i + 1) % PyList_GET_SIZE(buffers));
-        if (nx == NULL || PyObject_SetAttr(ring, s_next, nx) < 0)
-            out = -1;
-        Py_XDECREF(nx);
-    }
-    if (out == 0) {
-        PyObject *g1 = PyLong_FromLongLong(gen + 1);   /* a new record: not known complete any more */
-        if (g1 == NULL || PyObject_SetAttr(event, s_stream, stream) < 0 || PyObject_SetAttr(event, s_gen, g1) < 0)
-            out = -1;
-        Py_XDECREF(g1);
-    }
-end:
-    Py_XDECREF(guards);
-    Py_XDECREF(buffers);
-    if (vi.obj) PyBuffer_Release(&vi);
-    if (vt.obj) PyBuffer_Release(&vt);
-    return out == -1 ? NULL : PyLong_FromLongLong(out);
-}
-
 static PyMethodDef methods[] = {
     {"check_ids", (PyCFunction)(void (*)(void))check_ids, METH_FASTCALL, "Copy and check block ids."},
     {"set_simd", (PyCFunction)set_simd, METH_O, "Turn the AVX2 pass of check_ids on or off."},
     {"set_runtime", (PyCFunction)(void (*)(void))set_runtime, METH_FASTCALL, "The runtime's function addresses."},
     {"replay", (PyCFunction)(void (*)(void))replay, METH_FASTCALL, "Ids copy, graph launch, event record."},
     {"replay_steps", (PyCFunction)(void (*)(void))replay_steps, METH_FASTCALL, "replay, timing each runtime call."},
-    {"replay_ring", (PyCFunction)(void (*)(void))replay_ring, METH_FASTCALL, "replay reading and arming the ring."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fast", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__fast(void) {
-    PyObject **names[] = {&s_handle, &s_index, &s_stream, &s_gen, &s_seen, &s_guards, &s_next, &s_buffers, &s_ptr};
-    const char *text[] = {"handle", "index", "stream", "_gen", "_seen", "guards", "next", "buffers", "ptr"};
-    for (int i = 0; i < 9; i++)
-        if ((*names[i] = PyUnicode_InternFromString(text[i])) == NULL)
-            return NULL;
-    return PyModule_Create(&module);
-}
+PyMODINIT_FUNC PyInit__fast(void) { return PyModule_Create(&module); }

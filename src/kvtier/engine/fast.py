@@ -14,9 +14,7 @@ calls become one C call each:
                else holds any more
     replay     the query of the event guarding the graph's pinned ids buffer, the ids copied
                into it, then cudaMemcpyAsync, cudaGraphLaunch and the job's cudaEventRecord --
-               instead of np.copyto and four ctypes calls (`graphs.StagedGraphs`); replay_ring
-               also reads the ring (which buffer, its guard) and arms it, and marks the job's
-               event recorded: no Python between the graph lookup and the runtime calls
+               instead of np.copyto and four ctypes calls (`graphs.StagedGraphs`)
 
 Built by `make` (setup.py, optional: skipped without a C compiler) and by
 `benchmarks/device_run.sh`; `KVTIER_NATIVE=0` turns it off. Without it every step runs as

@@ -15,15 +15,13 @@ from kvtier.device.cudart import clear_last_error
 from kvtier.engine.fast import fast as _fast
 
 GUARD, COPY, LAUNCH, RECORD, DEVICE = 5, 1, 2, 3, 4  # the failed step in a nonzero result (_fast.c)
-DECLINED = 6  # replay_ring did nothing: the objects are not the usual ones (_fast.c)
 WHAT = {GUARD: "cudaEventQuery", DEVICE: "cudaSetDevice", COPY: "cudaMemcpyAsync", LAUNCH: "cudaGraphLaunch"}
 
 
-def replay_fused(graphs, entry, ex, ids, stream, done, done_on, busy=False) -> bool:
+def replay_fused(graphs, entry, ex, ids, stream, done, done_on) -> bool:
     """Replay exec `ex` of `entry` with `ids` (int32, checked: `IdCheck`'s) on `stream`, `done` the
     job's event (recorded here when it is raw and `done_on` its device stream, else by the caller). False:
-    nothing of the graph was launched (the job goes eager; later replays go through ctypes).
-    busy: the ring's next buffer was just found still read (by `replay_ring`): `take` another."""
+    nothing of the graph was launched (the job goes eager; later replays go through ctypes)."""
     tr, ring = graphs.trace, entry.ring  # tr: marks only when tracing
     ev = getattr(done, "handle", 0) if done_on is not None else 0  # torch's events: the caller records
     n, ptr = ids.shape[0], (ids.numpy() if isinstance(ids, torch.Tensor) else ids)  # C: int32 only
@@ -32,7 +30,7 @@ def replay_fused(graphs, entry, ex, ids, stream, done, done_on, busy=False) -> b
     except AttributeError:  # no device stream (None, or another object): ask torch
         h, dev = stream.cuda_stream, stream.device_index
     i = ring.next  # the buffer to try first and its guard (queried below, in C where it can be)
-    g = ring.guards[i] if not busy else ring  # busy: any object without a handle (asked by `take`)
+    g = ring.guards[i]
     gh = None if g is None else getattr(g, "handle", None)
     if gh is None and g is not None:  # not a raw event: asked in Python (it may grow the ring)
         i, gh = ring.take(), 0
@@ -54,36 +52,6 @@ def replay_fused(graphs, entry, ex, ids, stream, done, done_on, busy=False) -> b
         if ev:
             done.mark_recorded(done_on)
         return True
-    if rc >> 32 == LAUNCH:
-        ring.arm_with(i, done)  # the copy was enqueued: the buffer waits for the job's event
-    return _failed(graphs, rc, stream)
-
-
-def ring_failed(graphs, entry, ex, ids, stream, done, done_on, rc) -> bool:
-    """After `_fast.replay_ring` returned `rc` (not 0): `replay_fused` where the C call declined or
-    the ring's next buffer is still read (it takes another), else the failure as `replay_fused`'s
-    (the C call armed the ring after a failed launch)."""
-    step = rc >> 32
-    if step == DECLINED or (step == GUARD and rc & 0xFFFFFFFF == NOT_READY):
-        if step == GUARD:
-            clear_last_error()  # "not ready" is no failure: torch's next check must not see it
-        return replay_fused(graphs, entry, ex, ids, stream, done, done_on, step == GUARD)
-    return _failed(graphs, rc, stream)
-
-
-def ring_traced(graphs, tr, entry, ex, ids, done, done_on) -> int:
-    """`_fast.replay_ring` stamping each step into the trace (as `_traced`)."""
-    ns = graphs.trace_ns
-    rc = _fast.replay_ring(ids, entry.ring, entry.ids_ptr, ex.handle, done, done_on, ns)
-    tr.mark_steps(STEPS, ns.tolist())  # all 0 where it declined: the general path marks its own
-    tr.mark("replay_return")
-    return rc
-
-
-def _failed(graphs, rc: int, stream) -> bool:
-    """A fused replay's failed step (rc: step << 32 | cudaError): raise where the job's event was
-    not recorded after its enqueued work, else False (the job goes eager, later replays through
-    ctypes)."""
     step, err = rc >> 32, rc & 0xFFFFFFFF
     clear_last_error()  # handled here: torch's next check must not report it at an unrelated launch
     if step == RECORD:  # copy and graph enqueued, the event not: as a failed record of the engine's
@@ -91,6 +59,8 @@ def _failed(graphs, rc: int, stream) -> bool:
             # The queued copy reads the ids buffer: it must have run before the buffer is reused.
             stream.synchronize()
         raise RuntimeError(f"cudaEventRecord after a graph replay failed: cudaError {err}")
+    if step == LAUNCH:
+        ring.arm_with(i, done)  # the copy was enqueued: the buffer waits for the job's event
     graphs.fused = False
     graphs.stats.failures += 1
     msg = f"kvtier: fused graph replay failed ({WHAT.get(step)}: cudaError {err}), replays go through ctypes"

@@ -44,13 +44,12 @@ import warnings
 import numpy as np
 import torch
 
-from kvtier.engine.fast import fast as _fast
 from kvtier.engine.fast import runtime_bound
 from kvtier.engine.graph_cache import LRU, GraphStats, HostBuf, graph_key, pinned_key
 from kvtier.engine.graph_cache import Entry as _Entry
 from kvtier.engine.graph_cache import Exec as _Exec
 from kvtier.engine.graph_capture import capture_entry
-from kvtier.engine.graph_fused import STEPS, replay_fused, ring_failed, ring_traced
+from kvtier.engine.graph_fused import STEPS, replay_fused
 from kvtier.engine.graph_nodes import Launcher, NodeError
 from kvtier.engine.ids import HostRing
 from kvtier.engine.jobs import NO_TRACE
@@ -86,7 +85,6 @@ class StagedGraphs:
             self._launcher = None
         self.direct = self._launcher is not None
         self.fused = self.direct and runtime_bound()  # replays as one call of the C helper
-        self.ring = True  # that call reads and arms the ids ring itself (False: `replay_fused`, in Python)
 
     def replay(self, key, ids, stream: torch.cuda.Stream, slot_ptr: int, done=None, done_on=None) -> bool:
         """Replay the graph of `key` for the slot at `slot_ptr` with block ids `ids` (int32 CPU,
@@ -116,14 +114,7 @@ class StagedGraphs:
         if ex is None:
             ok = False
         elif self.fused and done is not None and ex.handle:
-            if done_on is not None and self.ring:  # the usual replay: one C call, reading and arming the ring
-                if tr is None:
-                    rc = _fast.replay_ring(ids, entry.ring, entry.ids_ptr, ex.handle, done, done_on)
-                else:  # the same call, timing each runtime call (the trace's split)
-                    rc = ring_traced(self, tr, entry, ex, ids, done, done_on)
-                ok = rc == 0 or ring_failed(self, entry, ex, ids, stream, done, done_on, rc)
-            else:
-                ok = replay_fused(self, entry, ex, ids, stream, done, done_on)
+            ok = replay_fused(self, entry, ex, ids, stream, done, done_on)  # the usual replay: one C call
         else:
             ok = self._enqueue(entry, ex, ids, stream, done)
         if not ok:
