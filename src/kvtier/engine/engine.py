@@ -27,7 +27,7 @@ from kvtier.engine.ids import IdCheck
 from kvtier.engine.jobs import LoadJob, SaveJob, SubmitTrace, _Job
 from kvtier.engine.movers import make_mover
 from kvtier.engine.options import check_options, check_per_layer, check_slot
-from kvtier.engine.paths import Path, choose_path, parse_path
+from kvtier.engine.paths import Path, job_path, parse_path
 from kvtier.layout import PagedKV
 from kvtier.lifecycle import Access, BlockTracker, LifecycleError, SlotState, SlotTracker, sanitize_enabled
 from kvtier.pool import PinnedPool, Slot
@@ -127,9 +127,9 @@ class TransferEngine(Completion, ComputeAccess):
         ids = bset.ids  # int32 numpy, the job's own
         if tr is not None:
             tr.mark("ids")
-        p = self._auto.get(("save", False)) if path is None else None  # decided once: see _path
+        p = self._auto.get(("save", False)) if path is None else None  # decided once: see paths.job_path
         if p is None:
-            p = self._path("save", path)
+            p = job_path(self, "save", path)
         nbytes = len(ids) * self._block_nbytes
         slot = self.slots.alloc(nbytes, timeout or 0.0, self._on_pressure)
         if tr is not None:
@@ -197,9 +197,9 @@ class TransferEngine(Completion, ComputeAccess):
         nbytes = len(ids) * self._block_nbytes
         if slot.nbytes != nbytes:
             raise ValueError(f"slot: holds {slot.nbytes} B, {len(ids)} blocks need {nbytes} B")
-        p = self._auto.get(("load", per_layer)) if path is None else None  # decided once: see _path
+        p = self._auto.get(("load", per_layer)) if path is None else None  # decided once: see paths.job_path
         if p is None:
-            p = self._path("load", path, per_layer)
+            p = job_path(self, "load", path, per_layer)
         if self.slots.state(slot) is SlotState.FILLING:
             self.poll()  # a save into this slot that has completed becomes READY now
         if tr is not None:
@@ -243,7 +243,7 @@ class TransferEngine(Completion, ComputeAccess):
 
     def load_path(self, per_layer: bool = False) -> Path:
         """The path a load job with no `path=` of its own takes (`paths.py`)."""
-        return self._path("load", None, per_layer)
+        return job_path(self, "load", None, per_layer)
 
     def load_slots(self, slots, block_ids, *, num_tokens: int | None = None) -> list[LoadJob]:
         """Copy READY slots `slots` (each a chunk of whole blocks) into `block_ids` (slot by slot,
@@ -292,16 +292,3 @@ class TransferEngine(Completion, ComputeAccess):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("TransferEngine is closed")
-
-    def _path(self, direction: str, path: str | None, per_layer: bool = False) -> Path:
-        if path is None and (p := self._auto.get((direction, per_layer))) is not None:
-            return p  # the engine's rule, decided and checked once (kv and options are fixed)
-        p = parse_path(path) if path is not None else self.path
-        if p is Path.AUTO:
-            piece, beside = self.kv.piece_numel * self.kv.dtype.itemsize, self.compute_beside
-            p = choose_path(direction, piece_nbytes=piece, per_layer=per_layer, compute_beside=beside,
-                            batch_ok=self.mover.batch_available)  # fmt: skip
-        self.mover.check_path(p)
-        if path is None:  # the engine's own path: fixed, so decided and checked once
-            self._auto[(direction, per_layer)] = p
-        return p

@@ -64,3 +64,21 @@ def choose_path(
     if direction == "load" and per_layer and not compute_beside:
         return Path.KERNEL
     return Path.STAGED
+
+
+def job_path(engine, direction: str, path: str | None, per_layer: bool = False) -> Path:
+    """The path of one of `engine`'s jobs: `path=` if given (checked against the mover), else the
+    engine's own (`auto`: `choose_path` for its cache and options), decided and checked once per
+    direction and per_layer and kept in `engine._auto` (kv and options are fixed)."""
+    if path is None and (p := engine._auto.get((direction, per_layer))) is not None:
+        return p
+    p = parse_path(path) if path is not None else engine.path
+    if p is Path.AUTO:
+        kv, beside = engine.kv, engine.compute_beside
+        piece = kv.piece_numel * kv.dtype.itemsize
+        p = choose_path(direction, piece_nbytes=piece, per_layer=per_layer, compute_beside=beside,
+                        batch_ok=engine.mover.batch_available)  # fmt: skip
+    engine.mover.check_path(p)
+    if path is None:  # the engine's own path: fixed, so decided and checked once
+        engine._auto[(direction, per_layer)] = p
+    return p
