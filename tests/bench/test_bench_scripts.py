@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU modes of the scripts")
 
 

@@ -9,7 +9,7 @@ import kvtier.cli.measure  # noqa: F401  (registers the subcommands)
 from kvtier.bench.summary import summarize
 from kvtier.cli import cli
 
-RESULT = Path(__file__).parent.parent / "benchmarks" / "results" / "nvidia-h200-2026-11-29.json"
+RESULT = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "nvidia-h200-2026-11-29.json"
 
 
 def test_summary_counts_rows_against_targets():
