@@ -291,14 +291,14 @@ def test_delete_while_saving_or_loading_drops_the_chunk_after_the_transfer(rig):
     a = toks(16, CT)
     rig.dev.copy_delay = 0.1
     h = rig.store.save(a, range(2), after=rig.write(a, range(2)))
-    assert rig.store.host.delete(rig.store._keys(a)[0])  # pending: dropped once its copy landed
+    assert rig.store.host.delete(rig.store.keys(a)[0])  # pending: dropped once its copy landed
     assert h.wait(5) and rig.store.lookup(a).tokens == 0
     assert rig.store.stats()["pool"]["used"] == 0  # its slot went back once the copy landed
     rig.dev.copy_delay = 0.0
     rig.store.save(a, range(2), after=rig.write(a, range(2))).wait(5)
     rig.dev.copy_delay = 0.1
     lh = rig.store.load(a, range(40, 42))
-    assert rig.store.host.delete(rig.store._keys(a)[0])  # pinned by the load: dropped after it
+    assert rig.store.host.delete(rig.store.keys(a)[0])  # pinned by the load: dropped after it
     assert rig.store.lookup(a).tokens == 0 and rig.store.stats()["pool"]["used"] == 1024
     assert lh.wait(5) and rig.check(a, range(40, 42), 1)
     assert rig.store.stats()["pool"]["used"] == 0  # the slot went back once e_load completed

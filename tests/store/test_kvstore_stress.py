@@ -117,7 +117,6 @@ def run(tiers, ops: int, **options) -> None:
         rig.dev.synchronize()  # every copy submitted has landed
         assert st.flush(10)
         st.prefetch([]).result(10)  # the prefetch workers are idle: earlier prefetches finished
-        st._reap()
         s = st.stats()
         store, host, pool = s["store"], s["host"], s["pool"]
         assert store["inflight"] == 0 and store["writer_backlog"] == 0 and "background_errors" not in store

@@ -50,7 +50,7 @@ def test_write_back_spills_on_eviction_and_flushes_on_close(tmp_path):
     lh = r.store.load(a, range(50, 54))  # back from disk, clean now: evicting it spills nothing
     assert lh.wait(5) and r.check(a, range(50, 54), 2)
     r.close()  # b's dirty chunks are written on close (the host evicted b for a)
-    assert tier.stats()["puts"] == 4 and set(tier.resident_keys()) >= set(r.store._keys(b))
+    assert tier.stats()["puts"] == 4 and set(tier.resident_keys()) >= set(r.store.keys(b))
 
 
 def test_disk_chunks_survive_a_restart(tmp_path):
@@ -72,7 +72,7 @@ def test_model_and_layout_isolation_and_foreign_headers(tmp_path):
     r = Rig(tiers=[disk(tmp_path)])
     a = toks(5, 2 * CT)
     assert r.store.save(a, range(4), after=r.write(a, range(4))).wait_durable(5)
-    key0 = r.store._keys(a)[0]
+    key0 = r.store.keys(a)[0]
     r.close()
     other = Rig(tiers=[disk(tmp_path)], model="another-model")
     assert other.store.lookup(a).tokens == 0
@@ -83,7 +83,7 @@ def test_model_and_layout_isolation_and_foreign_headers(tmp_path):
     # A chunk of another shape under a key this store computes (a bug or a forged file): a miss.
     r2 = Rig(tiers=[disk(tmp_path / "x")])
     try:
-        key = r2.store._keys(a)[0]
+        key = r2.store.keys(a)[0]
         assert key == key0
         payload = torch.zeros(r2.chunk_nbytes, dtype=torch.uint8)
         header = ChunkHeader.for_payload(key, payload, (r2.chunk_nbytes,), "uint8", "flat")
@@ -108,7 +108,7 @@ def test_corrupt_disk_chunk_ends_the_load_there(tmp_path):
         a = toks(6, 3 * CT)
         assert r.store.save(a, range(6), after=r.write(a, range(6))).wait_durable(5)
         r.store.evict()
-        path = next(p for p in tmp_path.rglob("*") if r.store._keys(a)[1].hex() in p.name)
+        path = next(p for p in tmp_path.rglob("*") if r.store.keys(a)[1].hex() in p.name)
         data = bytearray(path.read_bytes())
         data[-5] ^= 0xFF  # one flipped payload bit
         path.write_bytes(bytes(data))
@@ -201,18 +201,18 @@ def test_redis_promotes_to_disk_and_host_and_survives_being_killed(tmp_path, red
         a, b = toks(11, 2 * CT), toks(12, 2 * CT)
         assert r.store.save(a, range(4), after=r.write(a, range(4))).wait_durable(5)
         r.store.evict()
-        for key in r.store._keys(a):
+        for key in r.store.keys(a):
             d.delete(key)  # only Redis holds a now (another host saved it)
         assert r.store.lookup(a).tiers == ("redis", "redis")
         lh = r.store.load(a, range(40, 44))
         assert lh.tiers == ("redis", "redis") and lh.wait(5) and r.check(a, range(40, 44), 2)
-        assert r.store.flush(5) and all(d.contains(k) for k in r.store._keys(a))  # copied up to disk
+        assert r.store.flush(5) and all(d.contains(k) for k in r.store.keys(a))  # copied up to disk
         r.store.evict()
         redis_server.kill()  # mid-run: saves still work on host + disk, nothing raises
         h = r.store.save(b, range(8, 12), after=r.write(b, range(8, 12)))
-        assert not h.wait_durable(5) and all(d.contains(k) for k in r.store._keys(b))
+        assert not h.wait_durable(5) and all(d.contains(k) for k in r.store.keys(b))
         r.store.evict(b)
-        for key in r.store._keys(b):
+        for key in r.store.keys(b):
             d.delete(key)
         assert r.store.load(b, range(50, 54)).tokens == 0  # a miss: the caller recomputes
         lh = r.store.load(a, range(50, 54))  # disk still serves a
@@ -228,7 +228,7 @@ def test_redis_promotes_to_disk_and_host_and_survives_being_killed(tmp_path, red
                 break
             r.store.evict(c)
             time.sleep(0.05)  # the breaker's cooldown: the next put probes the server again
-        assert r.store.tiers[1].contains(r.store._keys(c)[0])
+        assert r.store.tiers[1].contains(r.store.keys(c)[0])
     finally:
         r.close()
 

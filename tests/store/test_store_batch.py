@@ -50,9 +50,9 @@ def test_disk_put_many_syncs_each_directory_once_and_only_then_reports(tmp_path,
         real_sync(directory)
 
     real_sync = chunkfile.sync_dir
-    monkeypatch.setattr("kvtier.store.disk_write.sync_dir", sync_dir)
+    monkeypatch.setattr("kvtier.store.disk.sync_dir", sync_dir)
     assert tier.put_many(chunks + [chunks[3]]) == [True] * 13  # a key twice: written once
-    dirs = {tier._path(k).parent for k, _, _ in chunks[1:]}  # chunk 0 was held already
+    dirs = {tier.chunk_path(k).parent for k, _, _ in chunks[1:]}  # chunk 0 was held already
     assert sorted(synced) == sorted(dirs)
     assert intact_or_miss(tier, chunks) == [True] * 12
     s = tier.stats()
@@ -66,11 +66,11 @@ def test_disk_a_failure_mid_batch_leaves_whole_chunks_or_misses(tmp_path, monkey
     real_write = chunkfile.write_temp
 
     def flaky(path, head, view, o_direct, fsync, align=chunkfile.PAGE):
-        if path == tier._path(chunks[3][0]):
+        if path == tier.chunk_path(chunks[3][0]):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(path, head, view, o_direct, fsync, align)
 
-    monkeypatch.setattr("kvtier.store.disk_write.write_temp", flaky)
+    monkeypatch.setattr("kvtier.store.disk.write_temp", flaky)
     ok = tier.put_many(chunks)
     assert ok == [i != 3 for i in range(8)]
     assert intact_or_miss(tier, chunks) == ok and tier.stats()["errors_full"] == 1
@@ -81,7 +81,7 @@ def test_disk_a_failure_mid_batch_leaves_whole_chunks_or_misses(tmp_path, monkey
 def test_disk_a_failed_directory_sync_reports_its_chunks_not_durable(tmp_path, monkeypatch):
     tier = DiskTier(tmp_path, 4 * MIB, failure_threshold=100)
     chunks = [chunk(i) for i in range(10)]
-    bad = tier._path(chunks[2][0]).parent
+    bad = tier.chunk_path(chunks[2][0]).parent
     real_sync = chunkfile.sync_dir
 
     def sync_dir(directory):
@@ -89,9 +89,9 @@ def test_disk_a_failed_directory_sync_reports_its_chunks_not_durable(tmp_path, m
             raise OSError(errno.EIO, "Input/output error")
         real_sync(directory)
 
-    monkeypatch.setattr("kvtier.store.disk_write.sync_dir", sync_dir)
+    monkeypatch.setattr("kvtier.store.disk.sync_dir", sync_dir)
     ok = tier.put_many(chunks)
-    assert ok == [tier._path(k).parent != bad for k, _, _ in chunks] and not all(ok)
+    assert ok == [tier.chunk_path(k).parent != bad for k, _, _ in chunks] and not all(ok)
     assert intact_or_miss(tier, chunks) == ok
     assert not any(p.parent == bad for p in tmp_path.rglob("*.kvc"))  # removed, not left half-durable
 
@@ -257,7 +257,7 @@ def test_writer_batches_write_through_pushes_and_waits_exactly(tmp_path):
         a = toks(13, 8 * CT)
         h = r.store.save(a, range(16), after=r.write(a, range(16)))
         assert h.wait_durable(10) and sum(calls) == 8 and tier.stats()["puts"] == 8
-        assert contains_many(tier, r.store._keys(a)) == [True] * 8
+        assert contains_many(tier, r.store.keys(a)) == [True] * 8
         assert put_many(tier, [chunk(1)]) == [True]
     finally:
         r.close()

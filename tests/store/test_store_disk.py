@@ -330,7 +330,7 @@ def test_o_direct_write_refused_midway_falls_back(tmp_path, monkeypatch):
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_write(path, head, view, o_direct, fsync, align)
 
-    monkeypatch.setattr("kvtier.store.disk_write.write_temp", picky)
+    monkeypatch.setattr("kvtier.store.disk.write_temp", picky)
     key, header, payload = chunk(2)
     assert tier.put(key, header, payload)
     assert tier.stats()["o_direct"] == 0 and tier.stats()["put_failures"] == 0

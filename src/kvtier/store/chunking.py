@@ -16,9 +16,13 @@ def chunk_layout(kv) -> str:
     return f"chunk-{kind}-L{kv.num_layers}-kv{kv.num_kv}-" + "x".join(map(str, kv.block_shape))
 
 
-def as_block_ids(block_ids, *, num_blocks: int, need: int, bpc: int, unique: bool = False) -> torch.Tensor:
-    """``block_ids`` (a sequence of ints or a 1-D integer tensor) as CPU int64 [n], at least
-    ``need`` of them, each in [0, num_blocks); a caller bug raises ValueError naming it."""
+def request_block_ids(
+    block_ids, *, num_blocks: int, need: int, bpc: int, unique: bool = False
+) -> torch.Tensor:
+    """A request's ``block_ids`` (a sequence of ints, or a 1-D integer tensor [n] on any device)
+    as CPU int64 [n]: at least ``need`` of them, each in [0, num_blocks), distinct when
+    ``unique`` (a load writes each block once). ``bpc``: blocks per chunk, for the message. A
+    caller bug raises ValueError naming ``block_ids``."""
     try:
         ids = torch.as_tensor(block_ids if isinstance(block_ids, torch.Tensor) else list(block_ids))
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:

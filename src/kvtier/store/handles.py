@@ -94,9 +94,8 @@ class LoadHandle:
     jobs: list = field(default_factory=list, repr=False)
     num_layers: int = field(default=0, repr=False)
     _on_done: Callable[[], object] | None = field(default=None, repr=False)
-    _layer_plan: list | None = field(
-        default=None, repr=False
-    )  # per layer (jobs to wait, (job, event) to note)
+    # Per layer: (jobs to wait, (job, event) to note), planned on the first wait_layer.
+    _layer_plan: list | None = field(default=None, repr=False)
 
     @property
     def events(self) -> list[Event]:

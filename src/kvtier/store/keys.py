@@ -13,14 +13,12 @@ The partial trailing chunk (fewer than ``chunk_tokens`` tokens) gets no key: its
 shared only by requests that end at exactly the same token, and it is still being extended
 by decode — it is cheaper to recompute than to store.
 
-Hash choice (measured on the development VM's CPU, one 256-token chunk): sha256 0.94 µs,
-blake2b-128 1.37 µs, xxh3-128 0.11 µs. sha256 (truncated to 16 bytes) is the default: a key
-collision would hand one request another's KV, and token ids come from users, so the hash
-must resist crafted collisions (the reason vLLM moved its prefix cache to sha256); 1 µs per
-256 tokens is noise next to moving that chunk's KV. A whole 128k-token prompt keys in 0.8 ms
-from a tensor or array, 2 ms from a Python list (there the list-to-bytes step dominates).
-``hash_name="xxh3_128"`` is there for trusted single-tenant setups. Never Python's
-``hash()``: it is salted per process.
+Hash choice: sha256 (truncated to 16 bytes) is the default. A key collision would hand one
+request another's KV, and token ids come from users, so the hash must resist crafted
+collisions (the reason vLLM moved its prefix cache to sha256); hashing a chunk's token ids
+costs far less than moving that chunk's KV. Keying from a tensor or array avoids the
+list-to-bytes step, which dominates for a long Python list. ``hash_name="xxh3_128"`` is there
+for trusted single-tenant setups. Never Python's ``hash()``: it is salted per process.
 """
 
 from __future__ import annotations

@@ -9,12 +9,12 @@ KV of another model, dtype, layout or TP rank never matches.
 - ``save``: one engine save job per chunk not held yet, into a pool slot that becomes a host
   entry once its event completed. Write-through pushes each saved chunk down from the writer
   thread; write-back pushes it only when the host evicts it.
-- ``load``: chunk by chunk from ``first_chunk``: a host hit is pinned; a lower-tier hit is
-  read into a pool slot (``get_into``), its header checked against this cache's
-  shape/dtype/layout, and promoted into the host; then the copies: per layer across every
-  chunk (`engine.load_slots`, one launch per layer) where loads take the kernel path, else an
+- ``load``: the walk, chunk by chunk from ``first_chunk``: a host hit is pinned; a lower-tier
+  hit is read into a pool slot (``get_into``), its header checked against this cache's
+  shape/dtype/layout, and promoted into the host. Then the copies: per layer across every
+  chunk (``engine.load_slots``, one launch per layer) where loads take the kernel path, else an
   engine load job per chunk. The first chunk no tier delivers ends the load: ``handle.tokens``
-  is what will arrive; the caller recomputes the rest. The walk and the copies: `load.py`.
+  is what will arrive; the caller recomputes the rest.
 - ``prefetch``: the same walk in the background, promoting without loading.
 
 Failures of tiers (errors, timeouts, full, bad checksum or header) are misses, counted and
@@ -29,29 +29,70 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
+from kvtier.engine import Path
 from kvtier.lifecycle import LifecycleError, SlotState
 from kvtier.pool import PoolExhausted
 
-from .chunking import ChunkFormat, as_block_ids
+from .chunking import ChunkFormat, request_block_ids
 from .config import StoreConfig
-from .fetch import Fetcher
 from .handles import LoadHandle, Lookup, SaveHandle
 from .host import HostEntry, HostTier
 from .keys import KeyExtra, chunk_keys
 from .metrics import StoreMetrics
 from .reaper import Reaper
 from .tier import Tier
+from .tier_walk import delete_everywhere, read_first, where
 from .writer import Push, Writer
 
 log = logging.getLogger(__name__)
 
 
+class _Taken(NamedTuple):
+    """A chunk ready to be read by one load: entry pinned for it (kind "load") or a temporary
+    slot no index holds (kind "temp", released when the load completed); tier: its source.
+    Kind "present" (prefetch only, entry None): another request is already filling it."""
+
+    entry: HostEntry | None
+    kind: str
+    tier: str
+
+
 class KVStore:
-    """engine: a `TransferEngine` (its cache, pool and trackers). model: the model identity
-    (any string that changes when the weights do). tiers: the lower tiers, fastest first.
-    config: a `StoreConfig`, or its fields as keyword arguments. metrics: where the host tier
-    and the store count (pass the same `StoreMetrics` to the tiers for one registry)."""
+    """A prefix-keyed KV store over one engine's cache: the host tier plus ``tiers`` below it.
+
+    engine: a `TransferEngine` (its cache, pool and trackers). model: the model identity (any
+    string that changes when the weights do). tiers: the lower tiers, fastest first, with
+    distinct names other than "host". config: a `StoreConfig`, or its fields as keyword
+    arguments. metrics: where the host tier and the store count (pass the same `StoreMetrics`
+    to the tiers for one registry).
+
+    Tokens are token ids, a sequence of ints or a 1-D integer tensor ``[num_tokens]``; block ids
+    are the request's GPU blocks in order, a sequence of ints or a 1-D integer tensor
+    ``[num_blocks]``; chunk i covers ``block_ids[i*bpc:(i+1)*bpc]`` (bpc = chunk_tokens //
+    block_size).
+
+    >>> import torch
+    >>> from kvtier.device import SimDevice
+    >>> from kvtier.engine import TransferEngine
+    >>> from kvtier.pool import PinnedPool
+    >>> from kvtier.reference import random_cache
+    >>> from kvtier.store import KVStore
+    >>> dev = SimDevice()
+    >>> kv = random_cache("vllm_flash", 2, 32, 16, 2, 64, torch.float16)  # 2 layers, 32 blocks of 16
+    >>> engine = TransferEngine(dev, kv, PinnedPool(dev, 8 * kv.chunk_nbytes(2)))
+    >>> store = KVStore(engine, "my-model@rev1", chunk_tokens=32)
+    >>> tokens = list(range(100))  # 3 full chunks of 32 tokens, and 4 tokens not stored
+    >>> store.save(tokens, range(7)).wait(5)
+    True
+    >>> store.lookup(tokens)
+    Lookup(tokens=96, tiers=('host', 'host', 'host'))
+    >>> store.load(tokens, range(10, 17)).tokens
+    96
+
+    The methods' examples continue this session, in the order they appear here.
+    """
 
     def __init__(
         self,
@@ -68,9 +109,9 @@ class KVStore:
         self.config = cfg = config if config is not None else StoreConfig(**options)
         kv, pool = engine.kv, engine.pool
         self.fmt = fmt = ChunkFormat.of(kv, cfg.chunk_tokens, pool.alignment)
-        self.tiers = list(tiers)
-        names = [getattr(t, "name", None) for t in self.tiers]
-        if not all(isinstance(t, Tier) for t in self.tiers) or len({*names, "host"}) <= len(names):
+        self._tiers = tuple(tiers)
+        names = [getattr(t, "name", None) for t in self._tiers]
+        if not all(isinstance(t, Tier) for t in self._tiers) or len({*names, "host"}) <= len(names):
             raise ValueError(f"tiers must be Tier objects with distinct names other than 'host', got {names}")
         self.engine, self.kv = engine, kv
         self.extra = KeyExtra(model, fmt.dtype, fmt.layout, cfg.tp_rank, cfg.tp_size, cfg.salt)
@@ -81,13 +122,12 @@ class KVStore:
             cfg.host_capacity(pool.capacity, fmt.span),
             cfg.host_policy,
             release=self._release_slot,
-            spill=self._spill if self.write_back and self.tiers else None,
+            spill=self._spill if self.write_back and self._tiers else None,
             metrics=self.metrics,
         )
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
         self._writer = Writer(fmt.header, self.host, self._release_slot, self._count)
-        self._fetch = Fetcher(self)
         self._reaper = Reaper(self._completed, self._count)
         self._reap, self._track = self._reaper.reap, self._reaper.track
         for state in ("capacity", "used", "in_flight"):  # read at scrape time, never stale
@@ -97,26 +137,52 @@ class KVStore:
 
     # -- API ---------------------------------------------------------------------------------
 
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        """The lower tiers, fastest first (the host tier is ``self.host``)."""
+        return self._tiers
+
+    def keys(self, tokens) -> list[bytes]:
+        """The keys of the full chunks of ``tokens`` (``[num_tokens]``), in chunk order: the
+        names this store's chunks have in every tier. No side effects.
+
+        >>> [len(k) for k in store.keys(range(100))]  # 3 full chunks of 32 tokens
+        [16, 16, 16]
+        """
+        bs, name = self.kv.block_size, self.config.hash_name
+        return chunk_keys(tokens, self.fmt.tokens, bs, extra=self.extra, hash_name=name)
+
     def lookup(self, tokens) -> Lookup:
-        """The longest chunk prefix of ``tokens`` that some tier holds, and where each chunk is."""
+        """The longest chunk prefix of ``tokens`` (``[num_tokens]``) that some tier holds, and
+        where each chunk is. No side effects; a hint (a load may still deliver less).
+
+        >>> store.lookup(range(100))
+        Lookup(tokens=96, tiers=('host', 'host', 'host'))
+        """
         t0 = self._check_open()
-        where = self._fetch.where(self._keys(tokens))  # stops at the first chunk no tier holds
-        self._count(lookups=1, lookup_tokens=len(where) * self.fmt.tokens, _call=("lookup", t0))
-        return Lookup(len(where) * self.fmt.tokens, tuple(where))
+        found = where(self.keys(tokens), self.host.contains, self._tiers)
+        self._count(lookups=1, lookup_tokens=len(found) * self.fmt.tokens, _call=("lookup", t0))
+        return Lookup(len(found) * self.fmt.tokens, tuple(found))
 
     def save(self, tokens, block_ids, *, after=None) -> SaveHandle:
-        """Save the full chunks of ``tokens`` (shape [num_tokens]) from GPU blocks ``block_ids``
-        (the request's blocks in order; at least bpc per full chunk). ``after``: an event on the
-        compute stream recorded after these blocks' KV was written. Asynchronous: the handle's
-        events complete when the blocks have been read (only then may they be overwritten)."""
+        """Save the full chunks of ``tokens`` (``[num_tokens]``) from GPU blocks ``block_ids``
+        (``[num_blocks]``, the request's blocks in order; at least bpc per full chunk).
+        ``after``: an event on the compute stream recorded after these blocks' KV was written.
+        Asynchronous: the handle's events complete when the blocks have been read (only then
+        may they be overwritten). A chunk already held is skipped; a full pool ends the save.
+
+        >>> h = store.save(range(100), range(7), after=dev.current_stream().record())
+        >>> h.wait(5), h.tokens, h.skipped  # held already: nothing copied
+        (True, 96, 3)
+        """
         t0 = self._check_open()
-        keys = self._keys(tokens)
-        ids = self._ids(block_ids, need=len(keys) * self.fmt.blocks)
+        keys = self.keys(tokens)
+        ids = self._block_ids(block_ids, need=len(keys) * self.fmt.blocks)
         self._reap()
         handle = SaveHandle(_on_done=self._reap)
-        through = not self.write_back and bool(self.tiers)
+        through = not self.write_back and bool(self._tiers)
         for i, key in enumerate(keys):
-            entry, status = self.host.reserve(key, self.fmt.span, dirty=self.write_back and bool(self.tiers))
+            entry, status = self.host.reserve(key, self.fmt.span, dirty=self.write_back and bool(self._tiers))
             if status == "present":  # held, or being saved or fetched by another request
                 handle.skipped += 1
                 handle.tokens += self.fmt.tokens
@@ -137,7 +203,7 @@ class KVStore:
             self.host.attach(entry, job.slot, job)
             if through:
                 self.host.add_pin(entry)  # the push reads the slot: it must not be evicted before
-                handle.pushes.append(self._writer.submit(Push(entry, self.tiers, after=job)))
+                handle.pushes.append(self._writer.submit(Push(entry, self._tiers, after=job)))
             self._track(job, entry, "save")
             handle.jobs.append(job)
             handle.saved += 1
@@ -148,46 +214,110 @@ class KVStore:
         return handle
 
     def load(self, tokens, block_ids, *, per_layer: bool = True, first_chunk: int = 0) -> LoadHandle:
-        """Load the longest available chunk prefix of ``tokens`` into ``block_ids`` (distinct
-        GPU blocks of the request, in order; chunks beyond ``len(block_ids) // bpc`` are not
-        loaded). Lower-tier reads happen here; the GPU copies are asynchronous: use
-        ``handle.wait_layer(layer, stream)`` before attention reads a layer.
+        """Load the longest available chunk prefix of ``tokens`` (``[num_tokens]``) into
+        ``block_ids`` (``[num_blocks]``, distinct GPU blocks of the request, in order; chunks
+        beyond ``len(block_ids) // bpc`` are not loaded). Lower-tier reads happen here; the GPU
+        copies are asynchronous: use ``handle.wait_layer(layer, stream)`` before attention reads
+        a layer. ``per_layer``: one event per layer, so attention of layer 0 starts before the
+        last layer landed.
 
         first_chunk: start there (the caller recomputes the chunks before); chunk first_chunk + i
-        goes into ``block_ids[i*bpc:(i+1)*bpc]`` and ``handle.tokens`` counts from there."""
-        from .load import load
+        goes into ``block_ids[i*bpc:(i+1)*bpc]`` and ``handle.tokens`` counts from there.
 
-        return load(self, tokens, block_ids, per_layer=per_layer, first_chunk=first_chunk)
+        >>> h = store.load(range(100), range(20, 24), first_chunk=1)  # chunks 1 and 2
+        >>> h.wait(5), h.tokens, h.tiers
+        (True, 64, ('host', 'host'))
+        """
+        t0 = self._check_open()
+        keys = self.keys(tokens)
+        if type(first_chunk) is not int or not 0 <= first_chunk <= len(keys):  # a bool is no index
+            raise ValueError(f"first_chunk: must be an int within [0, {len(keys)}], got {first_chunk!r}")
+        keys = keys[first_chunk:]
+        ids = self._block_ids(block_ids, need=0, unique=True)
+        self._reap()
+        handle = LoadHandle(num_layers=self.kv.num_layers, _on_done=self._reap)
+        # The walk ends at the first chunk no tier delivers: the rest of the prefix is useless.
+        got_all: list[_Taken] = []
+        try:
+            for got in self._walk(keys[: len(ids) // self.fmt.blocks]):
+                got_all.append(got)
+        except BaseException:
+            self._give_back(got_all)  # fetched, never submitted
+            raise
+        if per_layer and len(got_all) > 1 and self.engine.load_path(per_layer=True) is Path.KERNEL:
+            # Layer-major over every chunk (one launch per layer): layer 0 of the whole prefix
+            # lands first, so attention of layer 0 starts after 1/L of the bytes, not all of them.
+            try:
+                slots = [got.entry.slot for got in got_all]
+                jobs = self.engine.load_slots(slots, ids[: len(got_all) * self.fmt.blocks])
+            except BaseException:
+                self._give_back(got_all)  # nothing was submitted from the slots
+                raise
+            for job, got in zip(jobs, got_all, strict=True):
+                self._track(job, got.entry, got.kind)  # pins drop once e_load completed
+        else:
+            # One job per chunk; only the last is copied layer by layer (a launch and an event
+            # per layer), the others whole (one launch): layer i of the prefix is ready once the
+            # last chunk's layer i landed, and the earlier chunks, queued before it, landed whole.
+            jobs = []
+            for i, got in enumerate(got_all):
+                layered = per_layer and i == len(got_all) - 1
+                try:
+                    job = self.engine.load(got.entry.slot, self._chunk(ids, i), per_layer=layered)
+                except BaseException:
+                    self._give_back(got_all[i:])  # this chunk and the later ones were never submitted
+                    raise
+                self._track(job, got.entry, got.kind)  # its pin drops once e_load completed
+                jobs.append(job)
+        handle.jobs.extend(jobs)
+        handle.tokens = len(handle.jobs) * self.fmt.tokens
+        handle.tiers = tuple(got.tier for got in got_all)
+        chunks = Counter(f"load_chunks_{t}" for t in handle.tiers)
+        self._count(loads=1, load_tokens=handle.tokens, _call=("load", t0), **chunks)
+        return handle
 
     def prefetch(self, tokens) -> Future:
-        """Bring the chunks of ``tokens`` from lower tiers into the host, in the background.
-        The future's result: tokens of the prefix then held (or being filled) by the host."""
+        """Bring the chunks of ``tokens`` (``[num_tokens]``) from lower tiers into the host, in
+        the background. The future's result: tokens of the prefix then held (or being filled)
+        by the host. Never raises through the future: a failed read ends the prefix.
+
+        >>> store.prefetch(range(100)).result(5)  # every chunk is in the host already
+        96
+        """
         self._check_open()
         self._count("prefetches")
-        return self._prefetcher.submit(self._fetch.prefetch, self._keys(tokens))
+        return self._prefetcher.submit(self._prefetch_keys, self.keys(tokens))
 
     def evict(self, tokens=None, *, lower: bool = False) -> int:
-        """Evict from the host the chunks of ``tokens`` (None: every chunk) that no transfer
-        uses, spilling dirty ones (write-back); ``lower``: also delete them from the lower
-        tiers. Returns how many host chunks went."""
+        """Evict from the host the chunks of ``tokens`` (``[num_tokens]``; None: every chunk)
+        that no transfer uses, spilling dirty ones (write-back); ``lower``: also delete them
+        from the lower tiers. Returns how many host chunks went.
+
+        >>> store.evict(range(100))
+        3
+        """
         self._check_open()
-        keys = None if tokens is None else self._keys(tokens)
+        keys = None if tokens is None else self.keys(tokens)
         self._reap()  # loads that completed first: their pins drop, their chunks may go
         n = self.host.evict(keys)
         if lower and keys:
-            self._fetch.delete_lower(keys)
+            delete_everywhere(keys, self._tiers)
         self._count("evicted", n)
         return n
 
     def stats(self) -> dict[str, dict[str, int | float]]:
         """Per tier (hits, misses, bytes, latency sums, errors by kind, occupancy), the pool,
-        and the store's own counters; also exported through ``self.metrics``."""
+        and the store's own counters; also exported through ``self.metrics``.
+
+        >>> sorted(store.stats())
+        ['host', 'pool', 'store']
+        """
         self._reap()
         out: dict[str, dict] = {"host": self.host.stats()}
-        for tier in self.tiers:
+        for tier in self._tiers:
             try:
                 out[tier.name] = tier.stats()
-            except Exception as exc:
+            except Exception as exc:  # a tier's stats are a report; its failure must not hide the others
                 log.warning("kvstore: stats of %s failed: %s", tier.name, exc)
         p = self.engine.pool.stats()
         out["pool"] = dict(capacity=p.capacity, used=p.used, in_flight=p.in_flight, slots=p.slots)
@@ -196,12 +326,21 @@ class KVStore:
         return out
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Block until every push submitted so far (write-through, promotion, spill) finished."""
+        """Block until every push submitted so far (write-through, promotion, spill) finished;
+        False on timeout.
+
+        >>> store.flush(5)
+        True
+        """
         return self._writer.flush(timeout)
 
     def close(self, *, flush: bool = True, timeout: float = 30.0) -> None:
         """Finish the transfers and pushes in flight, spill dirty chunks (write-back, ``flush``),
-        and give every slot back. The engine and the tiers stay open (the caller owns them)."""
+        and give every slot back. The engine and the tiers stay open (the caller owns them).
+
+        >>> store.close()
+        >>> engine.close(); dev.close()  # the caller's, closed after the store
+        """
         if self._closed:
             return
         self._closed = True
@@ -209,10 +348,10 @@ class KVStore:
         for job in self._reaper.jobs():
             job.wait(timeout)  # slots are given back below only once their copies landed
         self._reap()
-        if flush and self.write_back and self.tiers:
+        if flush and self.write_back and self._tiers:
             for e in self.host.entries():
                 if e.dirty and self.host.pin(e):  # the push reads the slot: pinned until it is done
-                    self._writer.submit(Push(e, self.tiers))
+                    self._writer.submit(Push(e, self._tiers))
         self._writer.close(timeout)
         self._reaper.close(timeout)
         for e in self.host.drain():
@@ -225,16 +364,118 @@ class KVStore:
     def __exit__(self, *exc: object) -> None:
         self.close()  # every transfer in flight lands before its slot goes back
 
+    # -- the walk: chunks held for a load, or promoted by a prefetch --------------------------
+
+    def _walk(self, keys: list[bytes]):
+        """Yield ``_take(key)`` for ``keys`` in order, up to the first miss. Once a chunk comes
+        from a lower tier, the next ``read_ahead`` chunks are read in the background meanwhile
+        (each a prefetch: the load finds it pending or ready in the host)."""
+        ahead = None
+        depth = self.config.read_ahead if self.promote and self._tiers else 0
+        for i, key in enumerate(keys):
+            while ahead is not None and ahead < min(len(keys), i + 1 + depth):
+                self._prefetcher.submit(self._prefetch_keys, [keys[ahead]], True)
+                ahead += 1
+            got = self._take(key)
+            if got is None:
+                return
+            if ahead is None and depth and got.tier != "host":
+                ahead = i + 1  # lower-tier reads have begun: the rest likely needs them too
+            yield got
+
+    def _take(self, key: bytes) -> _Taken | None:
+        """``key``'s chunk, held for one load: a host hit, else a lower-tier read (promoted
+        into the host when ``promote``, else a temporary slot); None if no tier delivers it."""
+        entry = self.host.acquire(key, self.fetch_wait_s, settle=self._reap)
+        if entry is not None:
+            tier = entry.source if entry.fresh else "host"
+            entry.fresh = False
+            return _Taken(entry, "load", tier)
+        return self._fetch(key, keep_pin=True, temp_ok=not self.promote)
+
+    def _fetch(self, key: bytes, *, keep_pin: bool, temp_ok: bool, fresh: bool = False) -> _Taken | None:
+        """Read ``key``'s chunk from the first lower tier that has it into a pool slot. The
+        tier verified the checksum and the header must describe exactly this cache's chunk;
+        the CPU wrote the bytes synchronously, so the slot is READY at once. ``keep_pin``: the
+        entry stays pinned for a load; ``temp_ok``: a slot no index holds will do."""
+        if not self._tiers:
+            return None
+        entry, status = (None, "temp") if temp_ok else self.host.reserve(key, self.fmt.span)
+        if status == "present":  # another request got there first: wait for its fill
+            if not keep_pin:
+                return _Taken(None, "present", "host")  # a prefetch needs no more
+            got = self.host.acquire(key, self.fetch_wait_s, settle=self._reap)
+            return None if got is None else _Taken(got, "load", "host")
+        if status == "full":  # every host chunk is pinned by transfers
+            self._count("fetch_host_full")
+            if not keep_pin:
+                return None
+            entry = None  # a load still gets the chunk, through a temporary slot
+        try:
+            # Pool pressure evicts clean host chunks; spills and reads in flight use the headroom.
+            room = self.host.make_room
+            slot = self.engine.slots.alloc(self.fmt.nbytes, self.alloc_timeout_s, on_pressure=room)
+        except PoolExhausted as exc:
+            log.info("kvstore: no pool room for a read: %s", exc)
+            self._count("fetch_pool_exhausted")
+            if entry is not None:
+                self.host.cancel(entry)  # no slot: nothing was read into it
+            return None
+        found = read_first(key, slot.tensor, self._tiers, self.fmt, self._count)
+        if found is None:
+            if entry is not None:
+                self.host.attach(entry, slot)
+                self.host.cancel(entry)  # releases the slot: no copy ever touched it
+            else:
+                self._release_slot(slot)  # ALLOCATED, no copy ever touched it
+            return None
+        tier = self._tiers[found]
+        self.engine.slots.fill_host(slot)  # the CPU wrote the bytes synchronously: READY, no event
+        if entry is None:
+            temp = HostEntry(key, self.fmt.span, slot=slot, ready=True, source=tier.name)
+            return _Taken(temp, "temp", tier.name)
+        entry.source, entry.fresh = tier.name, fresh
+        self.host.attach(entry, slot)
+        self.host.ready(entry, keep_pin=keep_pin)
+        if found > 0 and self.promote and self.host.pin(entry):  # the push reads the slot: pinned until done
+            self._writer.submit(Push(entry, self._tiers[:found]))  # copy up to the faster lower tiers too
+        self._count("promoted")
+        return _Taken(entry, "load", tier.name)
+
+    def _prefetch_keys(self, keys: list[bytes], ahead: bool = False) -> int:
+        """Walk ``keys`` from the first, promoting lower-tier chunks into the host; returns the
+        tokens of the prefix the host then holds or is filling. ``ahead``: a load's read-ahead.
+        Never raises."""
+        n = 0
+        try:
+            for key in keys:
+                if self.host.contains(key):
+                    n += 1
+                    continue
+                if self._fetch(key, keep_pin=False, temp_ok=False, fresh=ahead) is None:
+                    break
+                n += 1
+        except Exception:  # a prefetch is a hint: a bug here must not reach the serving loop
+            log.exception("kvstore: prefetch failed")
+            self._count(background_errors=1)
+        if ahead:
+            self._count("read_ahead_chunks", n)
+        else:
+            self._count("prefetch_tokens", n * self.fmt.tokens)
+        return n * self.fmt.tokens
+
+    def _give_back(self, taken: list[_Taken]) -> None:
+        """Chunks fetched for a load whose copies were never submitted: pins drop, temporary
+        slots go back (nothing was read out of them)."""
+        for got in taken:
+            self._completed(None, got.entry, got.kind)
+
     # -- internals ---------------------------------------------------------------------------
 
-    def _keys(self, tokens) -> list[bytes]:
-        bs, name = self.kv.block_size, self.config.hash_name
-        return chunk_keys(tokens, self.fmt.tokens, bs, extra=self.extra, hash_name=name)
-
-    def _ids(self, block_ids, need: int, unique: bool = False):
-        return as_block_ids(
-            block_ids, num_blocks=self.kv.num_blocks, need=need, bpc=self.fmt.blocks, unique=unique
-        )
+    def _block_ids(self, block_ids, need: int, unique: bool = False):
+        """The request's ids, checked once here; the chunks below slice this checked tensor."""
+        num_blocks, bpc = self.kv.num_blocks, self.fmt.blocks
+        return request_block_ids(block_ids, num_blocks=num_blocks, need=need, bpc=bpc, unique=unique)
 
     def _chunk(self, ids, i: int):
         """Block ids of chunk ``i``: block_ids[i*bpc:(i+1)*bpc]."""
@@ -278,4 +519,4 @@ class KVStore:
         eng.release(slot)  # retire: the pool gets it back once no copy into/out of it is pending
 
     def _spill(self, entry: HostEntry) -> None:
-        self._writer.spill(entry, self.tiers)  # the writer releases the slot once pushed
+        self._writer.spill(entry, self._tiers)  # the writer releases the slot once pushed

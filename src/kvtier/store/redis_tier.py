@@ -16,6 +16,7 @@ bookkeeping could see what the others store — and the server evicts orphans of
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -24,7 +25,7 @@ from .health import CircuitBreaker
 from .keys import check_key
 from .metrics import StoreMetrics
 from .redis_client import classify, make_client
-from .redis_write import MANIFEST, PRESENT, STORED, put_chunks
+from .redis_write import MANIFEST, PRESENT, STORED, Target, put_chunks
 from .tier import DestTooSmall, TierReads, check_put_args
 
 log = logging.getLogger(__name__)
@@ -77,18 +78,29 @@ class RedisTier(TierReads):
             raise ValueError(f"parts_per_batch must be an int >= 1, got {parts_per_batch!r}")
         if not isinstance(prefix, str):
             raise ValueError(f"prefix must be a str, got {prefix!r}")
-        self.client = client if client is not None else make_client(url, cluster, timeout_s)
+        client = client if client is not None else make_client(url, cluster, timeout_s)
         self.name = name
         self.prefix = prefix
         self.part_bytes = part_bytes
         self.ttl_s = ttl_s
         self.parts_per_batch = parts_per_batch
+        self._target = Target(client, prefix, part_bytes, ttl_s, parts_per_batch, name)
         self._m = (metrics if metrics is not None else StoreMetrics()).tier(name)
         self._m.occupancy(0, 0, 0, 0)  # the server owns capacity; these stay unknown (0)
         self._read_health = CircuitBreaker(failure_threshold, cooldown_s)
         self._write_health = CircuitBreaker(failure_threshold, cooldown_s)
 
     # -- public API ---------------------------------------------------------------------
+
+    @property
+    def client(self):
+        """The redis-py client every command goes through."""
+        return self._target.client
+
+    @client.setter
+    def client(self, client) -> None:
+        """Swap the client (e.g. a wrapper that counts round trips); later commands use it."""
+        self._target = dataclasses.replace(self._target, client=client)
 
     def put(self, key: bytes, header: ChunkHeader, payload) -> bool:
         return self.put_many([(key, header, payload)])[0]
@@ -104,7 +116,7 @@ class RedisTier(TierReads):
             for _ in checked:
                 self._m.put_failed("skipped")
             return [False] * len(checked)
-        kinds = put_chunks(self, checked)
+        kinds = put_chunks(self._target, checked)
         dt = (time.perf_counter() - t0) / len(checked)
         for (_, _, view), kind in zip(checked, kinds, strict=True):
             if kind == STORED:
@@ -125,7 +137,7 @@ class RedisTier(TierReads):
         if not self._read_health.allow():
             return False
         try:
-            found = bool(self.client.exists(self._key(key)))
+            found = bool(self.client.exists(self._target.key(key)))
         except Exception as exc:
             log.warning("redis tier %s: contains failed: %s", self.name, exc)
             self._read_health.record_failure()
@@ -142,7 +154,7 @@ class RedisTier(TierReads):
         try:
             pipe = self.client.pipeline(transaction=False)
             for key in keys:
-                pipe.exists(self._key(key))
+                pipe.exists(self._target.key(key))
             replies = pipe.execute(raise_on_error=False)
         except Exception as exc:
             log.warning("redis tier %s: contains of %d keys failed: %s", self.name, len(keys), exc)
@@ -154,7 +166,7 @@ class RedisTier(TierReads):
     def delete(self, key: bytes) -> bool:
         check_key(key)
         try:
-            rec = self.client.get(self._key(key))
+            rec = self.client.get(self._target.key(key))
             return rec is not None and self._drop(key, rec)
         except Exception as exc:
             log.warning("redis tier %s: delete %s failed: %s", self.name, key.hex(), exc)
@@ -183,7 +195,7 @@ class RedisTier(TierReads):
             return None
         rec = None
         try:
-            rec = self.client.get(self._key(key))
+            rec = self.client.get(self._target.key(key))
             got = None if rec is None else self._decode(key, memoryview(rec), dest)
         except DestTooSmall:
             self._read_health.record_success()
@@ -193,7 +205,7 @@ class RedisTier(TierReads):
             try:
                 # A part missing because a concurrent delete removed this manifest first is
                 # a plain miss; a part missing under a live manifest (evicted) is corruption.
-                if exc.part_missing and self.client.get(self._key(key)) != rec:
+                if exc.part_missing and self.client.get(self._target.key(key)) != rec:
                     self._m.miss(None, time.perf_counter() - t0)
                     return None
                 log.warning("redis tier %s: chunk %s is corrupt (%s); dropped", self.name, key.hex(), exc)
@@ -242,7 +254,7 @@ class RedisTier(TierReads):
             if part_bytes < 1 or nparts != -(-n // part_bytes):
                 raise _Corrupt(f"manifest of {nparts} parts of {part_bytes} bytes cannot hold {n} bytes")
             payload = dest if dest is not None else memoryview(bytearray(n))
-            names = self._part_keys(key, nonce, nparts)
+            names = self._target.part_keys(key, nonce, nparts)
             for batch in range(0, nparts, self.parts_per_batch):
                 pipe = self.client.pipeline(transaction=False)
                 for name in names[batch : batch + self.parts_per_batch]:
@@ -261,31 +273,11 @@ class RedisTier(TierReads):
 
     def _drop(self, key: bytes, rec: bytes) -> bool:
         """Delete the value ``rec`` read under ``key`` and, for a manifest, its parts."""
-        name = self._key(key)
+        name = self._target.key(key)
         if rec[:1] != b"M" or len(rec) < 1 + MANIFEST.size:
             return bool(self.client.delete(name))  # no parts: nothing can be orphaned
         if not self.client.eval(_DEL_IF_SAME, 1, name, rec):
             return False  # already gone or replaced: its parts are someone else's to delete
         nonce, nparts, _ = MANIFEST.unpack_from(rec, 1)
-        self._delete_quietly(self._part_keys(key, nonce, min(nparts, 1 << 20)), raise_errors=True)
+        self._target.delete(self._target.part_keys(key, nonce, min(nparts, 1 << 20)), raise_errors=True)
         return True
-
-    def _delete_quietly(self, names: list[str], raise_errors: bool = False) -> None:
-        if not names:
-            return
-        try:
-            pipe = self.client.pipeline(transaction=False)  # a cluster spreads names over nodes
-            for name in names:
-                pipe.delete(name)
-            pipe.execute()
-        except Exception as exc:
-            if raise_errors:
-                raise
-            log.debug("redis tier %s: cleanup failed (the server evicts orphans): %s", self.name, exc)
-
-    def _key(self, key: bytes) -> str:
-        return self.prefix + key.hex()
-
-    def _part_keys(self, key: bytes, nonce: bytes, nparts: int) -> list[str]:
-        base = f"{self.prefix}{key.hex()}:{nonce.hex()}:"
-        return [base + str(i) for i in range(nparts)]

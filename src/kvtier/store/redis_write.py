@@ -1,6 +1,6 @@
-"""The write half of `RedisTier`: several chunks in a few pipelined round trips.
+"""The Redis value layout's names, and its writes: several chunks in a few pipelined round trips.
 
-Round trips, for a batch of chunks (``RedisTier.put_many``):
+Round trips, for a batch of chunks (``put_chunks``, which ``RedisTier.put_many`` calls):
 
 1. one pipeline: SET NX of every small chunk (``b"S" + header + payload``), EXISTS of every
    large one (an upload of a chunk some host already shared is skipped);
@@ -20,13 +20,10 @@ import logging
 import os
 import struct
 import threading
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 from .header import ChunkHeader
 from .redis_client import classify
-
-if TYPE_CHECKING:
-    from .redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
 MANIFEST = struct.Struct("<8sIQ")
@@ -34,7 +31,44 @@ STORED, PRESENT = "stored", "present"
 PIPELINE_BYTES = 8 << 20  # small-chunk values per round trip: a bound on the staging memory
 
 
-def put_chunks(t: RedisTier, items: list[tuple[bytes, ChunkHeader, memoryview]]) -> list[str]:
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where a tier's values go: ``client`` (redis-py ``Redis`` or ``RedisCluster``), names under
+    ``prefix``, payloads split into parts of ``part_bytes``, ``parts_per_batch`` parts a round
+    trip, every key expiring after ``ttl_s`` (None: never). ``name``: the tier's, for logs."""
+
+    client: object
+    prefix: str
+    part_bytes: int
+    ttl_s: int | None
+    parts_per_batch: int
+    name: str
+
+    def key(self, key: bytes) -> str:
+        """The name of ``key``'s value (a small chunk, or a manifest)."""
+        return self.prefix + key.hex()
+
+    def part_keys(self, key: bytes, nonce: bytes, nparts: int) -> list[str]:
+        """The names of the parts of one put (``nonce``) of a large chunk."""
+        base = f"{self.prefix}{key.hex()}:{nonce.hex()}:"
+        return [base + str(i) for i in range(nparts)]
+
+    def delete(self, names: list[str], raise_errors: bool = False) -> None:
+        """Delete ``names`` in one pipeline; failures logged unless ``raise_errors``."""
+        if not names:
+            return
+        try:
+            pipe = self.client.pipeline(transaction=False)  # a cluster spreads names over nodes
+            for name in names:
+                pipe.delete(name)
+            pipe.execute()
+        except Exception as exc:  # an orphan costs memory until the server evicts it, not correctness
+            if raise_errors:
+                raise
+            log.debug("redis tier %s: cleanup failed (the server evicts orphans): %s", self.name, exc)
+
+
+def put_chunks(t: Target, items: list[tuple[bytes, ChunkHeader, memoryview]]) -> list[str]:
     """Store ``items`` (validated ``(key, header, payload view)``); per item "stored",
     "present" (some writer stored it first), or the failure kind ("error", "timeout", "full").
     Never raises: a failed pipeline fails the chunks it had not decided yet."""
@@ -54,7 +88,7 @@ def put_chunks(t: RedisTier, items: list[tuple[bytes, ChunkHeader, memoryview]])
                     out[i] = STORED if small[i] and reply else PRESENT
                 else:
                     nonce, n = os.urandom(8), -(-items[i][2].nbytes // t.part_bytes)
-                    parts[i] = nonce, t._part_keys(items[i][0], nonce, n)
+                    parts[i] = nonce, t.part_keys(items[i][0], nonce, n)
         _put_parts(t, items, parts, out)
         _put_manifests(t, items, heads, parts, out)
     except Exception as exc:  # the connection failed: every chunk not decided yet is not stored
@@ -62,11 +96,11 @@ def put_chunks(t: RedisTier, items: list[tuple[bytes, ChunkHeader, memoryview]])
             if out[i] is None:
                 out[i] = _failed(t, items[i][0], exc)
     full = [name for i, (_, names) in parts.items() if out[i] == "full" for name in names]
-    t._delete_quietly(full)  # the server is up, just out of memory: remove what these puts wrote
+    t.delete(full)  # the server is up, just out of memory: remove what these puts wrote
     return out
 
 
-def _first_trip(t: RedisTier, items, heads: list[bytes], sizes: list[int]) -> list:
+def _first_trip(t: Target, items, heads: list[bytes], sizes: list[int]) -> list:
     """One pipeline: SET NX of each small chunk (``sizes[i]``: its record's bytes), EXISTS of
     each large one (size 0): the upload of a chunk some host already shared is skipped."""
     with _STAGING.values(sizes) as records:
@@ -74,9 +108,9 @@ def _first_trip(t: RedisTier, items, heads: list[bytes], sizes: list[int]) -> li
         for (key, _, view), head, rec in zip(items, heads, records, strict=True):
             if rec.nbytes:
                 rec[:1], rec[1 : 1 + len(head)], rec[1 + len(head) :] = b"S", head, view
-                pipe.set(t._key(key), rec, nx=True, ex=t.ttl_s)
+                pipe.set(t.key(key), rec, nx=True, ex=t.ttl_s)
             else:
-                pipe.exists(t._key(key))
+                pipe.exists(t.key(key))
         try:
             return pipe.execute(raise_on_error=False)
         finally:
@@ -128,7 +162,7 @@ class _Staging:
 _STAGING = _Staging()
 
 
-def _put_parts(t: RedisTier, items, parts: dict[int, tuple[bytes, list[str]]], out: list) -> None:
+def _put_parts(t: Target, items, parts: dict[int, tuple[bytes, list[str]]], out: list) -> None:
     flat = [(i, j, name) for i, (_, names) in parts.items() for j, name in enumerate(names)]
     for start in range(0, len(flat), t.parts_per_batch):
         pipe = t.client.pipeline(transaction=False)
@@ -140,7 +174,7 @@ def _put_parts(t: RedisTier, items, parts: dict[int, tuple[bytes, list[str]]], o
                 out[i] = _failed(t, items[i][0], reply)
 
 
-def _put_manifests(t: RedisTier, items, heads, parts: dict[int, tuple[bytes, list[str]]], out: list) -> None:
+def _put_manifests(t: Target, items, heads, parts: dict[int, tuple[bytes, list[str]]], out: list) -> None:
     ready = [i for i in parts if out[i] is None]  # every part acknowledged
     if not ready:
         return
@@ -150,7 +184,7 @@ def _put_manifests(t: RedisTier, items, heads, parts: dict[int, tuple[bytes, lis
         manifest = b"M" + MANIFEST.pack(nonce, len(names), t.part_bytes) + heads[i]
         # Published last, and only if no other writer got there first: readers see either no
         # manifest or one whose parts are all written.
-        pipe.set(t._key(items[i][0]), manifest, nx=True, ex=t.ttl_s)
+        pipe.set(t.key(items[i][0]), manifest, nx=True, ex=t.ttl_s)
     lost = []
     for i, reply in zip(ready, pipe.execute(raise_on_error=False), strict=True):
         if isinstance(reply, Exception):
@@ -158,10 +192,10 @@ def _put_manifests(t: RedisTier, items, heads, parts: dict[int, tuple[bytes, lis
         else:
             out[i] = STORED if reply else PRESENT
             lost += [] if reply else parts[i][1]  # another writer's manifest won: ours are orphans
-    t._delete_quietly(lost)
+    t.delete(lost)
 
 
-def _failed(t: RedisTier, key: bytes, exc: Exception) -> str:
+def _failed(t: Target, key: bytes, exc: Exception) -> str:
     kind = classify(exc)
     log.warning("redis tier %s: put %s failed (%s): %s", t.name, key.hex(), kind, exc)
     return kind
