@@ -32,15 +32,14 @@ demo: $(FAST)
 	$(BIN)/kvtier demo
 
 test: $(FAST)
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests lab
+	$(BIN)/ruff format --check src tests lab
 	TRITON_INTERPRET=$${TRITON_INTERPRET-$$($(BIN)/python -c "import torch; print(0 if torch.cuda.is_available() else 1)")} \
 	  $(BIN)/pytest -q $(PYTEST_ARGS)
 
 # The C helpers' tests with both helpers built under AddressSanitizer + UBSan (gcc), in a scratch
 # folder; the normal builds are put back afterwards.
-ASAN_TESTS ?= tests/test_pool.py tests/test_submit_ids.py tests/test_submit_spares.py tests/test_submit_fused.py \
-	tests/test_submit_graphs.py tests/test_lifecycle.py tests/test_stress_protocol.py tests/test_engine.py
+ASAN_TESTS ?= tests/pool tests/lifecycle tests/engine
 asan: $(FAST)
 	@inc=$$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['include'])"); \
 	suf=$$($(BIN)/python -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))"); \
@@ -53,11 +52,11 @@ asan: $(FAST)
 	cp $$d/slab.keep src/kvtier/_slab$$suf; cp $$d/fast.keep src/kvtier/engine/_fast$$suf; rm -rf $$d; exit $$rc
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests lab
 
 fmt: $(STAMP)
-	$(BIN)/ruff format src tests
-	$(BIN)/ruff check --fix src tests
+	$(BIN)/ruff format src tests lab
+	$(BIN)/ruff check --fix src tests lab
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache src/kvtier/engine/_fast*.so src/kvtier/_slab*.so

@@ -7,7 +7,7 @@ Format (JSON, version 1)::
       "kvtier_ceilings": 1,
       "gpu": "NVIDIA H200",              # name as the driver reports it
       "gpu_key": "h200",                 # kvtier specs key, or null when unknown
-      "measured_at": "2026-11-29T15:00:00Z",
+      "measured_at": "<ISO 8601 UTC time>",
       "source": "kvtier probe 0.1.0, torch 2.11.0, ...",
       "figures": {                       # every figure optional; units in the name
         "d2d_copy_gbps": 4237.0,         # bytes read + bytes written per second

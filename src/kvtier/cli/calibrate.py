@@ -1,5 +1,5 @@
 """`kvtier calibrate`: predicted vs measured transfers, decode steps and prefills; one fitted
-correction per quantity; the error of every point before and after it (PERF.md P10)."""
+correction per quantity; the error of every point before and after it."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def _print(d: dict) -> None:
         )
     p10 = d["p10"]
     con.print(
-        f"P10 ({p10['scope']}): {p10['within_before']}/{p10['points']} points within 10% before calibration, "
+        f"predictions ({p10['scope']}): {p10['within_before']}/{p10['points']} points within 10% before calibration, "
         f"{p10['within_after']}/{p10['points']} after: {p10['status']}"
         + (f"; saved to {d['saved']}" if d.get("saved") else "")
     )

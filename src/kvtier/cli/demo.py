@@ -25,11 +25,23 @@ from kvtier.cli.demo_report import plot_ttft, print_report
 
 # Random-weight Llama configs per device: small enough for 2 CPU cores, larger on a GPU.
 MODELS = {
-    "cpu": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-                num_key_value_heads=4, vocab_size=4096),
-    "cuda": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
-                 num_key_value_heads=8, vocab_size=32000),
-}  # fmt: skip
+    "cpu": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=4096,
+    ),
+    "cuda": dict(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        vocab_size=32000,
+    ),
+}
 PREFIX = {"cpu": 1024, "cuda": 8192}
 TAIL, CHUNK, BLOCK = 48, 256, 16
 PLOT_PREFIXES = {"cpu": (256, 512, 1024, 2048), "cuda": (1024, 2048, 4096, 8192, 16384)}
@@ -101,13 +113,19 @@ def request(kvt, model, ids, new_tokens: int, label: str) -> dict:
     durable = h is None or h.wait_durable(60)  # write-through: on disk / in Redis before the next one
     saved = 0 if h is None else h.saved * kvt.store.fmt.span
     return dict(
-        request=label, prompt_tokens=ids.shape[1], hit_tokens=cache.hit_tokens,
+        request=label,
+        prompt_tokens=ids.shape[1],
+        hit_tokens=cache.hit_tokens,
         tier="+".join(sorted(set(cache.hit_tiers))) or "-",
-        ttft_recompute_ms=min(a, b) * 1e3, ttft_ms=ttft * 1e3,
-        loaded_bytes=cache.hit_bytes, load_gbps=cache.hit_bytes / load_s / 1e9 if load_s else None,
-        saved_bytes=saved, save_gbps=saved / save_s / 1e9 if saved else None, durable=durable,
+        ttft_recompute_ms=min(a, b) * 1e3,
+        ttft_ms=ttft * 1e3,
+        loaded_bytes=cache.hit_bytes,
+        load_gbps=cache.hit_bytes / load_s / 1e9 if load_s else None,
+        saved_bytes=saved,
+        save_gbps=saved / save_s / 1e9 if saved else None,
+        durable=durable,
         identical=bool(torch.equal(out, ref)),
-    )  # fmt: skip
+    )
 
 
 def run(kind: str, prefix: int, requests: int, new_tokens: int, redis_url: str | None, model=None) -> dict:
@@ -145,13 +163,23 @@ def run(kind: str, prefix: int, requests: int, new_tokens: int, redis_url: str |
                 rows.append(request(b, model, prompts[1], new_tokens, "2nd instance"))
     cfg = model.config
     return dict(
-        device=device, torch_device=str(model.device), chunk_tokens=CHUNK, block_size=BLOCK,
-        model=dict(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
-                   kv_heads=cfg.num_key_value_heads, dtype=str(model.dtype).removeprefix("torch."),
-                   params=sum(p.numel() for p in model.parameters())),
-        prefix_tokens=prefix, new_tokens=new_tokens, requests=rows,
+        device=device,
+        torch_device=str(model.device),
+        chunk_tokens=CHUNK,
+        block_size=BLOCK,
+        model=dict(
+            layers=cfg.num_hidden_layers,
+            hidden=cfg.hidden_size,
+            heads=cfg.num_attention_heads,
+            kv_heads=cfg.num_key_value_heads,
+            dtype=str(model.dtype).removeprefix("torch."),
+            params=sum(p.numel() for p in model.parameters()),
+        ),
+        prefix_tokens=prefix,
+        new_tokens=new_tokens,
+        requests=rows,
         identical=all(r["identical"] for r in rows),
-    )  # fmt: skip
+    )
 
 
 def _redis(url: str | None) -> list:
@@ -210,8 +238,14 @@ def sweep(kind: str, prefixes, new_tokens: int, model=None) -> list[dict]:
 
 
 @cli.command()
-@click.option("--device", "device_kind", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
-              show_default=True, help="Where the model runs; auto: CUDA when present.")  # fmt: skip
+@click.option(
+    "--device",
+    "device_kind",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    show_default=True,
+    help="Where the model runs; auto: CUDA when present.",
+)
 @click.option(
     "--prefix", type=click.IntRange(CHUNK, 1 << 17), default=None, help="Shared prefix [cpu 1024, cuda 8192]."
 )

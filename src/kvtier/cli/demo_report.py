@@ -38,17 +38,38 @@ def print_report(d: dict) -> None:
         f"{len(d['requests'])} requests sharing a {d['prefix_tokens']}-token prefix; chunks of "
         f"{d['chunk_tokens']} tokens, blocks of {d['block_size']}; {d['new_tokens']} tokens generated each\n"
     )
-    head = ("request", "prompt", "hit", "from", "TTFT recompute", "TTFT kvtier", "speedup", "loaded",
-            "load GB/s", "saved", "save GB/s", "same tokens")  # fmt: skip
+    head = (
+        "request",
+        "prompt",
+        "hit",
+        "from",
+        "TTFT recompute",
+        "TTFT kvtier",
+        "speedup",
+        "loaded",
+        "load GB/s",
+        "saved",
+        "save GB/s",
+        "same tokens",
+    )
     rows = [head]
     for r in d["requests"]:
-        rows.append((
-            r["request"], str(r["prompt_tokens"]), str(r["hit_tokens"]), r["tier"],
-            f"{r['ttft_recompute_ms']:.1f} ms", f"{r['ttft_ms']:.1f} ms",
-            f"{r['ttft_recompute_ms'] / r['ttft_ms']:.2f}x" if r["hit_tokens"] else "-",
-            _mb(r["loaded_bytes"]), _rate(r["load_gbps"]), _mb(r["saved_bytes"]), _rate(r["save_gbps"]),
-            "yes" if r["identical"] else "NO",
-        ))  # fmt: skip
+        rows.append(
+            (
+                r["request"],
+                str(r["prompt_tokens"]),
+                str(r["hit_tokens"]),
+                r["tier"],
+                f"{r['ttft_recompute_ms']:.1f} ms",
+                f"{r['ttft_ms']:.1f} ms",
+                f"{r['ttft_recompute_ms'] / r['ttft_ms']:.2f}x" if r["hit_tokens"] else "-",
+                _mb(r["loaded_bytes"]),
+                _rate(r["load_gbps"]),
+                _mb(r["saved_bytes"]),
+                _rate(r["save_gbps"]),
+                "yes" if r["identical"] else "NO",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     for row in rows:
         click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
@@ -56,9 +77,11 @@ def print_report(d: dict) -> None:
     warm = [r for r in d["requests"] if r["hit_tokens"]]
     if warm:
         best = min(warm, key=lambda r: r["ttft_ms"])
-        click.echo(f"\ncold TTFT {cold:.1f} ms; warm TTFT {best['ttft_ms']:.1f} ms ({best['tier']} hit, "
-                   f"{cold / best['ttft_ms']:.1f}x faster); hits by tier: "
-                   + ", ".join(f"{r['request']}: {r['tier']}" for r in warm))  # fmt: skip
+        click.echo(
+            f"\ncold TTFT {cold:.1f} ms; warm TTFT {best['ttft_ms']:.1f} ms ({best['tier']} hit, "
+            f"{cold / best['ttft_ms']:.1f}x faster); hits by tier: "
+            + ", ".join(f"{r['request']}: {r['tier']}" for r in warm)
+        )
     click.echo(f"tokens identical to a run without kvtier: {'yes' if d['identical'] else 'NO'}")
     click.echo(
         "TTFT kvtier includes the lookup and the load. load GB/s: bytes / (lookup -> last byte landed, "

@@ -38,18 +38,35 @@ def _device(kind: str):
 
 
 @cli.command()
-@click.option("--out", type=click.Path(dir_okay=False), default="trace.png", show_default=True,
-              help="PNG to write.")  # fmt: skip
-@click.option("--device", "device_kind", type=click.Choice(["auto", "cuda", "sim"]), default="auto",
-              show_default=True, help="CUDA GPU, or the CPU simulator (late copies).")  # fmt: skip
+@click.option(
+    "--out", type=click.Path(dir_okay=False), default="trace.png", show_default=True, help="PNG to write."
+)
+@click.option(
+    "--device",
+    "device_kind",
+    type=click.Choice(["auto", "cuda", "sim"]),
+    default="auto",
+    show_default=True,
+    help="CUDA GPU, or the CPU simulator (late copies).",
+)
 @click.option("--layers", type=click.IntRange(1, 256), default=None, help="Layers [sim 8, cuda 32].")
 @click.option("--tokens", type=click.IntRange(1, 1 << 20), default=None, help="Tokens [sim 64, cuda 4096].")
-@click.option("--path", type=click.Choice(["auto", "staged", "kernel", "batch"]), default="auto",
-              show_default=True, help="Copy path of both jobs; auto: the engine's pick for the save, "
-              "kernel for the load (an event per layer).")  # fmt: skip
+@click.option(
+    "--path",
+    type=click.Choice(["auto", "staged", "kernel", "batch"]),
+    default="auto",
+    show_default=True,
+    help="Copy path of both jobs; auto: the engine's pick for the save, "
+    "kernel for the load (an event per layer).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the timeline and facts as JSON.")
-@click.option("--no-wait", "no_wait", is_flag=True, hidden=True,
-              help="Broken on purpose: compute skips its per-layer waits (the fact must fail).")  # fmt: skip
+@click.option(
+    "--no-wait",
+    "no_wait",
+    is_flag=True,
+    hidden=True,
+    help="Broken on purpose: compute skips its per-layer waits (the fact must fail).",
+)
 def trace(
     out: str,
     device_kind: str,

@@ -1,12 +1,12 @@
-"""A lean forward of kvtier's own over a transformers Llama-architecture model: the first token
-of a prompt, with its prefix KV read from kvtier's paged blocks when there is a hit.
+"""A lean forward of kvtier's own over a transformers Llama-architecture model: the first token of a
+prompt, with its prefix KV read from kvtier's paged blocks when there is a hit.
 
-transformers' `generate` spends 30-50 ms of host time on any forward of an 8B model on the H200
-(eager launches through its attention, mask and cache machinery; `benchmarks/profile_ttft.py`),
-however little the forward computes: a host hit's first token cannot come sooner than that, while
-serving engines (vLLM, SGLang) run the same forward in a few ms. `LeanRunner` calls only the
-model's own submodules (embedding, norms, projections, MLP, rotary embedding) and SDPA, so a hit
-costs the load and the tail's arithmetic, and a recompute the prefill's: like against like.
+transformers' `generate` spends tens of milliseconds of host time on any forward of an 8B model
+(eager launches through its attention, mask and cache machinery), however little the forward
+computes: a host hit's first token cannot come sooner than that, while serving engines (vLLM,
+SGLang) run the same forward in a few ms. `LeanRunner` calls only the model's own submodules
+(embedding, norms, projections, MLP, rotary embedding) and SDPA, so a hit costs the load and the
+tail's arithmetic, and a recompute the prefill's: like against like.
 
     lean = LeanRunner(model)
     token, logits = lean.first_token(ids)                          # recompute the whole prompt
@@ -14,18 +14,17 @@ costs the load and the tail's arithmetic, and a recompute the prefill's: like ag
     token, logits = lean.first_token(ids, cache)                   # layer i waits for its load
     cache.finish(None)
 
-Batch 1, greedy, full attention (what `KVTier.for_model` accepts). With a cache, layer i reads
-the loaded prefix after the wait on layer i's load event, and the reads are noted for later loads
-into those blocks (`KVTierCache._read`), exactly as attention inside `generate` does.
+Batch 1, greedy, full attention (what `KVTier.for_model` accepts). With a cache, layer i reads the
+loaded prefix after the wait on layer i's load event, and the reads are noted for later loads into
+those blocks (`KVTierCache._read`), exactly as attention inside `generate` does.
 
 A hit's forward on CUDA runs as CUDA graphs, one per layer (``graphs=True``, the default there):
-even eager launches alone cost 50-65 ms of host time on the H200's host (`profile_lean.py`), more
-than the copy of an 8K prefix. The host queues, per layer, the wait for its load event and the
-replay of its graph, so compute still starts layer i as soon as layer i has landed. The first hit
-of each (prefix, prompt length) shape runs eagerly and captures its graphs after; later hits of
-that shape replay them (`integrations/lean_graphs.py`). Attention over a prefix is flash attention
-with the causal diagonal at the bottom right over the grouped K/V heads where torch offers it
-(`gqa_flash`), else the heads expanded and a boolean mask.
+even eager launches alone cost more host time than the copy of an 8K prefix. The host queues, per
+layer, the wait for its load event and the replay of its graph, so compute still starts layer i as
+soon as layer i has landed. The first hit of each (prefix, prompt length) shape runs eagerly and
+captures its graphs after; later hits of that shape replay them (`Pieces` below). Attention over a
+prefix is flash attention with the causal diagonal at the bottom right over the grouped K/V heads
+where torch offers it (`gqa_flash`), else the heads expanded and a boolean mask.
 """
 
 from __future__ import annotations
@@ -36,6 +35,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
+
+from kvtier.integrations.hf import gather_blocks
 
 
 class LeanRunner:
@@ -160,8 +161,9 @@ class LeanRunner:
             # Flash attention with the causal diagonal at the bottom right (the tail's queries
             # end the keys) reads the grouped K/V heads as they are: no mask, no repeat.
             try:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(m, n), scale=scale,
-                                                   enable_gqa=True)  # fmt: skip
+                o = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=causal_lower_right(m, n), scale=scale, enable_gqa=True
+                )
                 self.gqa_flash = True
                 return o
             except (RuntimeError, TypeError):
@@ -171,15 +173,14 @@ class LeanRunner:
         if k.shape[1] != q.shape[1]:  # grouped KV heads, expanded as transformers does (repeat_kv):
             g = q.shape[1] // k.shape[1]  # SDPA's flash / efficient kernels then apply at any length
             k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and m > 1,
-                                              scale=scale)  # fmt: skip
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and m > 1, scale=scale
+        )
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.lm_head(self.inner.norm(x[:, -1:]))[0, -1].float()
 
     def _graphed(self, input_ids: torch.Tensor, cache) -> torch.Tensor:
-        from kvtier.integrations.lean_graphs import Pieces
-
         key = (cache.owner, front_tokens(cache), cache.hit_tokens, input_ids.shape[1], len(cache.blocks))
         pieces = self.pieces.get(key)
         if pieces is None:  # a new shape: this hit runs its steps eagerly, then they are captured
@@ -198,3 +199,113 @@ def front_tokens(cache) -> int:
     """Tokens of a split's front computed by `LeanRunner.prefill_kv` (0: none)."""
     front = getattr(cache, "front_kv", None)
     return front[0][0].shape[2] if front else 0
+
+
+class Pieces:
+    """A hit's tail forward through `LeanRunner` as CUDA graphs, one per step: the embedding, each
+    decoder layer (its prefix read from kvtier's blocks included), the final norm and lm_head.
+
+    Per hit the host queues on the compute stream: the copy of the tail's token ids and the hit's
+    block ids into static inputs, the embedding's replay, then per layer the wait for that layer's
+    load event and its replay (`KVTierCache._read`), then the head's replay: ~35 launches instead of
+    ~1,200, and compute still starts layer i as soon as layer i has landed. Graphs are captured per
+    (KVTier, split front, loaded prefix, prompt length, block count): they hold the addresses of the
+    KVTier's pages. A split's front (`LeanRunner.split_first_token`) is copied into static buffers
+    per hit, before each layer's replay.
+    On a CPU device the same steps run through the same static inputs without capture (tested there).
+    """
+
+    def __init__(self, runner, cache, input_ids: torch.Tensor) -> None:
+        front = getattr(cache, "front_kv", None)  # a split: [0, s) computed by the runner
+        hit = cache.hit_tokens + front_tokens(cache)
+        n, dev = input_ids.shape[1], input_ids.device
+        self.runner, self.owner, self.hit = runner, cache.owner, hit
+        # A split's front, copied in per hit (its tensors are the request's own, not static).
+        self.front = [(torch.empty_like(k), torch.empty_like(v)) for k, v in front] if front else None
+        self.num_layers = len(runner.inner.layers)
+        # Static inputs, rewritten per hit in stream order (after the previous hit's replays read them).
+        self.ids = torch.zeros(1, n - hit, dtype=torch.long, device=dev)
+        self.blocks = torch.zeros(len(cache.blocks), dtype=torch.long, device=dev)
+        self.pos = torch.arange(hit, n, device=dev)[None]
+        self.mask = runner.tail_mask(hit, n - hit, dev)
+        self.x: list[torch.Tensor | None] = [None] * (self.num_layers + 1)  # x[i]: layer i's input
+        self.cos = self.sin = self.out = None
+        self.steps = [self._embed] + [partial(self._layer, i) for i in range(self.num_layers)] + [self._head]
+        self.graphs: list[torch.cuda.CUDAGraph] | None = None
+
+    def _embed(self) -> None:
+        self.x[0], self.cos, self.sin = self.runner.embed(self.ids, self.pos)
+
+    def _layer(self, i: int) -> None:
+        x = self.x[i]
+        self.x[i + 1] = self.runner.layer(
+            i, x, self.cos, self.sin, partial(self._prefix, i, x.dtype), self.mask
+        )
+
+    def _prefix(self, i: int, dtype: torch.dtype):
+        k, v = gather_blocks(self.owner.kv, i, self.blocks, dtype)
+        if self.front is None:
+            return k, v
+        return torch.cat([self.front[i][0], k], 2), torch.cat([self.front[i][1], v], 2)
+
+    def _layer_step(self, front_kv, i: int) -> None:
+        if self.front is not None:  # queued after the front's forward on this stream
+            self.front[i][0].copy_(front_kv[i][0])
+            self.front[i][1].copy_(front_kv[i][1])
+        self._step(i + 1)
+
+    def _head(self) -> None:
+        self.out = self.runner.head(self.x[-1])
+
+    @torch.no_grad()  # a CPU device runs steps on its stream's thread, outside the caller's no_grad
+    def _step(self, j: int) -> None:
+        if self.graphs is None:
+            self.steps[j]()
+        else:
+            self.graphs[j].replay()
+
+    def run(self, cache, input_ids: torch.Tensor) -> torch.Tensor:
+        """The last position's logits of this hit, queued on the compute stream."""
+        o, tail = cache.owner, input_ids[:, self.hit :]
+        blocks = torch.as_tensor(cache.blocks, dtype=torch.long)
+
+        def embed() -> None:
+            self.ids.copy_(tail)
+            # non_blocking from pageable memory: the driver has staged `blocks` when copy_ returns.
+            self.blocks.copy_(blocks, non_blocking=True)
+            self._step(0)
+
+        o.device.launch(embed, o.compute)
+        for i in range(self.num_layers):
+            cache._read(
+                i, partial(self._layer_step, cache.front_kv if self.front else None, i)
+            )  # after its load
+        out: list[torch.Tensor] = []
+
+        def head() -> None:
+            self._step(self.num_layers + 1)
+            out.append(self.out.clone())  # the next hit's replay rewrites self.out
+
+        o.device.launch(head, o.compute)
+        if input_ids.device.type == "cpu":
+            o.compute.record("lean-logits").synchronize()  # a CPU device runs the steps on its own thread
+        return out[0]
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        """Capture every step as a CUDA graph (one memory pool, replayed in capture order)."""
+        # The eager hit that built these pieces has run: its loads landed, its blocks are still
+        # held by its cache, so the warm-up below reads the right bytes and races no load.
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):  # warm-up on a side stream before capture, as torch asks
+            for step in self.steps:
+                step()
+        torch.cuda.synchronize()  # the warm-up is done before its buffers are captured over
+        pool, graphs = torch.cuda.graph_pool_handle(), []
+        for step in self.steps:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                step()
+            graphs.append(g)
+        self.graphs = graphs
