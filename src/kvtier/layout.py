@@ -131,13 +131,23 @@ class PagedKV:
 
 def vllm_flash(kv_caches: Sequence[torch.Tensor] | torch.Tensor) -> PagedKV:
     """vLLM flash-attention: per layer (2, num_blocks, block_size, num_kv_heads, head_dim),
-    or one tensor (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)."""
+    or one tensor (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim).
+
+    >>> kv = vllm_flash([torch.zeros(2, 64, 16, 8, 128, dtype=torch.bfloat16) for _ in range(32)])
+    >>> kv.chunk_shape(4), kv.block_nbytes  # (n, layers, K/V, block_size, heads, dim); bytes per block
+    ((4, 32, 2, 16, 8, 128), 2097152)
+    """
     return _build("vllm_flash", _per_layer(kv_caches, 5, "kv_caches"), lambda x: x)
 
 
 def flashinfer(kv_caches: Sequence[torch.Tensor] | torch.Tensor, kv_layout: str = "NHD") -> PagedKV:
     """FlashInfer: per layer (num_blocks, 2, block_size, heads, dim) for NHD or
-    (num_blocks, 2, heads, block_size, dim) for HND; or one tensor with num_layers first."""
+    (num_blocks, 2, heads, block_size, dim) for HND; or one tensor with num_layers first.
+
+    >>> kv = flashinfer(torch.zeros(32, 64, 2, 8, 16, 128, dtype=torch.float16), "HND")
+    >>> kv.num_layers, kv.block_shape  # a piece keeps the cache's order: (heads, block_size, dim)
+    (32, (8, 16, 128))
+    """
     if kv_layout not in ("NHD", "HND"):
         raise ValueError(f"kv_layout: expected 'NHD' or 'HND', got {kv_layout!r}")
     if kv_layout == "NHD":
@@ -148,13 +158,23 @@ def flashinfer(kv_caches: Sequence[torch.Tensor] | torch.Tensor, kv_layout: str 
 
 def mla(kv_caches: Sequence[torch.Tensor] | torch.Tensor) -> PagedKV:
     """MLA latent cache: per layer (num_blocks, block_size, latent_dim), or one tensor
-    (num_layers, num_blocks, block_size, latent_dim). One "KV" per block (num_kv = 1)."""
+    (num_layers, num_blocks, block_size, latent_dim). One "KV" per block (num_kv = 1).
+
+    >>> kv = mla([torch.zeros(16, 64, 576, dtype=torch.bfloat16) for _ in range(61)])
+    >>> kv.chunk_shape(2)  # (n, layers, 1, block_size, latent_dim)
+    (2, 61, 1, 64, 576)
+    """
     return _build("mla", _per_layer(kv_caches, 3, "kv_caches"), lambda x: x[None, :, :, None, :])
 
 
 def cross_layer(kv_cache: torch.Tensor) -> PagedKV:
     """One tensor (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim): all layers
-    of a block adjacent (vLLM's cross-layer KV blocks, LMCache's KV-blocks layout)."""
+    of a block adjacent (vLLM's cross-layer KV blocks, LMCache's KV-blocks layout).
+
+    >>> kv = cross_layer(torch.zeros(64, 32, 2, 16, 8, 128, dtype=torch.bfloat16))
+    >>> kv.format, kv.chunk_shape(1)
+    ('cross_layer', (1, 32, 2, 16, 8, 128))
+    """
     if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 6:
         raise ValueError(
             "kv_cache: expected one 6-D tensor (num_blocks, num_layers, 2, block_size, heads, dim)"

@@ -1,11 +1,45 @@
-"""ops: the wrappers of kvtier's copy kernels, and the staged (gather + DMA) paths.
+"""ops: the paged-KV copy primitives, in one Triton kernel launched by kvtier's own wrappers.
 
-    gather(kv, block_ids, dst)         paged cache -> contiguous chunk (GPU or pinned host, UVA)
-    scatter(kv, block_ids, src)        contiguous chunk -> paged cache
-    save_staged / load_staged          the same through GPU staging buffers and large pinned DMAs
-    block_ids(kv, ids, ...)            ids checked once, reusable (`BlockIds`)
+Every op copies whole blocks of every layer (K and V) between a paged cache (`kvtier.layout`,
+a `PagedKV`) and a block-major chunk of n blocks, `(n, num_layers, num_kv, *block_shape)` of
+the cache's dtype or 1-D uint8 of `kv.chunk_nbytes(n)`, in GPU memory or pinned host memory.
+The ops only submit, on the current stream or the streams given: the bytes are there once that
+work has completed (record an event after the call).
 
-Layouts and the chunk format: `kvtier.layout`. PyTorch references: `kvtier.reference`.
+    primitive                           promise                                      called by
+    gather(kv, ids, dst)                blocks -> chunk, one launch                  engine (kernel), Handoff
+    scatter(kv, ids, src)               chunk -> blocks, one launch                  engine (kernel), Handoff
+    make_staging(kv, chunk_blocks)      two GPU staging buffers                      engine (staged)
+    save_staged(kv, ids, dst, ...)      GPU gathers + one pinned DMA per chunk,      engine (staged)
+                                        pipelined; -> event after the last DMA
+    load_staged(kv, ids, src, ...)      one pinned DMA per chunk + GPU scatters,     engine (staged)
+                                        pipelined; -> event after the last scatter
+    block_ids(kv, ids)                  ids checked once, reusable (`BlockIds`)      callers reusing ids
+    slots.slot_sources(kv, ids, chunks) several chunks (pool slots) checked once;    engine.load_slots
+                                        ids and a block table put on the device
+    slots.scatter_slots(kv, src, ...)   every chunk of `src` into its blocks, one    engine.load_slots
+                                        launch per call (per layer: layers=(l, 1))
+    staged.save_chunks / load_chunks    the staged GPU sequences alone, unchecked    engine's graph capture
+
+All of them are public for callers of their own (`kvtier bench` times them directly).
+
+What every op promises: nothing invalid reaches the kernel. Arguments are checked before the
+first launch (cache, dtypes, shapes, contiguity, devices, pinned host memory, streams, staging
+buffers, `num_tokens`, `layers`, `max_ctas`) and a bad one raises `ValueError` naming it. Tokens
+past `num_tokens` in the last block are zeros in a chunk and left untouched in the cache. A
+write (scatter, load) never targets a block twice in one call.
+
+Block ids are checked eagerly, at the call: `gather`, `scatter`, `save_staged`, `load_staged` and
+`slot_sources` check a list, tuple or tensor of ids on every call (in range; distinct for
+writes). CPU ids cost no synchronization; ids in a GPU tensor are read back to be checked, which
+waits for the current stream. A `BlockIds` from `block_ids` was checked when made and is only
+matched to the cache (and to `unique` for writes) after that: build it once for ids reused
+across calls (the engine checks its ids once at its own entry and passes them on this way).
+`scatter_slots` checks nothing more: `slot_sources` did.
+
+Without CUDA the kernel runs in Triton's interpreter (`TRITON_INTERPRET=1`, set before kvtier
+is imported) on CPU tensors: there a host chunk is a plain CPU tensor and the staged paths take
+no streams. Chunk format and layouts: `kvtier.layout`. PyTorch references: `kvtier.reference`.
 """
 
 from kvtier.ops.checks import INTERPRETING, BlockIds, block_ids

@@ -52,11 +52,32 @@ def slot_sources(
     num_tokens: int | None = None,
     pool_slots: bool = False,
 ) -> SlotSources:
-    """Check `chunks` (each a chunk as `scatter` takes it, of any whole number of blocks) and
-    `block_ids` (distinct; as many as the chunks hold together; num_tokens: valid tokens of the
-    ids as a whole, as in `scatter`). Asynchronous copies to the device on the current stream,
-    the only stream `scatter_slots` may then run on. pool_slots: the chunks are slots of a
-    `PinnedPool` (pinned, contiguous uint8, sizes checked by the caller): only their sizes are read."""
+    """Check `chunks` and `block_ids` once, for any number of `scatter_slots` calls after.
+
+    kv: the paged cache (`kvtier.layout`) on a CUDA GPU (CPU under the interpreter).
+    block_ids: N distinct ids, chunk by chunk in order (chunk 0's blocks first): a list/tuple of
+         ints, an int32/int64 tensor [N] on the CPU or the cache's GPU, or a `BlockIds` made with
+         unique=True. N is the number of blocks the chunks hold together.
+    chunks: a non-empty sequence; chunks[j] holds n_j whole blocks, as `scatter` takes a chunk:
+         (n_j, num_layers, num_kv, *kv.block_shape) of kv.dtype ((n_j, L, 2, bs, H, D) for
+         vllm_flash / flashinfer NHD / cross_layer, (n_j, L, 2, H, bs, D) for HND, (n_j, L, 1,
+         bs, C) for mla) or 1-D uint8 of kv.chunk_nbytes(n_j); contiguous, pinned host memory or
+         the cache's GPU, each its own allocation if need be (UVA reaches across them).
+    num_tokens: valid tokens of the ids as a whole, as in `scatter` (only the last block partial).
+    pool_slots: the chunks are slots of a `PinnedPool` (pinned, contiguous uint8, sizes checked
+         by the caller): only their sizes are read.
+    The ids and a table of where each block sits go to the device asynchronously on the current
+    stream, the only stream `scatter_slots` may then run on.
+
+    >>> import torch
+    >>> from kvtier import layout
+    >>> from kvtier.ops.slots import scatter_slots, slot_sources
+    >>> kv = layout.vllm_flash([torch.zeros(2, 64, 16, 8, 128, dtype=torch.bfloat16, device="cuda")])
+    >>> a = torch.randn(kv.chunk_shape(2), dtype=kv.dtype, pin_memory=True)  # (2, 1, 2, 16, 8, 128)
+    >>> b = torch.randn(kv.chunk_shape(3), dtype=kv.dtype, pin_memory=True)
+    >>> src = slot_sources(kv, [4, 5, 10, 11, 12], [a, b])  # a -> blocks 4, 5; b -> 10, 11, 12
+    >>> scatter_slots(kv, src)
+    """
     check_cache(kv)
     if isinstance(chunks, torch.Tensor) or not isinstance(chunks, Sequence) or not chunks:
         raise ValueError("chunks: expected a non-empty sequence of chunk tensors")
@@ -94,8 +115,20 @@ def slot_sources(
 def scatter_slots(
     kv: PagedKV, src: SlotSources, *, max_ctas: int | None = None, layers: tuple[int, int] | None = None
 ) -> None:
-    """Copy every chunk of `src` into its blocks (layers: (first, count), default all): one
-    launch on the current stream, which must be the stream `slot_sources` ran on or after it."""
+    """Copy every chunk of `src` into its blocks: one launch on the current stream, which must
+    be the stream `slot_sources` ran on. Nothing is checked again beyond `src` being this cache's.
+
+    kv: the cache `src` was made for.
+    src: the `SlotSources` of `slot_sources`; its chunks must stay alive and unchanged until
+         this stream is past the launch.
+    max_ctas: as in `scatter`.
+    layers: (first, count), default all: a per-layer load calls once per layer with
+         (layer, 1) and records that layer's event after each call.
+
+    >>> for layer in range(kv.num_layers):  # kv, src as in `slot_sources`'s example
+    ...     scatter_slots(kv, src, layers=(layer, 1), max_ctas=32)
+    ...     layer_done = torch.cuda.current_stream().record_event()  # attention of `layer` waits
+    """
     if not isinstance(src, SlotSources) or src.ids.kv is not kv:
         raise ValueError("src: expected the SlotSources made by slot_sources for this cache")
     if src.stream is not None and torch.cuda.current_stream(kv.device) != src.stream:
