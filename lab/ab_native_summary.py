@@ -11,7 +11,9 @@ def main(out: str) -> None:
     by = {}  # (case, native) -> [submit_hot_us]
     for f in sorted(glob.glob(f"{out}/n[01]r*/*.json")):
         native = f.split("/")[-2][1]
-        for row in json.load(open(f))["rows"]:
+        with open(f) as fh:
+            rows = json.load(fh)["rows"]
+        for row in rows:
             if row["suite"] == "submit_overhead" and "submit_hot_us" in row["params"]:
                 by.setdefault((row["case"], native), []).append(row["params"]["submit_hot_us"])
     cases = sorted({c for c, _ in by}, key=lambda c: (c.split()[0], int(c.split()[1][2:]), c))
@@ -22,8 +24,10 @@ def main(out: str) -> None:
         if not on or not off:
             continue
         a, b = statistics.median(on), statistics.median(off)
-        print(f"| {c} | {a:.1f} ({', '.join(f'{x:.0f}' for x in on)}) | {b:.1f} "
-              f"({', '.join(f'{x:.0f}' for x in off)}) | {b / a:.2f} |")
+        print(
+            f"| {c} | {a:.1f} ({', '.join(f'{x:.0f}' for x in on)}) | {b:.1f} "
+            f"({', '.join(f'{x:.0f}' for x in off)}) | {b / a:.2f} |"
+        )
 
 
 if __name__ == "__main__":

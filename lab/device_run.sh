@@ -1,50 +1,32 @@
 #!/usr/bin/env bash
-# One device run: GPU tests, compute-sanitizer, probe, benchmark suites. Everything lands in $OUT
-# (or ./out). Reproduce the committed figures with:   bash benchmarks/device_run.sh full
+# One device run: GPU tests, compute-sanitizer, probe, benchmark suites (kvtier's and the lab's, one
+# `python -m lab bench` each). Everything lands in $OUT (or ./out). From the repository root:
+#   bash lab/device_run.sh MODE
 #   smoke: GPU tests + `bench --quick`     tests: GPU tests + memcheck     bench: probe + all suites
-#   full: tests + bench  (extra arguments go to pytest; BENCH_ARGS to `kvtier bench`)
+#   full: tests + bench  (extra arguments go to pytest; BENCH_ARGS to `python -m lab bench`)
 #   engine-tests: GPU tests + memcheck (kernels, engine) + racecheck/synccheck (engine) + `kvtier trace`
 #   engine-bench: probe + suites bidir, save_beside_matmul, submit_overhead, gather_d2d
 #   engine-all: GPU tests + engine-bench
-#   engine-store: (carry .whl) engine GPU tests, profile_submit.py, suites submit_overhead, bidir,
-#          save_beside_matmul, store (Redis from the carried wheel + binary), handoff, contention
 #   models: ($GPU_TESTS: those first) host_jitter.py, kvtier calibrate, suites ttft (calibrated) + submit_overhead
-#   lean: GPU tests ($GPU_TESTS or the HF/lean ones), profile_lean.py (2K, 8K, 32K), suite ttft ($KVTIER_TTFT_TIERS, host)
-#   models-hf: suite hf, `kvtier demo` on the GPU (+ Redis when carried); PROFILE=1: profile_ttft.py first
-#   ttft-probe: every GPU test ($GPU_TESTS: those), profile_ttft.py (8K, 32K), suite ttft on the host tier
-#   ttft-hf: GPU tests ($GPU_TESTS: those), profile_ttft.py (2K, 8K, 32K), suites ttft + hf ($KVTIER_CALIBRATION)
-#   p6: ($GPU_TESTS) host_jitter.py, profile_submit.py cold / hot (CPROFILE=1: + cProfile), PROBE_CE=1:
-#       probe_ce_gather.py; suites $P6_SUITES (default bidir submit_overhead)
-#   states: ($GPU_TESTS) host_states.py (and with OMP_NUM_THREADS=1), profile_submit.py --hot two rounds
-#       with and without OMP_NUM_THREADS=1; suites $P6_SUITES (default submit_overhead)
-#   events-ab: ($GPU_TESTS) profile_submit.py --hot (and --spin-ms 3) with KVTIER_EVENTS=torch / raw,
-#       two rounds; suites $P6_SUITES if set
-#   ab: ($GPU_TESTS) profile_submit.py --hot (and --spin-ms 3) with this tree's src and $AB_OLD's
-#       (a worktree of an older commit, carried), $AB_ROUNDS rounds (2); $AB_X: a third side's
-#       arguments; suites $P6_SUITES if set
+#   models-hf: suite hf, `kvtier demo` on the GPU (+ Redis when carried); with $KVTIER_CALIBRATION, ttft too
+#   ttft-hf: GPU tests ($GPU_TESTS: those), suites ttft + hf ($KVTIER_CALIBRATION)
 #   verdict: ($GPU_TESTS) suites $P6_SUITES (default bidir save_beside_matmul submit_overhead), then
-#       submit_overhead $P6_REPEAT more times (default 0) into $out/again<i>/: the issue's figures at one commit
+#       submit_overhead $P6_REPEAT more times (default 0) into $out/again<i>/: the targets' figures at one commit
 #       (with P6_REPEAT=1 it writes 7 files; the device tool returns 8 at most, so add one file at most)
-#   cold: ($GPU_TESTS) probe_cold_steps.py (steps hot and after a cache flush), probe_ids_cost.py at
-#       block sizes 1 and 16 (the id steps and torch reads right after a save), probe_py_cost.py,
-#       probe_calls.py and probe_slab.py (the pool's C bookkeeping against the Python one): what a
-#       submit core in C saves
-#   calls: ($GPU_TESTS) probe_enqueue_beside.py, probe_memcpy_size.py, probe_fold_ids.py,
-#       probe_calls.py and probe_hot_submit.py (pair) at block sizes 1 and 16: what each runtime
-#       call of a hot submit costs, after a large copy too, what folding the ids copy into the
-#       graph would save, and every Python call a hot submit makes
-#   noisy: ($GPU_TESTS) suite submit_overhead beside benchmarks/host_load.py workers, for each count
+#   noisy: ($GPU_TESTS) suite submit_overhead beside lab/host_load.py workers, for each count
 #       in $NOISY_PROCS (default "0 8 14"; kind $NOISY_KIND, default copy, or count:kind items such as
 #       "15:spin 14:copy"): P6 on a host made slow on purpose; writes noisy<count><kind>.json and noisy.log
 #   multi: (2+ GPUs) handoff/probe GPU tests, memcheck/racecheck of a handoff, probe --all-gpus,
 #          suites handoff + contention, `kvtier path` with the measured sharing
+# The probe scripts of earlier modes (p6, states, calls, cold, ab, events-ab, lean, ttft-probe,
+# engine-store) are retired: lab/NOTES.md gives their findings and the commit that still has them.
 set -uo pipefail
 mode=${1:-full}
 shift || true
 out=${OUT:-out}
 mkdir -p "$out"
-export PYTHONPATH=src PYTHONUNBUFFERED=1
-# a tree copied to a GPU box has no .git: pass the commit in: KVTIER_COMMIT=<sha> bash benchmarks/device_run.sh
+export PYTHONPATH=src:. PYTHONUNBUFFERED=1
+# a tree copied to a GPU box has no .git: pass the commit in: KVTIER_COMMIT=<sha> bash lab/device_run.sh
 export KVTIER_COMMIT=${KVTIER_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}
 py=${PYTHON:-python3}
 
@@ -74,22 +56,22 @@ gpu_tests() {  # $GPU_TESTS: pytest arguments, the GPU tests a change touched
     timeout 200 $py -m pytest -q -p no:cacheprovider $GPU_TESTS 2>&1 | tail -40 | tee "$out/pytest-gpu.log"
   fi
 }
-p6_suites() {  # $P6_SUITES: kvtier bench suites
+p6_suites() {  # $P6_SUITES: suites of `python -m lab bench`
   if [ -n "${P6_SUITES:-}" ]; then
     echo "== bench $P6_SUITES"
-    timeout ${BENCH_TIMEOUT:-360} $py -m kvtier bench --out "$out" $(for s in $P6_SUITES; do echo --suite $s; done) \
+    timeout ${BENCH_TIMEOUT:-360} $py -m lab bench --out "$out" $(for s in $P6_SUITES; do echo --suite $s; done) \
       2>&1 | tee "$out/bench.log" | tail -40
   fi
 }
 
 if [ "$mode" = engine-tests ]; then
   echo "== GPU tests"
-  timeout 300 $py -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors tests 2>&1 \
+  timeout 300 $py -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors tests lab/tests 2>&1 \
     | tail -30 | tee "$out/pytest-gpu.log"
   for tool in memcheck racecheck synccheck; do
     case $tool in
-      memcheck) sel="tests/test_kernels_gpu.py tests/test_engine_gpu.py"; k="not llama" ;;
-      *) sel="tests/test_engine_gpu.py"; k="round_trip" ;;
+      memcheck) sel="tests/ops/test_kernels_gpu.py tests/engine/test_engine_gpu.py"; k="not llama" ;;
+      *) sel="tests/engine/test_engine_gpu.py"; k="round_trip" ;;
     esac
     echo "== compute-sanitizer $tool: $sel -k '$k'"
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 200 compute-sanitizer --tool $tool --error-exitcode 99 \
@@ -105,105 +87,29 @@ fi
 # Redis on a GPU box without it: `carry` .whl (redis-py wheel + Debian's redis-server and its libs)
 if [ -d .whl ]; then
   $py -m pip install -q --no-deps --target /tmp/kvtier-pydeps .whl/redis-*.whl > "$out/pip.log" 2>&1
-  export PYTHONPATH=src:/tmp/kvtier-pydeps PATH="$PWD/.whl/redis-bin:$PATH"
+  export PYTHONPATH=src:.:/tmp/kvtier-pydeps PATH="$PWD/.whl/redis-bin:$PATH"
 fi
 export KVTIER_BENCH_DIR=${KVTIER_BENCH_DIR:-$PWD/.benchdisk}  # the box's disk, not a tmpfs
 mkdir -p "$KVTIER_BENCH_DIR"
 
-if [ "$mode" = engine-store ]; then
-  echo "== GPU tests (engine, kernels)"
-  timeout 200 $py -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py tests/test_engine_graphs_gpu.py \
-    tests/test_kernels_gpu.py $(ls tests/test_submit_*.py 2>/dev/null) 2>&1 | tail -15 | tee "$out/pytest-gpu.log"
-  echo "== profile_submit"
-  timeout 150 $py benchmarks/profile_submit.py --json "$out/profile_submit.json" > "$out/profile_submit.txt" 2>&1
-  tail -60 "$out/profile_submit.txt"
-  echo "== bench"
-  timeout 420 $py -m kvtier bench --out "$out" --suite submit_overhead --suite bidir --suite save_beside_matmul \
-    --suite store --suite handoff --suite contention 2>&1 | tee "$out/bench.log" | tail -60
-  exit 0
-fi
-if [ "$mode" = ttft-probe ]; then
-  echo "== GPU tests"
-  # GPU_TESTS: pytest arguments instead (e.g. only the files a change touched)
-  timeout 240 $py -m pytest -q -p no:cacheprovider --continue-on-collection-errors ${GPU_TESTS:--m gpu tests} 2>&1 \
-    | tail -30 | tee "$out/pytest-gpu.log"
-  echo "== profile_ttft"
-  timeout 200 $py benchmarks/profile_ttft.py ${PROFILE_ARGS:---profile} 2>&1 | tee "$out/profile_ttft.txt" | grep -v "^ *aten::\|^---\|USDT"
-  echo "== bench ttft (host)"
-  KVTIER_TTFT_TIERS=host timeout 200 $py -m kvtier bench --out "$out" --suite ttft 2>&1 | tee "$out/bench.log" | tail -25
-  exit 0
-fi
 if [ "$mode" = ttft-hf ]; then
   echo "== GPU tests"
-  timeout 200 $py -m pytest -q -p no:cacheprovider ${GPU_TESTS:--m gpu tests} 2>&1 | tail -15 | tee "$out/pytest-gpu.log"
-  echo "== profile_ttft"
-  timeout 120 $py benchmarks/profile_ttft.py --tokens 2048 8192 32768 2>&1 | tee "$out/profile_ttft.txt" | grep -v Warn
+  timeout 200 $py -m pytest -q -p no:cacheprovider ${GPU_TESTS:--m gpu tests lab/tests} 2>&1 | tail -15 | tee "$out/pytest-gpu.log"
   echo "== bench ttft, hf"
-  timeout 420 $py -m kvtier bench --out "$out" --suite ttft --suite hf 2>&1 | tee "$out/bench.log" | tail -50
-  exit 0
-fi
-if [ "$mode" = lean ]; then
-  echo "== GPU tests"
-  timeout 150 $py -m pytest -q -p no:cacheprovider ${GPU_TESTS:-tests/test_hf_gpu.py tests/test_hf_lean.py} 2>&1 \
-    | tail -15 | tee "$out/pytest-gpu.log"
-  echo "== profile_lean"
-  timeout 150 $py benchmarks/profile_lean.py --tokens 2048 8192 32768 ${PROFILE_ARGS:---no-profile} 2>&1 \
-    | grep -v "USDT\|Warn\|forward_call" | tee "$out/profile_lean.txt"
-  echo "== bench ttft (${KVTIER_TTFT_TIERS:-host})"
-  KVTIER_TTFT_TIERS=${KVTIER_TTFT_TIERS:-host} timeout 240 $py -m kvtier bench --out "$out" --suite ttft 2>&1 \
-    | tee "$out/bench.log" | tail -30
+  timeout 420 $py -m lab bench --out "$out" --suite ttft --suite hf 2>&1 | tee "$out/bench.log" | tail -50
   exit 0
 fi
 if [ "$mode" = models ]; then
   gpu_tests
   if [ "${JITTER:-1}" = 1 ]; then  # JITTER=0 skips it
     echo "== host jitter"
-    timeout 60 $py benchmarks/host_jitter.py 2>&1 | tee "$out/host_jitter.txt"
+    timeout 60 $py lab/host_jitter.py 2>&1 | tee "$out/host_jitter.txt"
   fi
   echo "== calibrate"
   timeout 140 $py -m kvtier calibrate --save "$out/calibration.json" 2>&1 | tee "$out/calibrate.log" | tail -40
   echo "== bench ttft, submit_overhead"
-  KVTIER_CALIBRATION="$out/calibration.json" timeout 360 $py -m kvtier bench --out "$out" --suite ttft \
+  KVTIER_CALIBRATION="$out/calibration.json" timeout 360 $py -m lab bench --out "$out" --suite ttft \
     --suite submit_overhead 2>&1 | tee "$out/bench.log" | tail -60
-  exit 0
-fi
-if [ "$mode" = states ]; then
-  gpu_tests
-  for omp in "" 1; do
-    echo "== host states (OMP_NUM_THREADS=${omp:-default})"
-    env ${omp:+OMP_NUM_THREADS=$omp} timeout 90 $py benchmarks/host_states.py 2>&1 | tee -a "$out/host_states.txt"
-  done
-  for round in 1 2; do
-    for omp in "" 1; do
-      echo "## round $round OMP_NUM_THREADS=${omp:-default}" >> "$out/profile_submit-hot.txt"
-      env ${omp:+OMP_NUM_THREADS=$omp} timeout 120 $py benchmarks/profile_submit.py --hot \
-        --modes ${PROFILE_MODES:-same alternate} >> "$out/profile_submit-hot.txt" 2>&1
-      tail -6 "$out/profile_submit-hot.txt"
-    done
-  done
-  P6_SUITES=${P6_SUITES:-submit_overhead} p6_suites
-  exit 0
-fi
-if [ "$mode" = p6 ]; then
-  gpu_tests
-  echo "== host jitter"
-  timeout 60 $py benchmarks/host_jitter.py 2>&1 | tee "$out/host_jitter.txt"
-  for how in cold hot; do
-    echo "== profile_submit ($how)"
-    timeout 120 $py benchmarks/profile_submit.py $([ $how = hot ] && echo --hot) --modes ${PROFILE_MODES:-same alternate eager} \
-      > "$out/profile_submit-$how.txt" 2>&1
-    tail -8 "$out/profile_submit-$how.txt"
-  done
-  if [ "${CPROFILE:-0}" = 1 ]; then
-    echo "== profile_submit (hot, cProfile of bs16 alternate)"
-    timeout 100 $py benchmarks/profile_submit.py --hot --cprofile --modes alternate --cases bs16 \
-      > "$out/profile_submit-hot-cprofile.txt" 2>&1
-  fi
-  if [ "${PROBE_CE:-0}" = 1 ]; then
-    echo "== probe_ce_gather"
-    timeout 150 $py benchmarks/probe_ce_gather.py 2>&1 | tee "$out/probe_ce_gather.txt"
-  fi
-  P6_SUITES=${P6_SUITES:-bidir submit_overhead} p6_suites
   exit 0
 fi
 if [ "$mode" = verdict ]; then
@@ -212,60 +118,13 @@ if [ "$mode" = verdict ]; then
   for i in $(seq 1 "${P6_REPEAT:-0}"); do  # the same suite again on the same box: how much the verdict moves
     echo "== bench submit_overhead, again ($i)"
     mkdir -p "$out/again$i"
-    timeout 240 $py -m kvtier bench --out "$out/again$i" --suite submit_overhead 2>&1 \
+    timeout 240 $py -m lab bench --out "$out/again$i" --suite submit_overhead 2>&1 \
       | tee "$out/again$i/bench.log" | tail -16
     rm -f "$out/again$i"/*.png  # the json and log carry the figures; the file count back is limited
   done
   exit 0
 fi
-if [ "$mode" = calls ]; then  # the replay's runtime calls one by one (session 11's open question)
-  gpu_tests
-  for probe in probe_enqueue_beside probe_memcpy_size probe_fold_ids; do
-    echo "== $probe"
-    timeout 150 $py benchmarks/$probe.py 2>&1 | tee "$out/$probe.txt"
-  done
-  for bs in 16 1; do  # every call of a hot save and load
-    timeout 100 $py benchmarks/probe_calls.py --block-size $bs --top 80 2>&1 | tee -a "$out/probe_calls.txt" | grep "##"
-  done
-  for bs in 1 16; do
-    echo "## block size $bs" | tee -a "$out/probe_hot_submit.txt"
-    timeout 120 $py benchmarks/probe_hot_submit.py --reps 60 --block-size $bs --variants pair 2>&1 \
-      | tee -a "$out/probe_hot_submit.txt"
-  done
-  exit 0
-fi
-if [ "$mode" = cold ]; then  # what a submit's small steps cost on a cold host (session 15's lead)
-  gpu_tests
-  timeout 200 $py benchmarks/probe_cold_steps.py --reps 60 2>&1 | tee "$out/probe_cold_steps.txt"
-  for bs in 1 16; do  # the id steps and the torch reads in the hot pair's state (right after a save)
-    echo "## block size $bs" | tee -a "$out/probe_ids_cost.txt"
-    timeout 200 $py benchmarks/probe_ids_cost.py --reps 60 --block-size $bs 2>&1 | tee -a "$out/probe_ids_cost.txt"
-  done
-  # what one more Python call / object costs in that window, and the calls a hot save / load makes
-  timeout 200 $py benchmarks/probe_py_cost.py --reps 40 2>&1 | tee "$out/probe_py_cost.txt"
-  timeout 100 $py benchmarks/probe_calls.py --block-size 16 --top 80 2>&1 | tee "$out/probe_calls.txt" | grep "##"
-  for bs in 16 1; do  # the pool's C bookkeeping against the Python one, hot pairs in turn on this box
-    timeout 100 $py benchmarks/probe_slab.py --reps 60 --block-size $bs 2>&1 | tee -a "$out/probe_slab.txt"
-  done
-  exit 0
-fi
-if [ "$mode" = events-ab ]; then  # the submit with raw runtime events against torch's, on one box
-  gpu_tests
-  for round in 1 2; do
-    for ev in torch raw; do
-      for spin in 0 3; do
-        echo "## round $round events=$ev spin_ms=$spin" | tee -a "$out/profile_submit-events-ab.txt"
-        KVTIER_EVENTS=$ev timeout 100 $py benchmarks/profile_submit.py --hot --spin-ms $spin \
-          --modes ${PROFILE_MODES:-same alternate} --cases ${PROFILE_CASES:-bs16 bs1} \
-          >> "$out/profile_submit-events-ab.txt" 2>&1
-        tail -6 "$out/profile_submit-events-ab.txt"
-      done
-    done
-  done
-  p6_suites
-  exit 0
-fi
-if [ "$mode" = noisy ]; then  # P6 on a host loaded on purpose (benchmarks/host_load.py)
+if [ "$mode" = noisy ]; then  # P6 on a host loaded on purpose (lab/host_load.py)
   gpu_tests
   for item in ${NOISY_PROCS:-0 8 14}; do
     procs=${item%%:*}
@@ -273,50 +132,25 @@ if [ "$mode" = noisy ]; then  # P6 on a host loaded on purpose (benchmarks/host_
     echo "== submit_overhead beside $procs $kind workers" | tee -a "$out/noisy.log"
     pid=
     if [ "$procs" -gt 0 ]; then
-      $py benchmarks/host_load.py --procs $procs --kind $kind --seconds 600 >> "$out/noisy.log" &
+      $py lab/host_load.py --procs $procs --kind $kind --seconds 600 >> "$out/noisy.log" &
       pid=$!  # host_load's own pid: its SIGTERM handler stops the workers
       sleep 3  # the workers running before the suite's first sample
     fi
     tmp=$(mktemp -d)  # the suite's plot stays there: the device tool returns 8 files at most
-    timeout ${BENCH_TIMEOUT:-200} $py -m kvtier bench --out "$tmp" --suite submit_overhead 2>&1 \
+    timeout ${BENCH_TIMEOUT:-200} $py -m lab bench --out "$tmp" --suite submit_overhead 2>&1 \
       | tail -20 | tee -a "$out/noisy.log"
     cp "$tmp"/*.json "$out/noisy$procs$kind.json"
     if [ -n "$pid" ]; then kill -TERM $pid; wait $pid 2>/dev/null; fi  # (pkill -f would match a caller's command line)
   done
   exit 0
 fi
-if [ "$mode" = ab ]; then  # the submit of this tree against an older one ($AB_OLD: a worktree, carried)
-  gpu_tests
-  # AB_X / AB_X_ENV: profile_submit arguments / environment (VAR=value ...) of a third side, "x"
-  # (this tree), e.g. AB_X="--staging-mib 1024" or AB_X_ENV=KVTIER_NATIVE=0
-  for round in $(seq ${AB_ROUNDS:-2}); do
-    for side in old new $([ -n "${AB_X:-}${AB_X_ENV:-}" ] && echo x); do
-      src=$([ $side = old ] && echo "${AB_OLD:-.ab_old}/src" || echo src)
-      extra=$([ $side = x ] && echo "${AB_X:-}" || true)
-      xenv=$([ $side = x ] && echo "${AB_X_ENV:-}" || true)
-      for spin in ${AB_SPINS:-0 3}; do
-        echo "## round $round $side spin_ms=$spin $extra $xenv" | tee -a "$out/profile_submit-ab.txt"
-        env PYTHONPATH=$src $xenv timeout 100 $py benchmarks/profile_submit.py --hot --spin-ms $spin $extra \
-          --modes ${PROFILE_MODES:-same alternate} --cases ${PROFILE_CASES:-bs16 bs1} \
-          >> "$out/profile_submit-ab.txt" 2>&1
-        tail -6 "$out/profile_submit-ab.txt"
-      done
-    done
-  done
-  p6_suites
-  exit 0
-fi
 if [ "$mode" = models-hf ]; then
-  if [ "${PROFILE:-0}" = 1 ]; then  # where a host hit's first token goes on this box
-    echo "== profile_ttft"
-    timeout 150 $py benchmarks/profile_ttft.py 2>&1 | tee "$out/profile_ttft.txt"
-  fi
   if [ -n "${KVTIER_CALIBRATION:-}" ]; then  # the ttft suite again, with a committed calibration
     echo "== bench ttft"
-    timeout 240 $py -m kvtier bench --out "$out/ttft" --suite ttft 2>&1 | tee "$out/bench-ttft.log" | tail -40
+    timeout 240 $py -m lab bench --out "$out/ttft" --suite ttft 2>&1 | tee "$out/bench-ttft.log" | tail -40
   fi
   echo "== bench hf"
-  timeout 330 $py -m kvtier bench --out "$out" --suite hf 2>&1 | tee "$out/bench.log" | tail -40
+  timeout 330 $py -m lab bench --out "$out" --suite hf 2>&1 | tee "$out/bench.log" | tail -40
   echo "== demo on the GPU"
   r=$(command -v redis-server >/dev/null && echo yes)
   [ -n "$r" ] && { redis-server --port 6399 --save "" --daemonize yes > /dev/null; sleep 0.5; }
@@ -327,18 +161,18 @@ fi
 if [ "$mode" = multi ]; then
   nvidia-smi topo -m > "$out/topo.txt" 2>&1; cat "$out/topo.txt"
   echo "== GPU tests of several GPUs"
-  timeout 300 $py -m pytest -q -m gpu -p no:cacheprovider tests/test_handoff_gpu.py tests/test_handoff_hf.py \
-    tests/test_probe_multi.py tests/test_bench_multi.py 2>&1 | tail -20 | tee "$out/pytest-multi.log"
+  timeout 300 $py -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_handoff_gpu.py tests/integrations/test_handoff_hf.py \
+    tests/bench/test_probe_multi.py tests/bench/test_bench_multi.py 2>&1 | tail -20 | tee "$out/pytest-multi.log"
   for tool in memcheck racecheck; do
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 200 compute-sanitizer --tool $tool --error-exitcode 99 \
       $([ $tool = memcheck ] && echo --leak-check no) $py -m pytest -q -p no:cacheprovider \
-      tests/test_handoff_gpu.py -k "round_trip and vllm_flash" > "$out/handoff-$tool.log" 2>&1
+      tests/engine/test_handoff_gpu.py -k "round_trip and vllm_flash" > "$out/handoff-$tool.log" 2>&1
     echo "$tool exit code: $?" | tee -a "$out/handoff-$tool.log"; tail -3 "$out/handoff-$tool.log"
   done
   echo "== probe --all-gpus"
   timeout 300 $py -m kvtier probe --all-gpus --save "$out/ceilings-multi.json" 2>&1 | tee "$out/probe-multi.log" | tail -30
   echo "== bench handoff, contention"
-  timeout 400 $py -m kvtier bench --out "$out" --suite handoff --suite contention 2>&1 | tee "$out/bench.log" | tail -30
+  timeout 400 $py -m lab bench --out "$out" --suite handoff --suite contention 2>&1 | tee "$out/bench.log" | tail -30
   echo "== path with the measured sharing"
   $py -m kvtier path --model llama-3-8b --tokens 32768 --shared-by 2 --ceilings "$out/ceilings-multi.json" 2>&1 | tail -20 \
     | tee "$out/path-multi.txt"
@@ -346,13 +180,13 @@ if [ "$mode" = multi ]; then
 fi
 if [ "$mode" = engine-all ]; then
   echo "== GPU tests"
-  timeout 200 $py -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors tests 2>&1 \
+  timeout 200 $py -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors tests lab/tests 2>&1 \
     | tail -30 | tee "$out/pytest-gpu.log"
   mode=engine-bench
 fi
 if [ "$mode" = engine-bench ]; then
   timeout 200 $py -m kvtier probe --save "$out/ceilings-h200.json" > "$out/probe.log" 2>&1
-  timeout 500 $py -m kvtier bench --out "$out" --suite bidir --suite save_beside_matmul \
+  timeout 500 $py -m lab bench --out "$out" --suite bidir --suite save_beside_matmul \
     --suite submit_overhead --suite gather_d2d 2>&1 | tee "$out/bench.log" | tail -40
   exit 0
 fi
@@ -366,14 +200,14 @@ fi
 
 if [ "$mode" = smoke ]; then
   echo "== bench --quick"
-  timeout 300 $py -m kvtier bench --quick --out "$out" 2>&1 | tail -60 | tee "$out/bench.log"
+  timeout 300 $py -m lab bench --quick --out "$out" 2>&1 | tail -60 | tee "$out/bench.log"
   exit 0
 fi
 
 if [ "$mode" != bench ]; then
 echo "== compute-sanitizer memcheck on the GPU kernel tests"
 PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 300 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 99 $py -m pytest -q -p no:cacheprovider \
-  tests/test_kernels_gpu.py -k "${MEMCHECK_K:-small}" > "$out/memcheck.log" 2>&1
+  tests/ops/test_kernels_gpu.py -k "${MEMCHECK_K:-small}" > "$out/memcheck.log" 2>&1
 echo "memcheck exit code: $?" | tee -a "$out/memcheck.log"
 tail -5 "$out/memcheck.log"
 fi
@@ -383,9 +217,9 @@ echo "== probe"
 timeout 300 $py -m kvtier probe --save "$out/ceilings-h200.json" 2>&1 | tee "$out/probe.log"
 
 echo "== bench (all suites)"
-timeout 900 $py -m kvtier bench --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | tail -80
+timeout 900 $py -m lab bench --out "$out" ${BENCH_ARGS:-} 2>&1 | tee "$out/bench.log" | tail -80
 
 echo "== profiler timeline of one suite (Chrome trace: open in Perfetto or Nsight Systems)"
-timeout 300 $py -m kvtier bench --quick --suite save_d2h --no-plot --out /tmp/kvtier-profile \
+timeout 300 $py -m lab bench --quick --suite save_d2h --no-plot --out /tmp/kvtier-profile \
   --profile "$out/trace-save_d2h.json" 2>&1 | tail -3
 ls -la "$out"

@@ -1,14 +1,14 @@
 """Is the host slow, or slow right after waiting on the GPU? Times one `IdCheck.check` of 512 and
 8192 ids (the first phase of a submit) in a hot loop, after a 20 ms host sleep, and after a
 20 ms GPU wait (cudaEventSynchronize), as submit_overhead does between jobs
-(`kvtier.bench.hostref`; the suite stores the 512-id figures in its rows).
+(`lab/hostref.py`; the suite stores the 512-id figures in its rows).
 
-    PYTHONPATH=src python benchmarks/host_jitter.py
+    PYTHONPATH=src python -m lab.host_jitter
 """
 
 import torch
 
-from kvtier.bench.hostref import host_reference
+from lab.hostref import host_reference
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ level cache taken, as a neighbour's data-heavy job does) or runs a Python loop (
 busy, clocks shared), until --seconds have passed or this process is stopped (SIGTERM / SIGINT
 stop the workers too).
 
-    python benchmarks/host_load.py --procs 8 [--kind copy] [--mib 64] [--seconds 300]
+    python lab/host_load.py --procs 8 [--kind copy] [--mib 64] [--seconds 300]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ reads the same across runs (since 9edb36f `check` makes an int64 copy instead: r
 `-40` timed that, ~2x the step on the CI CPU; their yardstick is not comparable). Timed in a hot
 loop, then once each right after the thread slept 20 ms and right after it waited 20 ms on
 the GPU (as a job submitted after waiting for the one before). On the H200 boxes the same step
-took 4-9 us hot and 120-260 us after a wait (`benchmarks/host_jitter.py`): every phase of a
+took 4-9 us hot and 120-260 us after a wait (`lab/host_jitter.py`): every phase of a
 submit swells so, which no change inside kvtier removes.
 """
 

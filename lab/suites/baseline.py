@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.bench.suite import Context, SkipSuite, register
+from kvtier.bench import Context, SkipSuite, register
 
 BLOCK_SIZES = (1, 4, 16, 64, 256)
 
@@ -113,7 +113,7 @@ def _poison(t: torch.Tensor) -> None:
     t.view(torch.int16).fill_(-1)  # a stale output must fail the check, not pass it by luck
 
 
-def _index_select_all(views, ids, out) -> None:
+def index_select_all(views, ids, out) -> None:
     for layer, v in enumerate(views):
         torch.index_select(v, 1, ids, out=out[layer])
 
@@ -124,7 +124,7 @@ def gather(ctx: Context):
     w = Workload(shape, ctx.device)
     for bs in _sizes(ctx):
         views, ids, out = w.blocks(bs)
-        run = lambda: _index_select_all(views, ids, out)  # noqa: B023 - used before the loop moves on
+        run = lambda: index_select_all(views, ids, out)  # noqa: B023 - used before the loop moves on
         t = ctx.time(run, flush_l2=True, name=f"index_select/bs{bs}")
         _poison(out)
         run()
@@ -151,7 +151,7 @@ def gather_d2h(ctx: Context):
         staged = stage.view(host.shape)
 
         def run() -> None:
-            _index_select_all(views, ids, staged)  # noqa: B023
+            index_select_all(views, ids, staged)  # noqa: B023
             w.out.copy_(stage, non_blocking=True)  # one large DMA into pinned memory
 
         t = ctx.time(run, name=f"gather_d2h/bs{bs}")
@@ -183,7 +183,7 @@ def _submit_ms(ctx: Context, plan, reps: int) -> float:
 
 @register("baseline_swap_blocks", description="one cudaMemcpyAsync per block from C++ (vLLM swap_blocks)")
 def swap_blocks(ctx: Context):
-    from kvtier.bench.native import NativeBuildError, SwapPlan
+    from lab.native import NativeBuildError, SwapPlan
 
     shape = GPU_QUICK if ctx.quick else GPU_FULL
     w = Workload(shape, ctx.device, pinned_out=True, out_device="cpu")
@@ -235,7 +235,7 @@ def host_gather(ctx: Context):
     w = Workload(shape, cpu)
     for bs in _sizes(ctx):
         views, ids, out = w.blocks(bs)
-        run = lambda: _index_select_all(views, ids, out)  # noqa: B023
+        run = lambda: index_select_all(views, ids, out)  # noqa: B023
         t = ctx.time(run, flush_l2=True, name=f"host_gather/bs{bs}", host=True)
         _poison(out)
         run()

@@ -45,10 +45,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.bench.stats import summarize
-from kvtier.bench.suite import Context, SkipSuite, register
-from kvtier.bench.suites.hf_check import noise, reference, same_or_tie, summary
-from kvtier.bench.suites.hf_run import (  # noqa: F401 - TokenClock, offloaded_cache: the suite's API
+from kvtier.bench import Context, SkipSuite, register, summarize
+from lab.suites.hf_check import noise, reference, same_or_tie, summary
+from lab.suites.hf_run import (  # noqa: F401 - TokenClock, offloaded_cache: the suite's API
     Run,
     TokenClock,
     _kvtier_done,
@@ -57,7 +56,7 @@ from kvtier.bench.suites.hf_run import (  # noqa: F401 - TokenClock, offloaded_c
     timed_generate,
 )
 
-P8 = 8.0  # PERF.md: TTFT on a prefix hit >= 8x faster than recomputing
+P8 = 8.0  # target P8: TTFT on a prefix hit >= 8x faster than recomputing
 NO_OFFLOAD_ON_CPU = "transformers' offloaded cache moves KV from a CUDA device to the CPU: needs a GPU"
 
 

@@ -1,9 +1,9 @@
-"""Suite save_beside_matmul (PERF.md P5): does a save running on the engine's copy stream slow the
+"""Suite save_beside_matmul (target P5): does a save running on the engine's copy stream slow the
 model's compute? bf16 8192^3 matmuls on their own stream, alone vs beside a save looping back to
 back, for each engine path (staged; kernel on its capped grid; batch where present) and, as the
 bad reference, one full-grid UVA kernel writing pinned memory (`ops.gather(..., max_ctas=1 << 30)`).
 
-Method (PERF.md): compute on its own stream (the legacy default stream would serialize with the
+Method: compute on its own stream (the legacy default stream would serialize with the
 copies); a sustained warm-up first (clocks drop under load); each beside window sits between two
 alone windows and the slowdown is the median over repeats of beside / mean(the two alone) — a
 paired ratio, since alone windows alone spread by ~20% on the H200 (power and clocks); the save
@@ -26,13 +26,13 @@ from collections import deque
 import torch
 
 from kvtier import ops
-from kvtier.bench.stats import summarize
-from kvtier.bench.suite import Context, MiB, register
-from kvtier.bench.suites.engine import P5_PCT, _done, _engine, _gpu, _unavailable
+from kvtier.bench import Context, MiB, register, summarize
 from kvtier.bench.suites.kv import Work
+from lab.suites.engine_rig import gpu, make_engine, release_when_saved, unavailable
+from lab.targets import P5_PCT
 
 
-class _SaveLoop:
+class SaveLoop:
     """Keeps saves running back to back from a host thread: `depth` jobs queued on the copy
     stream, the oldest waited (and its slot released) before the next is submitted. `events`
     gets each job's completion event, in order."""
@@ -90,7 +90,7 @@ def _uva_full(dev, kv, src, nbytes: int):
 
 @register("save_beside_matmul", description="bf16 matmul alone vs beside a looping save, per path (P5)")
 def save_beside_matmul(ctx: Context):
-    dev = _gpu(ctx)
+    dev = gpu(ctx)
     m, n_mm = (4096, 10) if ctx.quick else (8192, 60)
     reps, warm_s = (2, 0.3) if ctx.quick else (9, 3.0)
     w = Work(ctx, 32 * MiB if ctx.quick else 512 * MiB, layers=2 if ctx.quick else 32)
@@ -101,18 +101,23 @@ def save_beside_matmul(ctx: Context):
     c = torch.empty_like(a)
     savers, engines = {}, []
     for path in ("staged", "kernel", "batch"):
-        if why := _unavailable(path):
+        if why := unavailable(path):
             ctx.skip(f"{path} save beside matmul", why)
             continue
-        eng, pool = _engine(dev, kv, nbytes, 4, path=path)  # 3 jobs queued + one being submitted
+        eng, pool = make_engine(dev, kv, nbytes, 4, path=path)  # 3 jobs queued + one being submitted
         try:
-            _done(eng, eng.save(src.cpu, after=None))  # warms up (Triton compiles) and checks the path
+            release_when_saved(
+                eng, eng.save(src.cpu, after=None)
+            )  # warms up (Triton compiles) and checks the path
         except ValueError as e:
             ctx.skip(f"{path} save beside matmul", str(e))
             eng.close(), pool.close()
             continue
         engines.append((eng, pool))
-        savers[path] = (lambda eng=eng: eng.save(src.cpu, after=None), lambda j, eng=eng: _done(eng, j))
+        savers[path] = (
+            lambda eng=eng: eng.save(src.cpu, after=None),
+            lambda j, eng=eng: release_when_saved(eng, j),
+        )
     savers["uva_full_grid"] = _uva_full(dev, kv, src, nbytes)
     savers["uva_full_grid"][1](savers["uva_full_grid"][0]())  # compile outside any timed window
 
@@ -136,7 +141,7 @@ def save_beside_matmul(ctx: Context):
             # paired: each beside window between two alone windows, so a clock or power drift
             # (alone windows spread by ~20% on the H200) cancels out of the ratio
             s0, e0 = window()
-            with _SaveLoop(submit, finish) as loop:
+            with SaveLoop(submit, finish) as loop:
                 s, e = window()
             s1, e1 = window()
             before, after = s0.elapsed_ms(e0), s1.elapsed_ms(e1)

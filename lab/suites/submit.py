@@ -1,15 +1,15 @@
-"""The submit_overhead suite of the transfer engine (PERF.md P6: <= 100 us, flat in block count).
+"""The submit_overhead suite of the transfer engine (target P6: <= 100 us, flat in block count).
 
 CPU time to submit one save / load job: 1 GiB at block sizes 1..256 tokens (8192..32 blocks) and
 4 GiB of 16-token blocks. Per row: the submit right after another submit (`submit_hot_us`, the
-steady state PERF.md's method times -- warmed up, repeated, the median -- and what P6's verdict
+steady state the targets' method times -- warmed up, repeated, the median -- and what P6's verdict
 reads; the 1 GiB rows' samples are taken in turn, a save and a load pair of each block size after
 another, so every row spans the same moments of a drifting host), right after waiting for the job before
 (`submit_us`), after 3 ms of other host work (`submit_busy_us`), the hot submit split into
 kvtier's Python and its runtime calls (a traced pass of its own), and this host's yardstick
 (`hostref.py`: a 512-id check, hot and right after a wait). On the lent VMs code not run for a
 few ms runs 10-40x slower, one cudaGraphLaunch included (77-87 us after a 20 ms sleep,
-`benchmarks/probe_graph_launch.py`): the figures after a wait or after other work measure that
+lab/NOTES.md, probe_graph_launch): the figures after a wait or after other work measure that
 host as much as kvtier, and are reported beside the verdict. The job itself is timed with device
 events against the pinned copy ceilings, as the other engine suites.
 """
@@ -21,12 +21,12 @@ import time
 
 import torch
 
-from kvtier.bench.hostref import host_reference, host_work
-from kvtier.bench.suite import Context, GiB, MiB, SkipSuite, register
-from kvtier.bench.suites.engine import _engine, _gpu, _load, _settle, _time_jobs
+from kvtier.bench import Context, GiB, MiB, SkipSuite, register
 from kvtier.bench.suites.kv import Work
+from lab.hostref import host_reference, host_work
+from lab.suites.engine_rig import gpu, make_engine, settle, time_jobs, timed_load
+from lab.targets import P6_US
 
-P6_US = 100.0
 BUSY_MS = 3.0  # host work between the two submits of a busy sample
 HOT_REPS = 50  # hot samples per row (full run): cheap, and the median steadier on a noisy host
 
@@ -41,7 +41,7 @@ def submit_overhead(ctx: Context):
     rows = []
     ref = host_reference(512, reps=3 if ctx.quick else 10, gpu=ctx.on_gpu)  # this host, hot vs after a wait
     if ctx.on_gpu:
-        dev = _gpu(ctx)
+        dev = gpu(ctx)
         w = Work(ctx, 16 * MiB if ctx.quick else GiB, layers=2 if ctx.quick else 32)
         sizes = (1, 16, 256) if ctx.quick else (1, 4, 16, 64, 256)
         views = [(w.request(bs), w.params(bs, "auto")) for bs in sizes]
@@ -69,19 +69,19 @@ def submit_overhead(ctx: Context):
             rows += _submit_rows(ctx, dev, cases, reps)
         finally:
             dev.close()
-    _flat_ratios(rows)
+    flat_ratios(rows)
     wait = ref["after_gpu_wait_us"] if ref["after_gpu_wait_us"] is not None else ref["after_sleep_us"]
     for r in rows:  # the yardstick: the same host's first submit step, hot and right after a wait
         r.params |= {"host_ref_hot_us": ref["hot_us"], "host_ref_after_wait_us": wait}
     yield from rows
 
 
-class _Rig:
+class Rig:
     """One case's engine (pool: the load's source + the hot pair's two saves), the load's source
     saved, and the two timed calls; `hot` gets the interleaved hot samples per direction."""
 
     def __init__(self, dev, kv, src, dst, nbytes: int, params: dict):
-        self.eng, self.pool = _engine(dev, kv, nbytes, 3)
+        self.eng, self.pool = make_engine(dev, kv, nbytes, 3)
         self.nbytes, self.params, self.blocks = nbytes, params, len(src)
         try:
             self.first = self.eng.save(src, after=None)
@@ -91,18 +91,18 @@ class _Rig:
             raise
         self.calls = {
             "save": lambda start: self.eng.save(src, after=start),  # after: the timer's start marker
-            "load": lambda start: _load(self.eng, self.first.slot, dst, start),
+            "load": lambda start: timed_load(self.eng, self.first.slot, dst, start),
         }
         self.hot: dict[str, list[float]] = {"save": [], "load": []}
 
     def close(self) -> None:
         if getattr(self, "first", None) is not None:
-            _settle(self.eng, [self.first])
+            settle(self.eng, [self.first])
         self.eng.close()
         self.pool.close()
 
 
-def _interleaved_hot(rigs: list[_Rig], reps: int, warmup: int = 2, directions=("save", "load")) -> None:
+def interleaved_hot(rigs: list[Rig], reps: int, warmup: int = 2, directions=("save", "load")) -> None:
     """`reps` hot samples per rig and direction, one rig after another sample by sample (the first
     rig rotating), each rig's save and load pairs in turn (which first alternates): on these hosts
     a submit's speed drifts over seconds (-15b: a bs1 save row's hot median 109 us, its traced pass
@@ -123,14 +123,14 @@ def _interleaved_hot(rigs: list[_Rig], reps: int, warmup: int = 2, directions=("
 
 def _submit_rows(ctx, dev, cases, reps) -> list:
     """Save then load rows of each case (kv, src, dst, nbytes, params), one engine per case, all
-    alive at once: their hot samples are interleaved (`_interleaved_hot`); the job timing (device
+    alive at once: their hot samples are interleaved (`interleaved_hot`); the job timing (device
     events, vs the ceiling), the cold, busy and traced figures are taken case by case. Where the
     pools of all cases do not fit at once (pinned memory), the cases run one after the other,
     their rows saying so (`hot_sampling: "in row order"`)."""
-    rigs: list[_Rig] = []
+    rigs: list[Rig] = []
     try:
         for case in cases:
-            rigs.append(_Rig(dev, *case))
+            rigs.append(Rig(dev, *case))
     except (RuntimeError, MemoryError) as e:  # pinned memory short: the cases one at a time
         for rig in rigs:
             rig.close()
@@ -141,14 +141,14 @@ def _submit_rows(ctx, dev, cases, reps) -> list:
     ceil = ("host_memcpy", "host_memcpy") if dev.name == "sim" else ("d2h_pinned", "h2d_pinned")
     sampling = "interleaved" if len(rigs) > 1 else "in row order"
     try:
-        _interleaved_hot(rigs, max(reps, 10 if ctx.quick else HOT_REPS))
+        interleaved_hot(rigs, max(reps, 10 if ctx.quick else HOT_REPS))
         return [row for rig in rigs for row in _rig_rows(ctx, dev, rig, ceil, reps, sampling)]
     finally:
         for rig in rigs:
             rig.close()
 
 
-def _rig_rows(ctx, dev, rig: _Rig, ceil: tuple[str, str], reps: int, sampling: str) -> list:
+def _rig_rows(ctx, dev, rig: Rig, ceil: tuple[str, str], reps: int, sampling: str) -> list:
     """One case's save and load rows: the timing is the whole job (device events, vs the ceiling),
     the params hold the CPU time spent inside save()/load() (perf_counter around the call only)."""
     eng, params, nbytes, rows = rig.eng, rig.params, rig.nbytes, []
@@ -164,7 +164,7 @@ def _rig_rows(ctx, dev, rig: _Rig, ceil: tuple[str, str], reps: int, sampling: s
             return [job]
 
         g0 = _graph_counts(eng)
-        t = _time_jobs(dev, submit, lambda js: _settle(eng, js), reps)
+        t = time_jobs(dev, submit, lambda js: settle(eng, js), reps)
         hot = rig.hot[direction]
         busy = _hot_submits(eng, call, reps, work_ms=BUSY_MS)
         split = _traced_split(eng, call, reps, direction)
@@ -193,7 +193,7 @@ def _rig_rows(ctx, dev, rig: _Rig, ceil: tuple[str, str], reps: int, sampling: s
     return rows
 
 
-def _flat_ratios(rows) -> None:
+def flat_ratios(rows) -> None:
     """Flat in block count: per direction, the largest median over the smallest across P6's rows
     (1 GiB at every block size; a row of another size measures bytes, not blocks: left out)."""
     for direction in ("save", "load"):
@@ -222,7 +222,7 @@ def _hot_submits(eng, call, reps: int, work_ms: float = 0.0, trace=None) -> list
         out.append((time.perf_counter() - t0) * 1e6)  # submitted, not done: the CPU cost
         if trace is not None:
             eng.trace = None
-        _settle(eng, [first, job])  # waits both: the slots come back only after their copies
+        settle(eng, [first, job])  # waits both: the slots come back only after their copies
     return out
 
 
@@ -233,7 +233,7 @@ def _traced_split(eng, call, reps: int, direction: str) -> dict:
     (`total_us`), medians over the timed submits only (the warming one before each is not traced);
     `phases_us`: each phase's median (`SubmitTrace.medians`: slot, tracker_begin, launch, ...),
     to see which phases swell on a slow pass."""
-    from kvtier.engine.jobs import SubmitTrace
+    from kvtier.engine import SubmitTrace
 
     prev, tr = eng.trace, SubmitTrace()
     try:
@@ -247,7 +247,9 @@ def _traced_split(eng, call, reps: int, direction: str) -> dict:
 
 def _graph_counts(eng) -> dict | None:
     """The engine's staged-graph counters now (None without graphs): did the jobs replay?"""
-    st = eng.graph_stats
+    st = eng.graph_stats()
+    if callable(st):  # a method where kvtier offers one, else a property
+        st = st()
     if st is None:
         return None
     return {k: getattr(st, k) for k in ("captures", "replays", "misses", "retargets", "pinned", "failures")}

@@ -1,4 +1,4 @@
-"""bidir's hold on a GPU (`bench/suites/engine.py`): a sleep kernel of about the asked time, and
+"""bidir's hold on a GPU (`lab/spin.py`): a sleep kernel of about the asked time, and
 with it a job's timing leaves out the host's submit."""
 
 import time
@@ -11,23 +11,23 @@ pytestmark = pytest.mark.gpu
 
 
 def test_the_hold_lasts_about_what_was_asked():
-    from kvtier.bench.suites.engine import _cycles_per_ms, _hold
     from kvtier.device import CudaDevice
+    from lab.spin import cycles_per_ms, hold
 
     dev = CudaDevice()
     cur = dev.current_stream()
-    assert _cycles_per_ms(torch.cuda.current_device()) > 0  # calibrated before the timed holds
+    assert cycles_per_ms(torch.cuda.current_device()) > 0  # calibrated before the timed holds
     for ms in (1.0, 4.0):
         a = cur.record("a")
-        _hold(dev, cur, ms)
+        hold(dev, cur, ms)
         b = cur.record("b")
         b.synchronize()  # elapsed time is known only once b completed
         assert 0.7 * ms <= a.elapsed_ms(b) <= 1.5 * ms + 0.2
 
 
 def test_a_held_run_leaves_the_hosts_submit_out():
-    from kvtier.bench.suites.engine import _time_jobs
     from kvtier.device import CudaDevice
+    from lab.suites.engine_rig import time_jobs
 
     dev = CudaDevice()
     side = dev.new_stream("copy")
@@ -44,23 +44,24 @@ def test_a_held_run_leaves_the_hosts_submit_out():
         for j in jobs:
             j.event.synchronize()  # the next run starts from an idle device
 
-    unheld = _time_jobs(dev, submit, finish, 3)
+    unheld = time_jobs(dev, submit, finish, 3)
     held: list[bool] = []
-    t = _time_jobs(dev, submit, finish, 3, hold_ms=30.0, held=held)
+    t = time_jobs(dev, submit, finish, 3, hold_ms=30.0, held=held)
     assert unheld.median_ms >= 10  # the host's submit counted
     assert t.median_ms < 5 and held == [True, True, True]
 
 
 def test_the_copies_timed_beside_the_jobs_move_both_ways_near_the_link_rate():
-    from kvtier.bench.suites.engine import HOLD_MS, _Copies, _time_alternating
     from kvtier.device import CudaDevice
+    from lab.suites.bidir import HOLD_MS, Copies
+    from lab.suites.engine_rig import time_alternating
 
     dev = CudaDevice()
-    copies = _Copies(dev, 256 << 20)
+    copies = Copies(dev, 256 << 20)
     try:
         copies.h_in.random_(0, 256)
         want_out = copies.g_out.cpu()
-        t = _time_alternating(dev, [(copies, copies.finish, None)], reps=3, hold_ms=HOLD_MS)[0]
+        t = time_alternating(dev, [(copies, copies.finish, None)], reps=3, hold_ms=HOLD_MS)[0]
         assert torch.equal(copies.g_in.cpu(), copies.h_in) and torch.equal(copies.h_out, want_out)
     finally:
         copies.close()
@@ -73,15 +74,17 @@ def test_bidir_quick_reads_p4_beside_the_copy_or_says_it_could_not(beside, monke
     """The bidir suite in quick mode: its save+load rows carry the copy timed beside them and P4's
     verdict reads it; where that copy cannot be made (memory short) the suite records a skip and
     the rows fall back to the start-of-run ceiling, saying so in their target."""
-    from kvtier.bench.suite import SUITES, Context
-    from kvtier.bench.suites import engine as suites_engine
+    from kvtier.bench import Context, registry
+
+    SUITES = registry()
+    from lab.suites import bidir as suites_bidir
 
     if not beside:
 
         def short(*args, **kw):
             raise torch.OutOfMemoryError("pinned memory short")
 
-        monkeypatch.setattr(suites_engine, "_Copies", short)
+        monkeypatch.setattr(suites_bidir, "Copies", short)
     ctx = Context("cuda", quick=True)
     ctx.suite = "bidir"
     rows = [r for r in SUITES["bidir"].fn(ctx) if r.case.startswith("save+load")]

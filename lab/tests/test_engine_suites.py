@@ -5,20 +5,23 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvtier.bench.suite import SUITES, Context, SkipSuite  # noqa: E402
-from kvtier.bench.suites import IMPORT_ERRORS  # noqa: E402
-from kvtier.bench.suites.interference import _SaveLoop  # noqa: E402
+from kvtier.bench import Context, SkipSuite, registry  # noqa: E402
+from lab.suites.interference import SaveLoop  # noqa: E402
+
+SUITES = registry()
 
 NAMES = ("bidir", "save_beside_matmul", "submit_overhead")
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
 
 
 def test_registered():
-    for module in ("engine", "interference", "submit"):
-        assert module not in IMPORT_ERRORS, IMPORT_ERRORS[module]
     for name in NAMES:
         assert SUITES[name].needs_gpu and SUITES[name].description
-        assert SUITES[name].fn.__module__.rsplit(".", 1)[1] in ("engine", "interference", "submit")
+        assert SUITES[name].fn.__module__ in (
+            "lab.suites.bidir",
+            "lab.suites.interference",
+            "lab.suites.submit",
+        )
 
 
 @no_gpu
@@ -37,7 +40,7 @@ def test_skip_without_gpu_quick(name):
 
 @no_gpu
 def test_runner_skips_them_without_gpu():
-    from kvtier.bench.runner import plan
+    from kvtier.bench import plan
 
     run, skipped = plan(list(NAMES), on_gpu=False)
     assert run == [] and set(NAMES) <= set(skipped)
@@ -75,9 +78,9 @@ def test_submit_overhead_dry_pass_on_sim():
 def test_cases_that_do_not_fit_at_once_run_one_after_the_other(monkeypatch):
     """Where a second engine's pinned pool does not fit beside the first, the suite says so and
     takes the cases one at a time (rows in row order), leaving no engine open."""
-    from kvtier.bench.suites import submit
+    from lab.suites import submit
 
-    real_init, real_close, alive = submit._Rig.__init__, submit._Rig.close, []
+    real_init, real_close, alive = submit.Rig.__init__, submit.Rig.close, []
 
     def init(self, *args):
         if alive:
@@ -89,8 +92,8 @@ def test_cases_that_do_not_fit_at_once_run_one_after_the_other(monkeypatch):
         real_close(self)
         alive.remove(self)
 
-    monkeypatch.setattr(submit._Rig, "__init__", init)
-    monkeypatch.setattr(submit._Rig, "close", close)
+    monkeypatch.setattr(submit.Rig, "__init__", init)
+    monkeypatch.setattr(submit.Rig, "close", close)
     ctx = Context("cpu", quick=True)
     ctx.suite = "submit_overhead"
     rows = list(SUITES["submit_overhead"].fn(ctx))
@@ -107,7 +110,7 @@ def test_hot_samples_interleave_the_cases_and_directions():
     samples."""
     from types import SimpleNamespace
 
-    from kvtier.bench.suites.submit import _interleaved_hot
+    from lab.suites.submit import interleaved_hot
 
     order = []
 
@@ -125,7 +128,7 @@ def test_hot_samples_interleave_the_cases_and_directions():
         )
 
     rigs = [rig("a"), rig("b"), rig("c")]
-    _interleaved_hot(rigs, 4, warmup=1)
+    interleaved_hot(rigs, 4, warmup=1)
     assert order[:12] == ["as", "as", "al", "al", "bs", "bs", "bl", "bl", "cs", "cs", "cl", "cl"]  # warm-up
     pairs = order[12::2]
     assert pairs == order[13::2]  # every sample a pair: untimed submit, timed submit
@@ -139,20 +142,20 @@ def test_hot_samples_interleave_the_cases_and_directions():
 def test_flat_ratio_reads_p6_rows_only():
     from types import SimpleNamespace
 
-    from kvtier.bench.suites.submit import _flat_ratios
+    from lab.suites.submit import flat_ratios
 
     def row(case, hot, cold, p6=True):
         return SimpleNamespace(case=case, params={"submit_hot_us": hot, "submit_us": cold, "p6_row": p6})
 
     rows = [row("save bs1", 80, 300), row("save bs16", 40, 100), row("save bs16 4GiB", 400, 900, False)]
     rows += [row("load bs1", 50, 200), row("load bs16", 50, 250)]
-    _flat_ratios(rows)
+    flat_ratios(rows)
     assert [r.params.get("flat_ratio") for r in rows] == [2.0, 2.0, None, 1.0, 1.0]
     assert rows[0].params["flat_ratio_cold"] == 3.0 and rows[3].params["flat_ratio_cold"] == 1.25
 
 
 def test_host_reference_checks_and_times():
-    from kvtier.bench.hostref import host_reference
+    from lab.hostref import host_reference
 
     r = host_reference(64, wait_s=0.001, reps=2, gpu=False)
     assert r["ids"] == 64 and r["hot_us"] > 0 and r["after_sleep_us"] > 0 and r["after_gpu_wait_us"] is None
@@ -162,16 +165,16 @@ def test_host_reference_checks_and_times():
 
 
 def test_summary_names_the_host_yardstick():
-    from kvtier.bench.summary import _engine_figure
+    from lab.summary import engine_figure
 
     p = {"submit_us": 412.0, "submit_hot_us": 130.0, "blocks": 512, "host_ref_hot_us": 4.3}
     p |= {"host_ref_after_wait_us": 167.0, "submit_busy_us": 301.0, "busy_ms": 3.0}
-    assert _engine_figure({"params": p}) == (
+    assert engine_figure({"params": p}) == (
         "submit 412 us, 130 us hot, 301 us after 3 ms of host work for 512 blocks"
         " (host: 512-id check 4.3 / 167 us)"
     )
     p |= {"submit_hot_py_us": 71.0, "submit_hot_calls_us": 44.0}
-    assert "130 us hot (71 Python + 44 runtime calls)" in _engine_figure({"params": p})
+    assert "130 us hot (71 Python + 44 runtime calls)" in engine_figure({"params": p})
 
 
 def test_save_loop_keeps_jobs_queued_and_reraises():
@@ -185,7 +188,7 @@ def test_save_loop_keeps_jobs_queued_and_reraises():
         finished.append(j)
         return j
 
-    with _SaveLoop(submit, finish, depth=3) as loop:
+    with SaveLoop(submit, finish, depth=3) as loop:
         while len(finished) < 10:
             pass
     assert loop.events == finished == submitted  # every job finished, in order, none left queued
@@ -193,7 +196,7 @@ def test_save_loop_keeps_jobs_queued_and_reraises():
     def broken():
         raise RuntimeError("boom")
 
-    with pytest.raises(RuntimeError, match="boom"), _SaveLoop(broken, finish):
+    with pytest.raises(RuntimeError, match="boom"), SaveLoop(broken, finish):
         pass
 
 
@@ -203,8 +206,8 @@ def test_a_hold_keeps_the_hosts_submit_out_of_the_job_timing():
     import time
     from types import SimpleNamespace
 
-    from kvtier.bench.suites.engine import _time_jobs
     from kvtier.device import SimDevice
+    from lab.suites.engine_rig import time_jobs
 
     dev = SimDevice()
     side = dev.new_stream("copy")
@@ -220,11 +223,11 @@ def test_a_hold_keeps_the_hosts_submit_out_of_the_job_timing():
             j.event.synchronize()  # the next run starts from an idle device
 
     try:
-        unheld = _time_jobs(dev, submit, finish, 3, warmup=1)
+        unheld = time_jobs(dev, submit, finish, 3, warmup=1)
         held: list[bool] = []
-        t = _time_jobs(dev, submit, finish, 3, warmup=1, hold_ms=150, held=held)
+        t = time_jobs(dev, submit, finish, 3, warmup=1, hold_ms=150, held=held)
         short: list[bool] = []
-        _time_jobs(dev, submit, finish, 2, warmup=0, hold_ms=1, held=short)
+        time_jobs(dev, submit, finish, 2, warmup=0, hold_ms=1, held=short)
     finally:
         dev.close()
     assert unheld.median_ms >= 30  # the host's submit counted
@@ -234,11 +237,12 @@ def test_a_hold_keeps_the_hosts_submit_out_of_the_job_timing():
 
 def test_alternating_runs_take_turns_and_copies_move_the_bytes():
     """P4's verdict times the jobs and the plain bidirectional copies in turn: one run of each per
-    round, the order reversed every other round, warm-up runs untimed; `_Copies` moves both ways."""
+    round, the order reversed every other round, warm-up runs untimed; `Copies` moves both ways."""
     from types import SimpleNamespace
 
-    from kvtier.bench.suites.engine import _Copies, _time_alternating
     from kvtier.device import SimDevice
+    from lab.suites.bidir import Copies
+    from lab.suites.engine_rig import time_alternating
 
     dev = SimDevice()
     order: list[str] = []
@@ -256,14 +260,14 @@ def test_alternating_runs_take_turns_and_copies_move_the_bytes():
         for j in jobs:
             j.event.synchronize()  # the next run starts from an idle device
 
-    copies = _Copies(dev, 1 << 16)
+    copies = Copies(dev, 1 << 16)
     try:
         held: list[bool] = []
         runs = [(job("a"), finish, held), (job("b"), finish, None)]
-        a, b = _time_alternating(dev, runs, reps=3, warmup=1)
+        a, b = time_alternating(dev, runs, reps=3, warmup=1)
         copies.h_in.random_(0, 256)
         want_out = copies.g_out.clone()
-        _time_alternating(dev, [(copies, copies.finish, None)], reps=1, warmup=0)
+        time_alternating(dev, [(copies, copies.finish, None)], reps=1, warmup=0)
     finally:
         copies.close()
         dev.close()
@@ -274,8 +278,8 @@ def test_alternating_runs_take_turns_and_copies_move_the_bytes():
 
 
 def test_copies_give_back_what_they_pinned_when_an_allocation_fails():
-    from kvtier.bench.suites.engine import _Copies
     from kvtier.device import SimDevice
+    from lab.suites.bidir import Copies
 
     dev = SimDevice()
     freed = []
@@ -287,7 +291,7 @@ def test_copies_give_back_what_they_pinned_when_an_allocation_fails():
     dev.empty = short
     try:
         with pytest.raises(torch.OutOfMemoryError):
-            _Copies(dev, 1 << 12)
+            Copies(dev, 1 << 12)
     finally:
         dev.close()
     assert len(freed) == 2  # both pinned buffers, made before the failing device allocation

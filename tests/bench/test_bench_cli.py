@@ -6,12 +6,21 @@ import pytest
 from click.testing import CliRunner
 
 import kvtier.cli.measure  # noqa: F401 - registers the commands
-from kvtier.bench import result
+from kvtier.bench import Context, register, result
 from kvtier.ceilings import Ceilings
 from kvtier.cli import cli
 
 torch = pytest.importorskip("torch")
 ON_GPU = torch.cuda.is_available()
+
+
+@register("cli_host_copy", needs_gpu=False, description="a user's suite: one host copy")
+def host_copy(ctx: Context):
+    """A suite registered from outside kvtier through its public names, cheap on any machine."""
+    src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    t = ctx.time(lambda: dst.copy_(src), name="copy", host=True)
+    yield ctx.row("1MiB", src.numel(), t, "host_memcpy", correct=bool(torch.equal(dst, src)))
 
 
 def _run(args):
@@ -29,18 +38,16 @@ def test_bench_quick_writes_a_valid_result_file_and_plot(tmp_path):
     assert files[0].endswith(".json") and files[1].endswith(".png")
     on_disk = result.load(tmp_path / files[0])
     assert on_disk["rows"] == doc["rows"] and doc["rows"]
-    assert doc["suites"]["baseline_host_gather"]["status"] == "ran"
+    assert doc["suites"]["cli_host_copy"]["status"] == "ran"
     assert all(r["correct"] is not False for r in doc["rows"])
     if not ON_GPU:
-        assert doc["suites"]["baseline_gather"] == {
+        assert doc["suites"]["gather_d2d"] == {
             "status": "skipped",
             "rows": 0,
             "reason": "needs a CUDA GPU, and torch finds none",
         }
     # a second run the same day gets a suffix instead of overwriting
-    r = _run(
-        ["bench", "--quick", "--out", str(tmp_path), "--no-plot", "--suite", "baseline_host_gather", "--json"]
-    )
+    r = _run(["bench", "--quick", "--out", str(tmp_path), "--no-plot", "--suite", "cli_host_copy", "--json"])
     assert r.exit_code == 0
     assert any(p.name.endswith("-2.json") for p in tmp_path.iterdir())
 
@@ -48,27 +55,30 @@ def test_bench_quick_writes_a_valid_result_file_and_plot(tmp_path):
 def test_bench_table_output_and_profile_trace(tmp_path):
     trace = tmp_path / "trace.json"
     out = tmp_path / "results"
-    r = _run(
-        ["bench", "--quick", "--out", str(out), "--suite", "baseline_host_gather", "--profile", str(trace)]
-    )
+    r = _run(["bench", "--quick", "--out", str(out), "--suite", "cli_host_copy", "--profile", str(trace)])
     assert r.exit_code == 0, r.output
     assert "kvtier bench" in r.output and "same-run ceilings: host_memcpy" in r.output
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e.get("name") for e in events}
-    assert "suite/baseline_host_gather" in names and "ceilings" in names  # the stages show on the timeline
+    assert "suite/cli_host_copy" in names and "ceilings" in names  # the stages show on the timeline
     doc = result.load(next(out.glob("*.json")))
     assert doc["environment"]["profiled"] is True
 
 
 def test_bench_unknown_suite_is_a_usage_error(tmp_path):
     r = _run(["bench", "--suite", "nope", "--out", str(tmp_path)])
-    assert r.exit_code == 2 and "unknown 'nope'" in r.output and "baseline_gather" in r.output
+    assert r.exit_code == 2 and "unknown 'nope'" in r.output and "gather_d2d" in r.output
     assert not list(tmp_path.iterdir())
 
 
 def test_bench_list():
     r = _run(["bench", "--list"])
-    assert r.exit_code == 0 and "baseline_swap_blocks" in r.output
+    assert r.exit_code == 0 and "gather_d2d" in r.output and "cli_host_copy" in r.output
+
+
+def test_bench_writes_to_kvtier_results_by_default():
+    r = _run(["bench", "--help"])
+    assert r.exit_code == 0 and "[default: kvtier-results]" in r.output
 
 
 def test_probe_quick_json_and_save(tmp_path):

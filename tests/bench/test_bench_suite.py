@@ -1,4 +1,4 @@
-"""The suite interface (register, Context.row/ceiling/time) and the CPU baseline suite."""
+"""The suite interface: register, Context.row / ceiling / time."""
 
 import pytest
 
@@ -22,15 +22,6 @@ def test_register_and_reject_duplicates_and_bad_names():
         SUITES.pop("zz_test_suite")
     with pytest.raises(ValueError, match="name"):
         register("Bad Name")
-
-
-def test_baselines_are_registered():
-    import kvtier.bench.suites  # noqa: F401
-
-    assert {"baseline_gather", "baseline_gather_d2h", "baseline_swap_blocks", "baseline_host_gather"} <= set(
-        SUITES
-    )
-    assert SUITES["baseline_host_gather"].needs_gpu is False and SUITES["baseline_gather"].needs_gpu
 
 
 def test_ceiling_is_measured_once_per_run(monkeypatch):
@@ -96,29 +87,3 @@ def test_time_uses_the_timer_and_reports_progress():
     ctx.on_progress = seen.append
     t = ctx.time(lambda: None, name="noop")
     assert t.count >= 3 and seen == ["noop"]
-
-
-def test_host_gather_baseline_runs_on_cpu_and_is_bit_exact():
-    import kvtier.bench.suites  # noqa: F401
-
-    ctx = Context("cpu", quick=True)
-    ctx.suite = "baseline_host_gather"
-    rows = list(SUITES["baseline_host_gather"].fn(ctx))
-    assert [r.params["block_size"] for r in rows] == [4, 16]
-    assert all(r.correct is True and r.gbps > 0 and r.ceiling == "host_memcpy" for r in rows)
-    assert "host_memcpy" in ctx.ceilings
-
-
-def test_workload_check_catches_a_wrong_gather():
-    import torch
-
-    from kvtier.bench.suites.baseline import GPU_QUICK, Workload, _index_select_all
-
-    w = Workload(GPU_QUICK, torch.device("cpu"))
-    views, ids, out = w.blocks(16)
-    _index_select_all(views, ids, out)
-    assert w.matches(out, views, ids)
-    out.view(torch.int16)[1, 0, 3, 5, 2, 7] ^= 1  # one bit of one element wrong
-    assert not w.matches(out, views, ids)
-    with pytest.raises(ValueError, match="bs"):
-        w.blocks(3)

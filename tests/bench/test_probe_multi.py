@@ -6,6 +6,7 @@ import sys
 
 import pytest
 from click.testing import CliRunner
+from test_bench_nvml import _fake_pynvml
 
 import kvtier.cli.analysis  # noqa: F401 - registers `path`
 import kvtier.cli.measure  # noqa: F401 - registers `probe`
@@ -13,7 +14,6 @@ from kvtier.bench import nvml
 from kvtier.bench.probe_multi import Measure, run_multi, summary_lines, topology
 from kvtier.ceilings import Ceilings, CeilingsError
 from kvtier.cli import cli
-from test_bench_nvml import _fake_pynvml
 
 ALONE, TOGETHER = 55.0, 40.0  # GB/s per GPU: alone, and while all four copy at once
 

@@ -1,4 +1,4 @@
-"""`kvtier calibrate` (PERF.md P10): kvtier's predictions beside measurements on this machine.
+"""`kvtier calibrate`: kvtier's predictions beside measurements on this machine.
 
   h2d, d2h  one pinned copy of N bytes (copy engine) vs the `kvtier.path` host path
   decode    one decode step of the random-weight model, batch B, context C (`decode_step_fn`:

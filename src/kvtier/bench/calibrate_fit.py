@@ -1,4 +1,4 @@
-"""The fitting half of `kvtier calibrate` (PERF.md P10), plain Python: points of predicted vs
+"""The fitting half of `kvtier calibrate`, plain Python: points of predicted vs
 measured time, one correction per quantity fitted on part of them, and a `why` for each point the
 corrected prediction still misses by more than 10%.
 
@@ -135,7 +135,7 @@ def p10(points: list[Point], device: str) -> dict:
     misses = [{"case": p.case, "calibrated_error_pct": p.calibrated_error_pct, "why": p.why}
               for p in points if p.why is not None]  # fmt: skip
     return {
-        "target": f"PERF.md P10: within {TOLERANCE_PCT:g}% after calibration (an H200 target)",
+        "target": f"within {TOLERANCE_PCT:g}% after calibration",
         "points": len(points), "within_before": before, "within_after": len(points) - len(misses),
         "status": "pass" if not misses else "miss", "misses": misses,
         "scope": "figures" if device == "cuda" else "CPU dry run of the method, not figures",

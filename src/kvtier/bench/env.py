@@ -99,7 +99,7 @@ def environment(device: str = "cpu") -> dict:
             except (ValueError, RuntimeError) as e:  # a bad KVTIER_EVENTS: CudaDevice would refuse it
                 env["events"] = f"refused: {e}"
             from kvtier import slab
-            from kvtier.engine.fast import status
+            from kvtier.engine.fastpath.fast import status
 
             env["c_helper"] = status()  # the submit's C helper: "in use", or why not
             env["c_slab"] = slab.status()  # the pool's C bookkeeping: "in use", or why not

@@ -1,4 +1,4 @@
-"""The benchmark result file: `benchmarks/results/<gpu-slug>-<YYYY-MM-DD>[-N].json`.
+"""The benchmark result file: `<out>/<gpu-slug>-<YYYY-MM-DD>[-N].json`.
 
     {
       "kvtier_bench": 1,

@@ -31,7 +31,7 @@ class BenchRun:
 
 
 def suites() -> dict:
-    """The registry, after importing every suite module."""
+    """The registry, after importing kvtier's suite modules (plus any suite registered before)."""
     import kvtier.bench.suites  # noqa: F401 - registers the suites
     from kvtier.bench.suite import SUITES
 
@@ -64,7 +64,7 @@ def run_bench(
     names: list[str] | tuple[str, ...] = (),
     *,
     quick: bool = False,
-    out_dir: str | Path | None = "benchmarks/results",
+    out_dir: str | Path | None = "kvtier-results",
     plot: bool = True,
     profile: str | Path | None = None,
     progress: bool = True,

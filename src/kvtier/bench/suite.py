@@ -1,6 +1,6 @@
 """The suite interface: a suite is `fn(ctx) -> Iterable[Row]`, registered by name.
 
-    @register("baseline_gather", description="torch.index_select gather, GPU->GPU")
+    @register("my_gather", description="torch.index_select gather, GPU->GPU")
     def gather(ctx: Context):
         t = ctx.time(lambda: ..., name="gather/bs16")
         yield ctx.row("bs16", nbytes, t, "d2d_copy", traffic_factor=2, block_size=16, path="torch")

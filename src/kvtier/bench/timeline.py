@@ -122,7 +122,7 @@ def collect(
     import torch
 
     from kvtier import layout
-    from kvtier.engine import TransferEngine
+    from kvtier.engine import EngineConfig, TransferEngine
     from kvtier.pool import PinnedPool
 
     n = -(-tokens // block_size)
@@ -136,7 +136,7 @@ def collect(
     device.synchronize()  # the fill ran on the default stream: no copy stream may read the cache before it
     src, dst = torch.arange(n), torch.arange(n, 2 * n)
     pool = PinnedPool(device, 2 * kv.chunk_nbytes(n) + (4 << 20))
-    eng = TransferEngine(device, kv, pool, path=path)
+    eng = TransferEngine(device, kv, pool, EngineConfig(path=path))
     work = _work(device, compute_ms)
     comp = device.new_stream("compute")  # compute on its own stream, as a serving engine's model
     try:

@@ -1,9 +1,7 @@
-"""Subcommands `kvtier probe` (this machine's ceilings) and `kvtier bench` (suites -> result file).
+"""Subcommands `kvtier probe` (this machine's ceilings), `kvtier bench` (suites -> result file) and
+`kvtier results` (a result file as a table).
 
-Reproduce the figures of a device run with one command, from the repository root:
-
-    PYTHONPATH=src python3 -m kvtier probe --save benchmarks/results/ceilings.json \\
-      && PYTHONPATH=src python3 -m kvtier bench
+    kvtier probe --save ceilings.json && kvtier bench --out kvtier-results
 
 `bench` measures its own ceilings in the same run; the result file records the command, commit,
 software versions and those ceilings. Heavy imports (torch, matplotlib) happen inside commands.
@@ -138,7 +136,7 @@ def _list_suites() -> None:
     "--suite", "names", multiple=True, help="Suite to run (repeatable). Default: all that can run here."
 )
 @click.option("--quick", is_flag=True, help="Tiny sizes (CPU / CI smoke): not figures to compare.")
-@click.option("--out", type=click.Path(file_okay=False), default="benchmarks/results", show_default=True)
+@click.option("--out", type=click.Path(file_okay=False), default="kvtier-results", show_default=True)
 @click.option(
     "--plot/--no-plot", default=True, show_default=True, help="Write a PNG next to the result file."
 )
@@ -151,7 +149,7 @@ def _list_suites() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the result document as JSON.")
 @click.option("--list", "list_only", is_flag=True, help="List the suites and exit.")
 def bench(names, quick, out, plot, profile, as_json, list_only) -> None:
-    """Run benchmark suites; write benchmarks/results/<gpu>-<date>.json with same-run ceilings."""
+    """Run benchmark suites; write <out>/<gpu>-<date>.json with same-run ceilings."""
     if list_only:
         _list_suites()
         return
@@ -202,8 +200,8 @@ def bench(names, quick, out, plot, profile, as_json, list_only) -> None:
 @click.argument("result_file", type=click.Path(exists=True, dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def results(result_file: str, as_json: bool) -> None:
-    """Summarize a result file of `kvtier bench`: per suite and path, the headline row, the worst
-    and best rows, and how many rows meet the target (markdown table)."""
+    """Summarize a result file of `kvtier bench`: per suite and path, the headline row and the worst
+    and best rows (markdown table)."""
     from kvtier.bench.result import validate
     from kvtier.bench.summary import markdown, summarize
 

@@ -34,7 +34,7 @@ class Rig:
     def __init__(self, ctx: Context, stack: ExitStack, *, layers: int, tokens: int, heads: int, head_dim: int,
                  seed: int) -> None:  # fmt: skip
         from kvtier.device import CudaDevice, SimDevice
-        from kvtier.engine import TransferEngine
+        from kvtier.engine import EngineConfig, TransferEngine
         from kvtier.pool import PinnedPool
 
         self.ctx, self.chunk_tokens, self.chunks = ctx, CHUNK_TOKENS, tokens // CHUNK_TOKENS
@@ -55,7 +55,7 @@ class Rig:
         self.pool = PinnedPool(self.dev, self.nbytes + self.nbytes // 4 + 4 * self.span)
         stack.callback(self.pool.close)
         staging = min(512 << 20, 4 * self.span)  # a store job is one chunk: more staging is idle memory
-        self.eng = TransferEngine(self.dev, self.kv, self.pool, staging_bytes=staging)
+        self.eng = TransferEngine(self.dev, self.kv, self.pool, EngineConfig(staging_bytes=staging))
         stack.callback(self.eng.close)
         self.shape = dict(layers=layers, kv_heads=heads, head_dim=head_dim, dtype="bfloat16")
 

@@ -1,5 +1,5 @@
 """The `ttft` suite: time to first token of a prefix hit, each way of getting the prefix's KV,
-beside the planner's prediction (PERF.md P8, P9; `kvtier.planner`, `integrations.hf_split`).
+beside the planner's prediction (`kvtier.planner`, `integrations.hf_split`).
 
 A prompt is a random prefix of n tokens and m = 64 new ones (CPU / --quick: 16). On a GPU the
 model is the Llama-3-8B shape in bf16 with random weights, n = 2K, 8K, 32K; on the CPU, or with
@@ -197,7 +197,7 @@ def markdown(doc: dict) -> str:
     """The ttft rows of a result file as a table: measured vs predicted TTFT and the checks.
 
     python -c "import sys; from kvtier.bench import result; from kvtier.bench.suites.ttft import markdown;
-    print(markdown(result.load(sys.argv[1])))" benchmarks/results/<file>.json"""
+    print(markdown(result.load(sys.argv[1])))" kvtier-results/<file>.json"""
     lines = [
         "| case | TTFT ms | predicted ms | error | s (recomputed) | plan | P8 / P9 / regret | correct |",
         "|" + " --- |" * 8,

@@ -121,7 +121,7 @@ def _p9(rig: Rig, n: int, recompute_ms: float, load_ms: float, split_ms: float, 
             why += (f"; at s={s} this run's rows give the front ~{front:.1f} ms (lean recompute x s/n) "
                     f"and [s, n) ~{back:.1f} ms (lean load x (n-s)/n): the split cannot beat {bound:.1f} ms "
                     f"+ the tail's forward; the {split_ms - bound:.1f} ms above that bound are the tail and "
-                    "the halves slowing each other (benchmarks/profile_split.py times them)")  # fmt: skip
+                    "the halves slowing each other (timed apart, each half alone)")  # fmt: skip
         if dry := _dry(rig):
             why, status = f"{dry}, not P9's H200 case: would be {status}: {why}", "n/a"
     return dict(p9_lean=status, p9_lean_ratio=ratio, p9_lean_why=why, p9_lean_vs_best=split_ms / lo)

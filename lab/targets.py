@@ -1,0 +1,30 @@
+"""kvtier's own targets, as the lab judges result files against them (ratios to a same-run ceiling,
+or a figure's limit). The product measures; only the lab says whether a figure is good enough.
+
+    P1  gather_d2d (triton / staged paths)     >= 92% of d2d_copy
+    P2  save_d2h                               >= 97% of d2h_pinned
+    P3  load_h2d                               >= 97% of h2d_pinned
+    P4  bidir save + load at once              >= 95% of the bidirectional copy
+    P5  save beside a bf16 matmul              the matmul loses <= 3%
+    P6  hot submit of a 1 GiB job              <= 100 us, flat in block count
+    P7  shapes (head_dim x dtype)              P1's line GPU <-> GPU, P2 / P3's to and from the host
+"""
+
+# suite -> (target name, minimum ratio) for kvtier's own copy paths (baselines have none)
+RATIO_TARGETS: dict[str, tuple[str, float]] = {
+    "gather_d2d": ("P1", 0.92),
+    "save_d2h": ("P2", 0.97),
+    "load_h2d": ("P3", 0.97),
+}
+P4 = 0.95
+P5_PCT = 3.0
+P6_US = 100.0
+
+
+def ratio_target(suite: str, path: str, ceiling: str) -> tuple[str, float] | None:
+    """The (name, minimum ratio) a group of rows is judged by, or None (baselines, other suites)."""
+    if "triton" not in path and "staged" not in path:
+        return None
+    if suite == "shapes":
+        return ("P7", 0.92 if ceiling == "d2d_copy" else 0.97)
+    return RATIO_TARGETS.get(suite)

@@ -1,0 +1,17 @@
+"""The lab's tests see the lab's suites in kvtier's registry, as `python -m lab` does; `gpu` tests
+are skipped without CUDA (as under tests/)."""
+
+import pytest
+
+import lab.suites  # noqa: F401 - registers the lab's suites
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
