@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvtier.bench.suites.hf_check import noise, same_or_tie, summary
+from lab.suites.hf_check import noise, same_or_tie, summary
 
 
 def _logits(top: int, second: int, gap: float) -> list[torch.Tensor]:
