@@ -34,18 +34,18 @@ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width
   --format=csv > "$out/nvidia-smi.txt" 2>&1
 $py -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(0))" | tee -a "$out/nvidia-smi.txt"
 
-# The submit path's C helpers (engine/fast.py, slab.py) for this box's Python: no install here, so
+# The submit path's C helpers (engine/fastpath/fast.py, slab.py) for this box's Python: no install here, so
 # built in place.
 if [ "${KVTIER_NATIVE:-1}" != 0 ]; then
   suffix=$($py -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
   inc=$($py -c "import sysconfig; print(sysconfig.get_paths()['include'])")
   for tree in . ${AB_OLD:-.ab_old}; do  # an A/B's older side too, where it has the helpers
-    [ -f $tree/src/kvtier/engine/_fast.c ] || continue
-    gcc -O2 -shared -fPIC -I"$inc" $tree/src/kvtier/engine/_fast.c -o "$tree/src/kvtier/engine/_fast$suffix" 2>&1 | tail -3
+    [ -f $tree/src/kvtier/engine/fastpath/_fast.c ] || continue
+    gcc -O2 -shared -fPIC -I"$inc" $tree/src/kvtier/engine/fastpath/_fast.c -o "$tree/src/kvtier/engine/fastpath/_fast$suffix" 2>&1 | tail -3
     if [ -f $tree/src/kvtier/_slab.c ]; then
       gcc -O2 -shared -fPIC -I"$inc" $tree/src/kvtier/_slab.c -o "$tree/src/kvtier/_slab$suffix" 2>&1 | tail -3
     fi
-    PYTHONPATH=$tree/src $py -c "from kvtier.engine.fast import status; print('C helper ($tree):', status())"
+    PYTHONPATH=$tree/src $py -c "from kvtier.engine.fastpath.fast import status; print('C helper ($tree):', status())"
     PYTHONPATH=$tree/src $py -c "from kvtier.slab import status; print('C slab ($tree):', status())" 2>/dev/null
   done
 fi

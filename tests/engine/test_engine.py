@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvtier.device import SimDevice
-from kvtier.engine import Path, TransferEngine, choose_path
+from kvtier.engine import EngineConfig, Path, TransferEngine, choose_path
 from kvtier.lifecycle import Access, LifecycleError, SlotState
 from kvtier.pool import PinnedPool, PoolExhausted
 from kvtier.reference import bits_equal, gather_ref, poison_blocks_, random_cache
@@ -19,7 +19,9 @@ def rig(fmt="vllm_flash", dtype=torch.bfloat16, slots=4, n=3, path="auto", **del
     dev = SimDevice(**delays)
     kv = random_cache(fmt, L, NB, BS, H, D, dtype, seed=1)
     pool = PinnedPool(dev, slots * kv.chunk_nbytes(n))
-    eng = TransferEngine(dev, kv, pool, path=path, sanitize=True, staging_bytes=4 * kv.block_nbytes)
+    eng = TransferEngine(
+        dev, kv, pool, EngineConfig(path=path, sanitize=True, staging_bytes=4 * kv.block_nbytes)
+    )
     return dev, kv, pool, eng
 
 
@@ -346,7 +348,7 @@ def test_a_failed_save_lets_what_it_enqueued_land_before_its_slot_is_reused():
     dev, kv, pool, eng = rig(slots=1)
     try:
 
-        def broken(path, ids, num_tokens, slot, stream, done=None):
+        def broken(path, ids, slot, stream, done=None):
             dev.launch(lambda: (time.sleep(0.05), slot.tensor.fill_(0xEE)), stream)  # a late copy
             raise RuntimeError("boom")
 
@@ -375,7 +377,7 @@ def test_a_failed_load_lets_what_it_enqueued_land_before_it_raises():
         eng.wait(job)  # the load's source is complete
         landed = []
 
-        def broken(path, ids, num_tokens, slot, stream, per_layer, label, done=None):
+        def broken(path, ids, slot, stream, per_layer, label, done=None):
             dev.launch(lambda: (time.sleep(0.05), landed.append(True)), stream)  # a late copy
             raise RuntimeError("boom")
 

@@ -8,7 +8,7 @@ import torch
 
 from kvtier.reference import bits_equal, gather_ref, poison_, random_cache
 
-batch = pytest.importorskip("kvtier.engine.batch")
+batch = pytest.importorskip("kvtier.engine.fastpath.batch")
 
 
 def run(dsts, srcs, sizes):

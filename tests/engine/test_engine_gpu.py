@@ -7,8 +7,8 @@ submit cost. Skipped without a GPU.
 import pytest
 import torch
 
-from kvtier.engine import TransferEngine
-from kvtier.engine.batch import available as batch_available
+from kvtier.engine import EngineConfig, TransferEngine
+from kvtier.engine.fastpath.batch import available as batch_available
 from kvtier.pool import PinnedPool
 from kvtier.reference import bits_equal, gather_ref, poison_blocks_, random_cache
 
@@ -24,7 +24,7 @@ def make(fmt="vllm_flash", layers=4, blocks=64, bs=16, heads=8, dim=128, slots=4
     kv = random_cache(fmt, layers, blocks, bs, heads, dim, torch.bfloat16, "cuda", seed=1)
     pool = PinnedPool(dev, slots * kv.chunk_nbytes(n))
     kw.setdefault("staging_bytes", 2 * 3 * kv.block_nbytes)  # 3 blocks per buffer: several DMAs per job
-    eng = TransferEngine(dev, kv, pool, sanitize=True, **kw)
+    eng = TransferEngine(dev, kv, pool, EngineConfig(sanitize=True, **kw))
     torch.cuda.synchronize()  # the random cache was written on the compute stream: let it land
     return dev, kv, pool, eng
 

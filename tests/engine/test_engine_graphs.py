@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kvtier.device import SimDevice
-from kvtier.engine import TransferEngine
-from kvtier.engine.graph_nodes import (
+from kvtier.engine import EngineConfig, TransferEngine
+from kvtier.engine.fastpath.graph_nodes import (
     KIND_D2H,
     KIND_DEFAULT,
     KIND_H2D,
@@ -18,7 +18,7 @@ from kvtier.engine.graph_nodes import (
     host_offsets,
     moved,
 )
-from kvtier.engine.graphs import LRU, StagedGraphs, graph_key, pinned_key
+from kvtier.engine.fastpath.graphs import LRU, StagedGraphs, graph_key, pinned_key
 from kvtier.engine.ids import IdCheck
 from kvtier.pool import PinnedPool
 from kvtier.reference import bits_equal, gather_ref, random_cache
@@ -190,7 +190,7 @@ def test_graphs_option_is_ignored_on_sim(graphs):
     dev = SimDevice()
     kv = random_cache("vllm_flash", 2, 8, 4, 2, 8, torch.bfloat16, seed=1)
     pool = PinnedPool(dev, 2 * kv.chunk_nbytes(3))
-    eng = TransferEngine(dev, kv, pool, sanitize=True, graphs=graphs, max_graphs=2)
+    eng = TransferEngine(dev, kv, pool, EngineConfig(sanitize=True, graphs=graphs, max_graphs=2))
     assert not hasattr(eng.mover, "graphs")  # SimMover: no graphs
     want = gather_ref(kv, [5, 1, 6], 10)
     save = eng.save([5, 1, 6], after=None, num_tokens=10)
@@ -221,7 +221,7 @@ def test_graphs_options_checked(kw):
     kv = random_cache("vllm_flash", 2, 8, 4, 2, 8, torch.bfloat16, seed=1)
     pool = PinnedPool(dev, 2 * kv.chunk_nbytes(3))
     with pytest.raises(ValueError, match=next(iter(kw))):
-        TransferEngine(dev, kv, pool, **kw)
+        TransferEngine(dev, kv, pool, EngineConfig(**kw))
     with pytest.raises(ValueError, match="kv: expected a PagedKV"):
         TransferEngine(dev, kv.layers[0], pool)
     other = SimDevice()
@@ -282,7 +282,7 @@ class _FakeRuntime:
 
 @pytest.mark.parametrize("pos_x", [0, 64])
 def test_slot_nodes_move_the_host_side_only(monkeypatch, pos_x):
-    from kvtier.engine import graph_nodes
+    from kvtier.engine.fastpath import graph_nodes
 
     rt = _FakeRuntime(_save_copies(), pos_x=pos_x)
     monkeypatch.setattr(graph_nodes, "_api", lambda: rt)
@@ -303,7 +303,7 @@ def test_slot_nodes_move_the_host_side_only(monkeypatch, pos_x):
 
 
 def test_slot_nodes_refuse_or_fail_loudly(monkeypatch):
-    from kvtier.engine import graph_nodes
+    from kvtier.engine.fastpath import graph_nodes
 
     rt = _FakeRuntime(_save_copies()[:2])  # a chunk missing: not the expected graph
     monkeypatch.setattr(graph_nodes, "_api", lambda: rt)

@@ -11,7 +11,8 @@ import statistics
 import pytest
 import torch
 
-from kvtier.engine import TransferEngine, fast
+from kvtier.engine import EngineConfig, TransferEngine
+from kvtier.engine.fastpath import fast
 from kvtier.pool import PinnedPool
 from kvtier.reference import bits_equal, gather_ref, random_cache
 
@@ -28,7 +29,7 @@ def make(layers=4, blocks=64, slots=4, n=8, events=None, **kw):
     # >= 2 MiB: the pool registers its slab (cudaHostRegister), as in production.
     pool = PinnedPool(dev, slots * kv.chunk_nbytes(n))
     kw.setdefault("staging_bytes", 2 * 3 * kv.block_nbytes)  # 3 blocks per buffer: both buffers reused
-    eng = TransferEngine(dev, kv, pool, sanitize=True, **kw)
+    eng = TransferEngine(dev, kv, pool, EngineConfig(sanitize=True, **kw))
     torch.cuda.synchronize()  # the random cache was written on the compute stream: let it land
     return dev, kv, pool, eng
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvtier.device import SimDevice
-from kvtier.engine import TransferEngine
+from kvtier.engine import EngineConfig, TransferEngine
 from kvtier.lifecycle import LifecycleError, SlotState
 from kvtier.pool import PinnedPool
 from kvtier.reference import bits_equal, gather_ref, poison_blocks_, random_cache
@@ -19,7 +19,7 @@ def rig(fmt="vllm_flash", **delays):
     dev = SimDevice(**delays)
     kv = random_cache(fmt, L, NB, BS, H, D, torch.bfloat16, seed=2)
     pool = PinnedPool(dev, 8 * kv.chunk_nbytes(3))
-    eng = TransferEngine(dev, kv, pool, sanitize=True, compute_beside=False)
+    eng = TransferEngine(dev, kv, pool, EngineConfig(sanitize=True, compute_beside=False))
     return dev, kv, pool, eng
 
 
@@ -114,7 +114,7 @@ def test_a_failed_load_slots_lets_what_it_enqueued_land_before_it_raises():
         slots = saved(eng, [[1, 2], [3]])
         landed = []
 
-        def broken(ids, counts, num_tokens, slots, stream, label):
+        def broken(ids, counts, slots, stream, label):
             dev.launch(lambda: (time.sleep(0.05), landed.append(True)), stream)  # a late layer
             raise RuntimeError("boom")
 

@@ -5,9 +5,9 @@ without a GPU; the CPU versions are in test_engine_load_slots.py and test_kernel
 
 import pytest
 import torch
+from test_engine_gpu import make
 
 from kvtier.reference import bits_equal, gather_ref, poison_blocks_
-from test_engine_gpu import make
 
 pytestmark = pytest.mark.gpu
 

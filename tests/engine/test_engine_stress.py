@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvtier.device import SimDevice
-from kvtier.engine import TransferEngine
+from kvtier.engine import EngineConfig, TransferEngine
 from kvtier.lifecycle import Access
 from kvtier.pool import PinnedPool
 from kvtier.reference import gather_ref, random_cache
@@ -28,7 +28,7 @@ def test_concurrent_jobs_every_byte_checked():
     dev = SimDevice(copy_delay=(0.0, 0.003), launch_delay=(0.0, 0.002), seed=3)
     kv = random_cache("vllm_flash", L, THREADS * 2 * PER, BS, H, D, torch.bfloat16, seed=2)
     pool = PinnedPool(dev, 4 * kv.chunk_nbytes(PER))  # 4 slots for 6 threads: back-pressure
-    eng = TransferEngine(dev, kv, pool, sanitize=True, staging_bytes=2 * kv.block_nbytes)
+    eng = TransferEngine(dev, kv, pool, EngineConfig(sanitize=True, staging_bytes=2 * kv.block_nbytes))
     compute = dev.current_stream()
     errors, checked = [], [0]
     lock = threading.Lock()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvtier.device import SimDevice
-from kvtier.engine import Handoff, TransferEngine, handoff
+from kvtier.engine import EngineConfig, Handoff, TransferEngine, handoff
 from kvtier.engine.handoff import Side, side
 from kvtier.lifecycle import BlockTracker
 from kvtier.pool import PinnedPool
@@ -118,10 +118,16 @@ def test_engines_share_their_trackers(devs):
     a, b = devs
     ka, kb = caches("vllm_flash", "vllm_flash")
     ea = TransferEngine(
-        a, ka, PinnedPool(a, 4 * ka.chunk_nbytes(2)), sanitize=True, staging_bytes=4 * ka.block_nbytes
+        a,
+        ka,
+        PinnedPool(a, 4 * ka.chunk_nbytes(2)),
+        EngineConfig(sanitize=True, staging_bytes=4 * ka.block_nbytes),
     )
     eb = TransferEngine(
-        b, kb, PinnedPool(b, 4 * kb.chunk_nbytes(2)), sanitize=True, staging_bytes=4 * kb.block_nbytes
+        b,
+        kb,
+        PinnedPool(b, 4 * kb.chunk_nbytes(2)),
+        EngineConfig(sanitize=True, staging_bytes=4 * kb.block_nbytes),
     )
     h = Handoff(ea, eb)
     assert h.src.blocks is ea.blocks and h.dst.blocks is eb.blocks

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.engine import fast
-from kvtier.engine.graph_cache import Entry, Exec
-from kvtier.engine.graphs import StagedGraphs, graph_key
-from kvtier.engine.ids import HostRing
+from kvtier.engine.fastpath import fast
+from kvtier.engine.fastpath.graph_cache import Entry, Exec
+from kvtier.engine.fastpath.graphs import StagedGraphs, graph_key
+from kvtier.engine.fastpath.ring import HostRing
 from kvtier.reference import random_cache
 
 pytestmark = pytest.mark.skipif(fast.fast is None, reason=f"C helper: {fast.why}")
@@ -269,12 +269,12 @@ def _graphs(n=4):
     box StagedGraphs() binds the real one (whose calls must never see the fake handles)."""
     kv = random_cache("vllm_flash", 2, 8, 4, 2, 8, torch.bfloat16, seed=0)
     g = StagedGraphs(kv, max_graphs=4)
-    g.direct = g.fused = True
+    g.enabled = g.fused = True
     main = Exec(EXEC, Nodes())
 
     def buf():
         t = torch.zeros(n, dtype=torch.int32)
-        from kvtier.engine.graph_cache import HostBuf
+        from kvtier.engine.fastpath.graph_cache import HostBuf
 
         return HostBuf(t, t.numpy(), t.data_ptr())
 
@@ -335,7 +335,7 @@ def test_fused_replay_failed_record_raises_after_the_copy_ran(runtime):
 
 @pytest.mark.parametrize("traced", [False, True])
 def test_fused_replay_asks_the_guard_in_c_and_grows_the_ring_when_busy(runtime, traced):
-    from kvtier.engine.jobs import SubmitTrace
+    from kvtier.engine import SubmitTrace
 
     g, key, entry = _graphs()
     g.trace = SubmitTrace() if traced else None  # traced: replay_steps, the same guard and ring
@@ -392,7 +392,7 @@ def test_fused_replay_asks_a_torch_guard_in_python(runtime):
 
 
 def test_traced_fused_replay_splits_the_call_into_its_runtime_calls(runtime):
-    from kvtier.engine.jobs import CALL_PHASES, SubmitTrace
+    from kvtier.engine.trace import CALL_PHASES, SubmitTrace
 
     g, key, entry = _graphs()
     rt = runtime(slow={"memcpy": 0.006, "launch": 0.003, "get_device": 0.002})

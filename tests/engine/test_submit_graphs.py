@@ -1,16 +1,16 @@
 """A staged-graph replay without torch (graphs.py + graph_nodes.Launcher), on fakes: the ids go
 through a ring buffer, the copy is enqueued before the ring's event and the launch, the exec that
 serves a slot (one moved per job, or one per recent slot with slot_execs = 2), failures fall back.
-The real runtime calls: tests/test_engine_graphs_gpu.py and benchmarks/profile_submit.py."""
+The real runtime calls: tests/engine/test_engine_graphs_gpu.py."""
 
 import numpy as np
 import pytest
 import torch
 
-from kvtier.engine.graph_cache import Entry, Exec, HostBuf
-from kvtier.engine.graph_nodes import NodeError
-from kvtier.engine.graphs import StagedGraphs, graph_key
-from kvtier.engine.ids import HostRing
+from kvtier.engine.fastpath.graph_cache import Entry, Exec, HostBuf
+from kvtier.engine.fastpath.graph_nodes import NodeError
+from kvtier.engine.fastpath.graphs import StagedGraphs, graph_key
+from kvtier.engine.fastpath.ring import HostRing
 from kvtier.reference import random_cache
 
 A, B, C = 0x7F00_0000_0000, 0x7F00_1000_0000, 0x7F00_2000_0000
@@ -92,7 +92,7 @@ def setup(monkeypatch):
         kv = random_cache("vllm_flash", 2, 8, 4, 2, 8, torch.bfloat16, seed=0)
         g = StagedGraphs(kv, max_graphs=4, slot_execs=slot_execs)
         log = []
-        g._launcher, g.direct = FakeLauncher(log, fail), True
+        g._launcher, g.enabled, g.fused = FakeLauncher(log, fail), True, False  # the ctypes replay
         nodes = FakeNodes(log, A, "main")
         main = Exec(0xE000, nodes)
         ring = HostRing(lambda: _buf(n), lambda: FakeEvent(log), depth=2, max_depth=4)
@@ -164,7 +164,7 @@ def test_failed_runtime_call_is_a_miss(setup, what):
     g, key, entry, log = setup(fail={what})
     with pytest.warns(UserWarning, match="direct graph launch failed"):
         assert not replay(g, key, A)  # the job goes eager
-    assert not g.direct and g.stats.misses == 1 and g.stats.failures == 1 and g.stats.replays == 0
+    assert not g.enabled and g.stats.misses == 1 and g.stats.failures == 1 and g.stats.replays == 0
     assert not any(e[0] == "launch" for e in log)
 
 
@@ -173,7 +173,7 @@ def test_slot_execs_checked():
     for bad in (0, True, 1.5):
         with pytest.raises(ValueError, match="slot_execs"):
             StagedGraphs(kv, slot_execs=bad)
-    assert not StagedGraphs(kv).direct or torch.cuda.is_available()  # no runtime here: torch's path
+    assert not StagedGraphs(kv).enabled or torch.cuda.is_available()  # no runtime here: graphs off
 
 
 def test_ids_buffer_cast_is_exact():
@@ -190,6 +190,7 @@ def test_the_movers_key_is_graph_key(num_tokens, direction):
     from types import SimpleNamespace
 
     from kvtier.engine.cuda_mover import CudaMover
+    from kvtier.engine.ids import IdCheck
     from kvtier.engine.paths import Path
 
     keys = []
@@ -199,17 +200,22 @@ def test_the_movers_key_is_graph_key(num_tokens, direction):
         return True  # replayed: the mover returns before any eager work
 
     mover = SimpleNamespace(
-        kv=None, graphs=SimpleNamespace(enabled=True, replay=replay), _block_size=16,
-        _save_staging=(), _load_staging=(), _staging_key={"save": (1, 2), "load": (3, 4)},
-    )  # fmt: skip
+        kv=None,
+        graphs=SimpleNamespace(enabled=True),
+        _replay=replay,
+        _save_staging=(),
+        _load_staging=(),
+        _staging_key={"save": (1, 2), "load": (3, 4)},
+    )
     slot, stream = SimpleNamespace(nbytes=4096, ptr=77), SimpleNamespace(raw="raw")
+    ids = IdCheck(num_blocks=8, block_size=16).checked(np.arange(3), direction == "load", num_tokens)
     if direction == "save":
-        CudaMover.save(mover, Path.STAGED, np.arange(3), num_tokens, slot, stream)
+        CudaMover.save(mover, Path.STAGED, ids, slot, stream)
     else:
-        assert CudaMover.load(mover, Path.STAGED, np.arange(3), num_tokens, slot, stream, False, "l") == []
+        assert CudaMover.load(mover, Path.STAGED, ids, slot, stream, False, "l") == []
     staging = (1, 2) if direction == "save" else (3, 4)
     assert keys == [(graph_key(direction, 4096, 3, 16 if num_tokens is None else 1, staging), 77)]
     mover.graphs.enabled = False  # then the eager path runs: it needs a real cache, absent here
     with pytest.raises(AttributeError):
-        CudaMover.save(mover, Path.STAGED, np.arange(3), num_tokens, slot, stream)
+        CudaMover.save(mover, Path.STAGED, ids, slot, stream)
     assert len(keys) == 1

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from kvtier.engine import TransferEngine
+from kvtier.engine import EngineConfig, TransferEngine
 from kvtier.pool import PinnedPool
 from kvtier.reference import bits_equal, gather_ref, random_cache
 
@@ -26,19 +26,19 @@ def make(slots, n=8, **kw):
     kv = random_cache("vllm_flash", 4, 64, BS, 8, 128, torch.bfloat16, "cuda", seed=5)
     pool = PinnedPool(dev, slots * kv.chunk_nbytes(n))  # >= 2 MiB: registered, as in production
     kw.setdefault("staging_bytes", 2 * 3 * kv.block_nbytes)  # 3 blocks per buffer: both reused
-    eng = TransferEngine(dev, kv, pool, sanitize=True, **kw)
+    eng = TransferEngine(dev, kv, pool, EngineConfig(sanitize=True, **kw))
     torch.cuda.synchronize()  # the random cache was written on the compute stream: let it land
     return dev, kv, pool, eng
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_many_queued_replays_keep_their_own_ids(direct):
+@pytest.mark.parametrize("fused", [True, False])
+def test_many_queued_replays_keep_their_own_ids(fused):
     """Saves of one shape with different ids submitted back to back behind a busy copy stream:
     each replay's ids sit in a ring buffer until its copy ran; every slot gets its own blocks."""
     n, jobs = 8, 24
     dev, kv, pool, eng = make(slots=jobs + 1, n=n)
     g, rng = eng.mover.graphs, random.Random(3)
-    g.direct = direct and g.direct
+    g.fused = fused and g.fused  # the C helper's call, or the same runtime calls through ctypes
     first = eng.save(list(range(n)), after=None)  # eager + capture of the key
     assert first.wait()
     eng.release(first.slot)
@@ -123,7 +123,9 @@ def test_spare_id_arrays_across_queued_rounds_bit_exact():
     dev = CudaDevice()
     kv = random_cache("vllm_flash", 2, 2 * half, 1, 1, 8, torch.bfloat16, "cuda", seed=9)
     pool = PinnedPool(dev, max(2 << 20, (jobs + 1) * kv.chunk_nbytes(n)))
-    eng = TransferEngine(dev, kv, pool, path="staged", sanitize=True, staging_bytes=2 * 256 * kv.block_nbytes)
+    eng = TransferEngine(
+        dev, kv, pool, EngineConfig(path="staged", sanitize=True, staging_bytes=2 * 256 * kv.block_nbytes)
+    )
     torch.cuda.synchronize()  # the random cache was written on the compute stream: let it land
     rng = random.Random(13)
     made = 0
@@ -143,11 +145,11 @@ def test_spare_id_arrays_across_queued_rounds_bit_exact():
             torch.cuda.synchronize()
             assert bits_equal(gather_ref(kv, dst), w), r
             eng.release(job.slot)
-        made = len(eng._check_ids._spares[n])
+        made = len(eng._ids._spares[n])
         del saves, job, load
         eng.poll()
-    print(f"\n{made} spare arrays for {4 * jobs * 2} jobs; {eng.graph_stats}")
-    assert made < 4 * jobs * 2 and eng.graph_stats.replays > 0 and eng.graph_stats.failures == 0
+    print(f"\n{made} spare arrays for {4 * jobs * 2} jobs; {eng.graph_stats()}")
+    assert made < 4 * jobs * 2 and eng.graph_stats().replays > 0 and eng.graph_stats().failures == 0
     eng.close()
     assert pool.stats().used == 0
     pool.close()

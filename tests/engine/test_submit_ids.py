@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from kvtier.device import SimDevice
-from kvtier.engine import TransferEngine, fast
+from kvtier.engine import EngineConfig, TransferEngine
 from kvtier.engine import ids as ids_mod
+from kvtier.engine.fastpath import fast
 from kvtier.engine.ids import IdCheck
 from kvtier.lifecycle import Access
 from kvtier.lifecycle.blocks import CheckedBlocks
@@ -113,7 +114,7 @@ def test_engine_protects_the_submitted_blocks_when_the_caller_reuses_its_tensor(
     dev = SimDevice(copy_delay=0.05)
     kv = random_cache("vllm_flash", 2, 16, 4, 2, 8, torch.bfloat16, seed=3)
     pool = PinnedPool(dev, 2 * kv.chunk_nbytes(3))
-    eng = TransferEngine(dev, kv, pool, sanitize=True)
+    eng = TransferEngine(dev, kv, pool, EngineConfig(sanitize=True))
     ids = torch.tensor([5, 1, 6])
     want = gather_ref(kv, [5, 1, 6])
     job = eng.save(ids, after=None)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvtier.engine.ids import HostRing
+from kvtier.engine.fastpath.ring import HostRing
 
 
 class FakeEvent:

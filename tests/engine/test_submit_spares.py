@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kvtier.device import SimDevice
-from kvtier.engine import TransferEngine, fast
+from kvtier.engine import EngineConfig, TransferEngine
+from kvtier.engine.fastpath import fast
 from kvtier.engine.ids import SPARE_BYTES, SPARE_LENGTHS, SPARE_MIN, IdCheck
 from kvtier.pool import PinnedPool
 from kvtier.reference import bits_equal, gather_ref, random_cache
@@ -145,7 +146,7 @@ def test_engine_jobs_keep_their_ids_while_spares_are_reused():
     dev = SimDevice(copy_delay=(0.0, 0.002), seed=5)
     kv = random_cache("vllm_flash", 1, 2 * half, 1, 1, 4, torch.bfloat16, seed=5)
     pool = PinnedPool(dev, 4 * kv.chunk_nbytes(n))
-    eng = TransferEngine(dev, kv, pool, sanitize=True)
+    eng = TransferEngine(dev, kv, pool, EngineConfig(sanitize=True))
     live: list = []
     try:
         for _ in range(30):
@@ -166,7 +167,7 @@ def test_engine_jobs_keep_their_ids_while_spares_are_reused():
                 assert job.blocks.tolist() == ids.tolist()  # no spare was taken while its job lived
             rng.shuffle(live)
             del live[: int(rng.integers(0, len(live) + 1))]
-        assert len(eng._check_ids._spares[n]) < 30  # reused: 60+ jobs, fewer arrays
+        assert len(eng._ids._spares[n]) < 30  # reused: 60+ jobs, fewer arrays
     finally:
         live.clear()
         eng.close()
@@ -206,7 +207,7 @@ def test_engine_jobs_keep_int32_ids_and_idcheck_refuses_a_cache_too_big_for_them
     dev = SimDevice()
     kv = random_cache("vllm_flash", 1, 16, 2, 1, 8, torch.float16, seed=1)
     pool = PinnedPool(dev, 4 * kv.chunk_nbytes(3))
-    eng = TransferEngine(dev, kv, pool, path="staged")
+    eng = TransferEngine(dev, kv, pool, EngineConfig(path="staged"))
     try:
         job = eng.save(torch.tensor([5, 2, 7]), after=None)
         assert job.ids.dtype == np.int32 and job.ids.tolist() == [5, 2, 7]

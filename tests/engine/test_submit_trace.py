@@ -4,8 +4,8 @@ attribute or KVTIER_SUBMIT_TRACE=1, one record per job with the engine's phases.
 import torch
 
 from kvtier.device import SimDevice
-from kvtier.engine import TransferEngine
-from kvtier.engine.jobs import NO_TRACE, SubmitTrace
+from kvtier.engine import EngineConfig, TransferEngine
+from kvtier.engine.trace import NO_TRACE, SubmitTrace
 from kvtier.pool import PinnedPool
 from kvtier.reference import random_cache
 
@@ -13,7 +13,7 @@ from kvtier.reference import random_cache
 def _engine(dev):
     kv = random_cache("vllm_flash", 2, 16, 4, 2, 8, torch.bfloat16, seed=2)
     pool = PinnedPool(dev, 2 * kv.chunk_nbytes(3))
-    return TransferEngine(dev, kv, pool, sanitize=True), pool
+    return TransferEngine(dev, kv, pool, EngineConfig(sanitize=True)), pool
 
 
 def test_trace_records_each_phase(monkeypatch):
@@ -22,7 +22,7 @@ def test_trace_records_each_phase(monkeypatch):
     eng, pool = _engine(dev)
     assert eng.trace is None
     tr = eng.trace = SubmitTrace()
-    assert eng.mover.trace is tr
+    assert eng.trace is tr
     for _ in range(3):
         save = eng.save([5, 1, 6], after=None)
         assert save.wait()

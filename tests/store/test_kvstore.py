@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvtier.device import SimDevice
-from kvtier.engine import TransferEngine
+from kvtier.engine import EngineConfig, TransferEngine
 from kvtier.pool import PinnedPool
 from kvtier.reference import bits_equal, gather_ref, poison_, random_cache, scatter_ref
 from kvtier.store import KVStore
@@ -33,9 +33,8 @@ class Rig:
         self.kv = random_cache(fmt, L, NB, BS, H, D, DT, seed=1)
         self.chunk_nbytes = self.kv.chunk_nbytes(BPC)
         self.pool = PinnedPool(self.dev, pool_chunks * self.chunk_nbytes)
-        self.eng = TransferEngine(
-            self.dev, self.kv, self.pool, sanitize=True, staging_bytes=4 * self.chunk_nbytes
-        )
+        config = EngineConfig(sanitize=True, staging_bytes=4 * self.chunk_nbytes)
+        self.eng = TransferEngine(self.dev, self.kv, self.pool, config)
         options.setdefault("chunk_tokens", CT)
         self.store = KVStore(self.eng, model, tiers=list(tiers), **options)
         self.compute = self.dev.current_stream()

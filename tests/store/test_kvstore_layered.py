@@ -4,13 +4,13 @@ layer events shared; their order is tested in test_engine_load_slots.py) — eve
 dropped once e_load completed — and a failing submission gives every fetched chunk back."""
 
 import pytest
+from test_kvstore import BPC, BS, CT, DT, NB, D, H, L, Rig, toks
 
 from kvtier.device import SimDevice
-from kvtier.engine import TransferEngine
+from kvtier.engine import EngineConfig, TransferEngine
 from kvtier.pool import PinnedPool
 from kvtier.reference import random_cache
 from kvtier.store import KVStore
-from test_kvstore import BPC, BS, CT, DT, NB, D, H, L, Rig, toks
 
 
 class LayeredRig(Rig):
@@ -19,7 +19,8 @@ class LayeredRig(Rig):
         self.kv = random_cache("vllm_flash", L, NB, BS, H, D, DT, seed=1)
         self.chunk_nbytes = self.kv.chunk_nbytes(BPC)
         self.pool = PinnedPool(self.dev, 16 * self.chunk_nbytes)
-        self.eng = TransferEngine(self.dev, self.kv, self.pool, sanitize=True, compute_beside=False)
+        config = EngineConfig(sanitize=True, compute_beside=False)
+        self.eng = TransferEngine(self.dev, self.kv, self.pool, config)
         self.store = KVStore(self.eng, "m", chunk_tokens=CT)
         self.compute = self.dev.current_stream()
 

@@ -1,19 +1,48 @@
 """The transfer engine: save (GPU blocks -> pinned slot) and load (slot -> GPU blocks) jobs on
-copy streams, in the lifecycle protocol's order (`kvtier.lifecycle`), with a per-device mover
-for the bytes themselves.
+copy streams, in the lifecycle protocol's order (`kvtier.lifecycle`), with a per-device mover for
+the bytes themselves.
 
-    TransferEngine   the protocol: waits, events, tracker moves, settling   (engine.py)
-    SaveJob, LoadJob the handles a save / load returns                      (jobs.py)
-    Path, choose     which copy path a job takes, and why (measured)        (paths.py)
-    movers           SimMover (CPU, late copies) and CudaMover (staged / kernel / batch)
-    graphs           staged jobs replayed from CUDA graphs (LRU keyed by slot, n, last tokens)
-    handoff          GPU-to-GPU: blocks of device a's cache into device b's (peer copy)
-    ids              block-id checks without a per-block loop or a sort
+`TransferEngine(device, kv, pool, config=EngineConfig(...))` offers, to a serving engine or the
+store (`kvtier.store.KVStore`):
+
+    save(block_ids, after) -> SaveJob      gather blocks into a new slot; READY once its event completed
+    load(slot, block_ids)  -> LoadJob      scatter a READY slot into blocks; one event per layer
+    load_slots(slots, block_ids) -> [LoadJob]  several slots into one request's blocks, layer-major
+    compute_read / compute_write(blocks, event)  what compute does to the blocks; later jobs wait for it
+    job.wait_on(stream) / job.wait_layer(l, stream)  compute waits for a job (no host blocking)
+    poll() / wait(job)                     settle completed jobs (never on a timeout)
+    release(slot)                          retire a slot; freed once no copy uses it
+    close()                                wait for every job; the pool stays open
+
+The parts:
+
+    TransferEngine     the protocol: waits, events, tracker moves, settling   (engine.py)
+    EngineConfig       every knob, checked once                                (config.py)
+    SaveJob, LoadJob   the handles a save / load returns                       (jobs.py)
+    SubmitTrace        an opt-in timer of each submit's phases                 (trace.py)
+    Path, choose_path  which copy path a job takes, and why                    (paths.py)
+    IdCheck            block ids checked once, at the entry                    (ids.py)
+    movers             SimMover (CPU, late copies), CudaMover (staged / kernel / batch)
+    fastpath/          beneath the CUDA mover: CUDA-graph replay, the C helper, batched copies
+    handoff            GPU-to-GPU: blocks of device a's cache into device b's (peer copy)
 """
 
+from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import TransferEngine
 from kvtier.engine.handoff import Handoff, HandoffJob, handoff
 from kvtier.engine.jobs import LoadJob, SaveJob
 from kvtier.engine.paths import Path, choose_path
+from kvtier.engine.trace import SubmitTrace
 
-__all__ = ["Handoff", "HandoffJob", "LoadJob", "Path", "SaveJob", "TransferEngine", "choose_path", "handoff"]
+__all__ = [
+    "EngineConfig",
+    "Handoff",
+    "HandoffJob",
+    "LoadJob",
+    "Path",
+    "SaveJob",
+    "SubmitTrace",
+    "TransferEngine",
+    "choose_path",
+    "handoff",
+]

@@ -1,4 +1,4 @@
-"""TransferEngine: save and load jobs in the lifecycle protocol's order (DESIGN.md).
+"""TransferEngine: save and load jobs in the lifecycle protocol's order (`kvtier.lifecycle`).
 
 Save (GPU blocks -> a new pool slot), on `save_stream`:
   wait `after` and pending writers/loaders of the blocks -> gather + copy -> record e_save;
@@ -8,9 +8,14 @@ Load (slot -> GPU blocks), on `load_stream`:
   layer -> record e_load; slot READING(e_load); the read ends only once e_load completed.
 
 One code path holds the protocol (waits, events, tracker moves); the bytes move through a
-per-device mover (`movers.py`). Submission takes one lock, so the order of work on the
-streams is the order the trackers see. Nothing is ever released on a timeout or because a
-call returned: only `poll`/`wait` (`completion.py`) apply completions, and they look at events.
+per-device mover (`movers.py`), which gets a narrow `MoverContext`, never the engine. Block ids
+are checked once here, at the entry (`ids.IdCheck`), and trusted below. Submission takes one
+lock, so the order of work on the streams is the order the trackers see. Nothing is ever
+released on a timeout or because a call returned: only `poll`/`wait` settle jobs, and they look
+at events.
+
+Tracing: with `engine.trace` set, `save` / `load` are the traced twins (`_traced_save`,
+`_traced_load`), chosen once by the setter; they run the same steps with a mark between each.
 """
 
 from __future__ import annotations
@@ -19,85 +24,69 @@ import itertools
 import os
 import threading
 import time
+import warnings
 
 from kvtier.device.base import Device, Event, Stream
-from kvtier.engine.completion import Completion
-from kvtier.engine.compute import ComputeAccess
-from kvtier.engine.ids import IdCheck
-from kvtier.engine.jobs import LoadJob, SaveJob, SubmitTrace, _Job
-from kvtier.engine.movers import make_mover
-from kvtier.engine.options import check_options, check_per_layer, check_slot
-from kvtier.engine.paths import Path, job_path, parse_path
+from kvtier.engine.config import EngineConfig
+from kvtier.engine.ids import CheckedIds, IdCheck
+from kvtier.engine.jobs import LoadJob, SaveJob, _Job
+from kvtier.engine.movers import MoverContext
+from kvtier.engine.paths import Path, choose_path, parse_path
+from kvtier.engine.trace import SubmitTrace
 from kvtier.layout import PagedKV
 from kvtier.lifecycle import Access, BlockTracker, LifecycleError, SlotState, SlotTracker, sanitize_enabled
 from kvtier.pool import PinnedPool, Slot
 
 
-class TransferEngine(Completion, ComputeAccess):
+class TransferEngine:
     """Moves paged KV blocks between `kv` (GPU) and slots of `pool` (pinned host).
 
     Args:
-        path: "auto" (rule in `paths.py`), "staged", "kernel" or "batch"; per job `path=` wins.
-        sanitize: raise LifecycleError on illegal moves (default: env KVTIER_SANITIZE).
-        staging_bytes: GPU staging per direction for the staged path (two buffers of half). 512 MiB:
-            on the H200 the staged save ran 98.7% of pinned D2H with 256 MiB chunks against 96.3%
-            with 32-128 MiB ones, and CPU submit time grows with the number of chunks.
-        uva_ctas: CTAs of the kernel path's persistent grid (default: a quarter of the SMs).
-        compute_beside: the model computes while jobs run (steers "auto" to copy-engine paths;
-            "auto" is decided once per direction from it and the cache: set it at construction).
-        graphs: on CUDA, replay staged jobs from CUDA graphs captured once per direction / slot
-            size / block count / last-block tokens, each pointed at the job's slot (`graphs.py`;
-            one call of the C helper per replay, `fast.py`). max_graphs: size of that LRU cache.
-        graph_execs: execs kept per graph, each pointed at a recent slot: a job on one of those
-            slots replays without first moving the graph's DMA nodes (one runtime call per
-            256 MiB chunk, ~20 us per 1 GiB job on the H200). Slots are reused lowest address
-            first, so a few execs cover the slots a serving loop cycles through.
+        device: the `CudaDevice` or `SimDevice` of `kv` and `pool`.
+        kv: the serving engine's paged cache (`kvtier.layout.PagedKV`); a chunk of n blocks is
+            `kv.chunk_nbytes(n)` bytes, shaped `kv.chunk_shape(n)` = (n, layers, K/V, *block_shape).
+        pool: the `PinnedPool` of the same device that slots come from.
+        config: an `EngineConfig` (None: the defaults).
 
-    `trace`: a `SubmitTrace` timing the phases of each submit (KVTIER_SUBMIT_TRACE=1), or None.
-    Completion (poll / wait / release) comes from `Completion` (`completion.py`), what compute
-    tells it (compute_read / compute_write) from `ComputeAccess` (`compute.py`).
+    Public state: `device`, `kv`, `pool`, `config`, `save_stream`, `load_stream`, `slots` (the
+    slot tracker), `blocks` (the block tracker), `sanitize` (resolved), `mover`, and `trace` (a
+    `SubmitTrace` timing each submit's phases, or None; KVTIER_SUBMIT_TRACE=1 sets one).
+
+    >>> eng = TransferEngine(dev, kv, PinnedPool(dev, 8 * kv.chunk_nbytes(4)))
+    >>> save = eng.save([3, 9, 4, 1], after=compute.record())
+    >>> save.wait() and eng.load(save.slot, [5, 6, 7, 8]).wait()
+    True
     """
 
-    def __init__(
-        self,
-        device: Device,
-        kv: PagedKV,
-        pool: PinnedPool,
-        *,
-        path: str = "auto",
-        sanitize: bool | None = None,
-        staging_bytes: int = 512 << 20,
-        uva_ctas: int | None = None,
-        compute_beside: bool = True,
-        graphs: bool = True,
-        max_graphs: int = 64,
-        graph_execs: int = 4,
-    ):
-        check_options(
-            device, kv, pool, staging_bytes=staging_bytes, uva_ctas=uva_ctas, graphs=graphs,
-            max_graphs=max_graphs, graph_execs=graph_execs,
-        )  # fmt: skip
-        self.graphs, self.max_graphs, self.graph_execs = graphs, max_graphs, graph_execs
-        self.device, self.kv, self.pool = device, kv, pool
-        self.path = parse_path(path)
-        self.sanitize = sanitize_enabled(sanitize)
-        self.staging_bytes, self.uva_ctas, self.compute_beside = staging_bytes, uva_ctas, compute_beside
+    def __init__(self, device: Device, kv: PagedKV, pool: PinnedPool, config: EngineConfig | None = None):
+        config = EngineConfig() if config is None else config
+        if not isinstance(config, EngineConfig):
+            raise ValueError(f"config: expected an EngineConfig or None, got {type(config).__name__}")
+        if not isinstance(kv, PagedKV):
+            raise ValueError(f"kv: expected a PagedKV, got {type(kv).__name__}")
+        if getattr(pool, "device", None) is not device:
+            raise ValueError("pool: must be a PinnedPool of the same device")
+        if config.staging_bytes < 2 * kv.block_nbytes:
+            raise ValueError(f"staging_bytes: need at least two blocks ({2 * kv.block_nbytes} B)")
+        self.device, self.kv, self.pool, self.config = device, kv, pool, config
+        self.sanitize = sanitize_enabled(config.sanitize)
         self.save_stream: Stream = device.new_stream("kvtier-save")
         self.load_stream: Stream = device.new_stream("kvtier-load")
         self.slots = SlotTracker(pool, sanitize=self.sanitize)
         self.blocks = BlockTracker(sanitize=self.sanitize)
-        self.mover = make_mover(self)
+        self.mover = _make_mover(MoverContext(device, kv, config))
         self._lock = threading.RLock()
         self._jobs: list[_Job] = []  # submitted, not settled
         self._stream_waits: dict[Stream, list[Event]] = {}  # events a stream was made to wait for
         self._seq = itertools.count(1)
         self._closed = False
-        self._check_ids = IdCheck(kv.num_blocks, kv.block_size)
+        self._ids = IdCheck(kv.num_blocks, kv.block_size)
         self._block_nbytes = kv.block_nbytes  # kv.chunk_nbytes(n) = n * this, without its property chain
         self._num_layers = kv.num_layers  # a property of the layers' shapes: read once
         # Back-pressure: settled jobs and retired slots give their room back while we wait.
         self._on_pressure = lambda _n: self.poll() > 0
         self._auto: dict[tuple[str, bool], Path] = {}  # (direction, per_layer) -> path of a job naming none
+        self._trace: SubmitTrace | None = None
         on = os.environ.get("KVTIER_SUBMIT_TRACE", "").strip().lower() in ("1", "true", "yes", "on")
         self.trace = SubmitTrace() if on else None
 
@@ -113,62 +102,33 @@ class TransferEngine(Completion, ComputeAccess):
     ) -> SaveJob:
         """Copy blocks `block_ids` (every layer, K and V) into a new slot of kv.chunk_nbytes(n).
 
+        block_ids: n ids, a 1-D int32/int64 CPU tensor [n], numpy array, range or sequence of ints.
         after: recorded on the compute stream after these blocks' KV was written (None: no
             compute write is pending beyond those told through `compute_write`).
+        num_tokens: valid tokens of the n blocks ((n - 1) * block_size < num_tokens <= n * block_size;
+            None: all); the slot holds zeros past them.
+        path: this job's copy path ("staged", "kernel", "batch"; None: the engine's).
         timeout: seconds to wait for pool room (completed jobs are harvested meanwhile); None
             waits no longer than one harvest. Then PoolExhausted.
         """
-        t0, tr = time.perf_counter(), self._trace  # tr: None unless tracing (then the phases are marked)
-        if tr is not None:
-            tr.begin("save")
+        t0 = time.perf_counter()
         if self._closed:
             self._check_open()
-        bset = self._check_ids.checked(block_ids, False, num_tokens)
-        ids = bset.ids  # int32 numpy, the job's own
-        if tr is not None:
-            tr.mark("ids")
-        p = self._auto.get(("save", False)) if path is None else None  # decided once: see paths.job_path
+        ids = self._ids.checked(block_ids, False, num_tokens)
+        p = self._auto.get(("save", False)) if path is None else None  # decided once: see `_path`
         if p is None:
-            p = job_path(self, "save", path)
-        nbytes = len(ids) * self._block_nbytes
-        slot = self.slots.alloc(nbytes, timeout or 0.0, self._on_pressure)
-        if tr is not None:
-            tr.mark("slot")
+            p = self._path("save", path, False)
+        slot = self.slots.alloc(len(ids) * self._block_nbytes, timeout or 0.0, self._on_pressure)
         try:
             with self._lock:
-                k = next(self._seq)
-                waits = self.blocks.waits_for(Access.SAVE, bset, self.save_stream)
-                if after is not None:
-                    # The copy must not read KV the compute has not finished writing (vLLM #31341).
-                    self.save_stream.wait_event(after)
-                    waited = [*waits, after]
-                else:
-                    waited = waits
-                for e in waits:
-                    # Nor blocks a load or a registered compute write still writes.
-                    self.save_stream.wait_event(e)
-                if tr is not None:
-                    tr.mark("tracker_wait")
+                k, waited = self._save_waits(ids, after)
                 e_save = self.device.new_event(f"e_save#{k}")
-                self.mover.save(p, ids, num_tokens, slot, self.save_stream, e_save)
-                if tr is not None:
-                    tr.mark("mover")
+                self.mover.save(p, ids, slot, self.save_stream, e_save)
                 if e_save.stream is None:  # not recorded by a graph replay right after its copies
                     e_save.record(self.save_stream)  # after every copy: then the slot is READY
-                if tr is not None:
-                    tr.mark("event")
-                self.blocks.register(Access.SAVE, bset, e_save, waited)
-                self.slots.begin_fill(slot, e_save)  # READY only once e_save has completed
-                job = SaveJob(self, slot, e_save, ids, nbytes, p._value_, time.perf_counter() - t0)
-                self._jobs.append(job)
-                if tr is not None:
-                    tr.mark("tracker_begin")
-                    tr.end()
-                return job
+                return self._begin_save(ids, slot, e_save, waited, p, t0)
         except BaseException:
-            # A failed mover may have enqueued copies into the slot: they land before it is reused.
-            if self.slots.state(slot) is SlotState.ALLOCATED and self._quiesce(self.save_stream):
-                self.slots.release(slot)  # nothing of the job is in flight any more
+            self._undo_save(slot)
             raise
 
     def load(
@@ -180,80 +140,149 @@ class TransferEngine(Completion, ComputeAccess):
         per_layer: bool = True,
         path: str | None = None,
     ) -> LoadJob:
-        """Copy the READY slot `slot` into blocks `block_ids` (n distinct ids, every layer)."""
-        t0, tr = time.perf_counter(), self._trace  # as in save: marks only when tracing
-        if tr is not None:
-            tr.begin("load")
-        if self._closed:
-            self._check_open()
-        if type(slot) is not Slot:  # the usual Slot passes with one test; the check names what is wrong
-            check_slot(slot)
-        if per_layer is not True and per_layer is not False:
-            check_per_layer(per_layer)
-        bset = self._check_ids.checked(block_ids, True, num_tokens)
-        ids = bset.ids  # int32 numpy, the job's own
-        if tr is not None:
-            tr.mark("ids")
-        nbytes = len(ids) * self._block_nbytes
-        if slot.nbytes != nbytes:
-            raise ValueError(f"slot: holds {slot.nbytes} B, {len(ids)} blocks need {nbytes} B")
-        p = self._auto.get(("load", per_layer)) if path is None else None  # decided once: see paths.job_path
+        """Copy the READY slot `slot` (a save job's `.slot`) into blocks `block_ids`.
+
+        block_ids: n distinct ids, as in `save`; slot.nbytes must be kv.chunk_nbytes(n).
+        per_layer: the job's `layer_events[l]` completes once layer l landed (on the kernel path a
+            true event per layer; on the staged path every layer's event is the job's).
+        num_tokens, path: as in `save`; tokens past num_tokens are left untouched in the cache.
+        """
+        t0 = time.perf_counter()
+        ids = self._load_ids(slot, block_ids, num_tokens, per_layer)
+        p = self._auto.get(("load", per_layer)) if path is None else None  # decided once: see `_path`
         if p is None:
-            p = job_path(self, "load", path, per_layer)
+            p = self._path("load", path, per_layer)
         if self.slots.state(slot) is SlotState.FILLING:
             self.poll()  # a save into this slot that has completed becomes READY now
-        if tr is not None:
-            tr.mark("poll")
         with self._lock:
-            if self.sanitize and self.slots.state(slot) not in (SlotState.READY, SlotState.READING):
-                # Checked before submitting anything: a half-submitted job could not be undone.
-                why = "the slot holds no complete data yet: wait for its save job first"
-                raise LifecycleError("load", slot.name, self.slots.state(slot).value, None, why)
-            k = next(self._seq)
-            waits = self.blocks.waits_for(Access.LOAD, bset, self.load_stream)
-            for e in waits:
-                # The load must not overwrite blocks still read, written or saved (vLLM #47282).
-                self.load_stream.wait_event(e)
-            if tr is not None:
-                tr.mark("tracker_wait")
+            k, waits = self._load_waits(slot, ids)
             e_load = self.device.new_event(f"e_load#{k}")
             try:
-                layers = self.mover.load(
-                    p, ids, num_tokens, slot, self.load_stream, per_layer, f"e_load#{k}", e_load
-                )
+                layers = self.mover.load(p, ids, slot, self.load_stream, per_layer, f"e_load#{k}", e_load)
             except BaseException:
                 self._quiesce(self.load_stream)  # its enqueued copies must not outlive the error
                 raise
-            if tr is not None:
-                tr.mark("mover")
             if e_load.stream is None:  # not recorded by a graph replay right after its copies
                 e_load.record(self.load_stream)  # after every copy: the blocks landed, the slot free
-            if tr is not None:
-                tr.mark("event")
-            self.slots.begin_read(slot, e_load)  # the slot may be freed only after e_load
-            self.blocks.register(Access.LOAD, bset, e_load, waits)
-            layer_events = [*layers, e_load] if layers else [e_load] * self._num_layers
-            job = LoadJob(self, slot, e_load, ids, nbytes, p._value_, 0.0, layer_events=layer_events)
-            self._jobs.append(job)
+            job = self._begin_load(ids, slot, e_load, waits, layers, p)
         job.submit_s = time.perf_counter() - t0
-        if tr is not None:
-            tr.mark("tracker_begin")
-            tr.end()
         return job
-
-    def load_path(self, per_layer: bool = False) -> Path:
-        """The path a load job with no `path=` of its own takes (`paths.py`)."""
-        return job_path(self, "load", None, per_layer)
 
     def load_slots(self, slots, block_ids, *, num_tokens: int | None = None) -> list[LoadJob]:
         """Copy READY slots `slots` (each a chunk of whole blocks) into `block_ids` (slot by slot,
         in order) layer-major: layer l of every slot lands before layer l + 1 of any, one launch
-        per layer (kernel path). One LoadJob per slot, sharing layer events and e_load."""
-        from kvtier.engine.load_slots import load_slots
+        per layer (kernel path). One LoadJob per slot, sharing layer events and e_load.
 
-        return load_slots(self, slots, block_ids, num_tokens=num_tokens)
+        Chunk-major loads (one job per slot) land layer 0 of a request only when almost every
+        byte has landed; here layer 0 of every chunk lands first, so attention of layer 0 may
+        start after 1/L of the bytes and the copy hides under the forward. The store tracks
+        chunks one by one, hence a job per slot; each settles when e_load completes.
 
-    # ---- lifetime --------------------------------------------------------------------------
+        block_ids: as many distinct ids as the slots hold blocks, together.
+        """
+        t0 = time.perf_counter()
+        self._check_open()
+        slots = list(slots) if not isinstance(slots, Slot) else None
+        if not slots or not all(isinstance(s, Slot) for s in slots):
+            raise ValueError("slots: expected a non-empty sequence of pool Slots")
+        if len({id(s) for s in slots}) != len(slots):
+            raise ValueError("slots: a slot appears twice; each chunk of a request has its own slot")
+        ids = self._ids.checked(block_ids, True, num_tokens)
+        per_block, counts = self._block_nbytes, []
+        for j, s in enumerate(slots):
+            if s.nbytes % per_block:
+                why = f"holds {s.nbytes} B, not a whole number of {per_block} B blocks"
+                raise ValueError(f"slots[{j}]: {why}")
+            counts.append(s.nbytes // per_block)
+        if sum(counts) != len(ids):
+            raise ValueError(f"block_ids: {len(ids)} ids for slots holding {sum(counts)} blocks")
+        self.poll()  # a save into one of these slots that has completed becomes READY now
+        with self._lock:
+            if self.sanitize:
+                for s in slots:
+                    self._check_readable(s)
+            k = next(self._seq)
+            stream = self.load_stream
+            waits = self._wait_all(stream, self.blocks.waits_for(Access.LOAD, ids, stream))
+            try:
+                layers = self.mover.load_slots(ids, counts, slots, stream, f"e_load#{k}")
+            except BaseException:
+                self._quiesce(stream)  # its enqueued layers must not outlive the error (they read the slots)
+                raise
+            e_load = stream.record(f"e_load#{k}")
+            for s in slots:
+                self.slots.begin_read(s, e_load)  # each slot may be freed only after e_load
+            self.blocks.begin_load(ids, e_load, waited=waits)
+            events = [*layers, e_load]
+            jobs, at = [], 0
+            for s, c in zip(slots, counts, strict=True):
+                part = ids.ids[at : at + c]
+                job = LoadJob(self, s, e_load, part, s.nbytes, Path.KERNEL.value, 0.0, layer_events=events)
+                jobs.append(job)
+                at += c
+            self._jobs.extend(jobs)
+        spent = time.perf_counter() - t0
+        for j in jobs:
+            j.submit_s = spent / len(jobs)
+        return jobs
+
+    def load_path(self, per_layer: bool = False) -> Path:
+        """The path a load job with no `path=` of its own takes (`paths.py`)."""
+        return self._path("load", None, per_layer)
+
+    # ---- what compute tells the engine -----------------------------------------------------
+    def compute_read(self, blocks, event: Event, waited=()) -> None:
+        """Compute reads `blocks` (ids, as in `save`) until `event`; a later load into them waits
+        for it. waited: events the compute stream had waited for before `event`."""
+        self._check_event(event)
+        self.blocks.compute_read(self._ids.checked(blocks, False), event, waited=self._waited(event, waited))
+
+    def compute_write(self, blocks, event: Event, waited=()) -> None:
+        """Compute writes `blocks` until `event`; a later save or load of them waits for it."""
+        self._check_event(event)
+        self.blocks.compute_write(self._ids.checked(blocks, False), event, waited=self._waited(event, waited))
+
+    # ---- completion: jobs settle here, and only here ----------------------------------------
+    def poll(self) -> int:
+        """Settle every job whose event has completed; return how many were settled."""
+        with self._lock:
+            # A stream runs in order: past its first incomplete job, none of its later ones can have
+            # completed, so each poll queries the completed jobs and one more per stream, not all.
+            done, blocked = [], set()
+            for j in self._jobs:
+                stream = j.event.stream
+                if stream is not None and stream in blocked:
+                    continue
+                if j.event.query():
+                    done.append(j)
+                elif stream is not None:
+                    blocked.add(stream)
+            for j in done:
+                self._settle(j)
+            self.slots.poll()  # retired slots whose events completed go back to the pool
+        return len(done)
+
+    def wait(self, job: _Job, timeout: float | None = None) -> bool:
+        """Block until `job` completed and settle it; False on timeout: nothing is released."""
+        if not isinstance(job, _Job) or job.engine is not self:
+            raise ValueError(f"job: expected a SaveJob or LoadJob of this engine, got {job!r}")
+        if not job.event.synchronize(timeout):  # every event checks its timeout
+            return False  # in flight: the slot stays FILLING/READING, the blocks stay pending
+        self._settle(job)
+        return True
+
+    def release(self, slot: Slot) -> None:
+        """The owner drops `slot`; it returns to the pool once no copy into/out of it is pending."""
+        _check_slot(slot)
+        with self._lock:
+            self.poll()
+            for j in self._jobs:
+                if j.slot is slot and isinstance(j, SaveJob):
+                    j.slot_released = True  # the retired slot turns READY by itself on completion
+            # retire, not release: a copy may still be in flight (never free on a timeout).
+            self.slots.retire(slot)
+
+    # ---- lifetime and introspection --------------------------------------------------------
     def close(self) -> None:
         """Wait for every job, settle them, drop the staging buffers. The pool stays open."""
         if self._closed:
@@ -277,18 +306,231 @@ class TransferEngine(Completion, ComputeAccess):
 
     @trace.setter
     def trace(self, value: SubmitTrace | None) -> None:
+        if value is not None and not isinstance(value, SubmitTrace):
+            raise ValueError(f"trace: expected a SubmitTrace or None, got {value!r}")
         self._trace = value
-        for obj in (self.mover, getattr(self.mover, "graphs", None)):
-            if obj is not None:
-                obj.trace = value  # the mover and its graphs mark their own phases
+        self.mover.set_trace(value)  # the mover's phases: its traced replay, or none
+        if value is None:  # the plain submits again (the class's methods)
+            self.__dict__.pop("save", None)
+            self.__dict__.pop("load", None)
+        else:  # chosen once here: the plain submits carry no trace checks
+            self.save, self.load = self._traced_save, self._traced_load
 
-    @property
     def graph_stats(self):
-        """Captures / replays / misses / evictions / failures of the staged CUDA graphs (None: off)."""
+        """Captures / replays / misses / evictions / failures of the staged CUDA graphs (None: off
+        or not on CUDA)."""
         g = getattr(self.mover, "graphs", None)
         return None if g is None else g.stats
 
+    # ---- the steps of a submit (shared by the plain and the traced ones) -------------------
+    def _path(self, direction: str, path: str | None, per_layer: bool) -> Path:
+        """The path of a job: `path=` if given (checked against the mover), else the engine's own
+        (`auto`: `choose_path` for its cache and config), decided and checked once per direction
+        and per_layer and kept in `_auto` (kv and config are fixed)."""
+        if path is None and (p := self._auto.get((direction, per_layer))) is not None:
+            return p
+        p = parse_path(path) if path is not None else self.config.path
+        if p is Path.AUTO:
+            kv = self.kv
+            p = choose_path(
+                direction,
+                piece_nbytes=kv.piece_numel * kv.dtype.itemsize,
+                per_layer=per_layer,
+                compute_beside=self.config.compute_beside,
+                batch_ok=self.mover.batch_available,
+            )
+        self.mover.check_path(p)
+        if path is None:  # the engine's own path: fixed, so decided and checked once
+            self._auto[(direction, per_layer)] = p
+        return p
+
+    def _wait_all(self, stream: Stream, waits: list[Event]) -> list[Event]:
+        for e in waits:
+            # A copy must not touch blocks a pending access still needs: a load must not overwrite
+            # blocks still read, written or saved (vLLM #47282), nor a save read blocks still written.
+            stream.wait_event(e)
+        return waits
+
+    def _save_waits(self, ids: CheckedIds, after: Event | None) -> tuple[int, list[Event]]:
+        """Under the lock: the job's number, and the events the save stream now waits for."""
+        k = next(self._seq)
+        waits = self.blocks.waits_for(Access.SAVE, ids, self.save_stream)
+        if after is None:
+            return k, self._wait_all(self.save_stream, waits)
+        # The copy must not read KV the compute has not finished writing (vLLM #31341).
+        self.save_stream.wait_event(after)
+        return k, [*self._wait_all(self.save_stream, waits), after]
+
+    def _begin_save(self, ids: CheckedIds, slot: Slot, e_save: Event, waited, p: Path, t0: float) -> SaveJob:
+        """Under the lock, after the copies and e_save were enqueued: the trackers' moves, the job."""
+        self.blocks.register(Access.SAVE, ids, e_save, waited)
+        self.slots.begin_fill(slot, e_save)  # READY only once e_save has completed
+        nbytes = len(ids) * self._block_nbytes
+        job = SaveJob(self, slot, e_save, ids.ids, nbytes, p._value_, time.perf_counter() - t0)
+        self._jobs.append(job)
+        return job
+
+    def _undo_save(self, slot: Slot) -> None:
+        # A failed mover may have enqueued copies into the slot: they land before it is reused.
+        if self.slots.state(slot) is SlotState.ALLOCATED and self._quiesce(self.save_stream):
+            self.slots.release(slot)  # nothing of the job is in flight any more
+
+    def _load_ids(self, slot: Slot, block_ids, num_tokens: int | None, per_layer: bool) -> CheckedIds:
+        """The arguments of a load checked (each error names its argument); its ids."""
+        if self._closed:
+            self._check_open()
+        if type(slot) is not Slot:  # the usual Slot passes with one test; the check names what is wrong
+            _check_slot(slot)
+        if per_layer is not True and per_layer is not False:
+            raise ValueError(f"per_layer: expected True or False, got {per_layer!r}")
+        ids = self._ids.checked(block_ids, True, num_tokens)
+        nbytes = len(ids) * self._block_nbytes
+        if slot.nbytes != nbytes:
+            raise ValueError(f"slot: holds {slot.nbytes} B, {len(ids)} blocks need {nbytes} B")
+        return ids
+
+    def _load_waits(self, slot: Slot, ids: CheckedIds) -> tuple[int, list[Event]]:
+        """Under the lock: the slot readable, the job's number, the events the load stream waits for."""
+        if self.sanitize:
+            self._check_readable(slot)
+        k = next(self._seq)
+        return k, self._wait_all(self.load_stream, self.blocks.waits_for(Access.LOAD, ids, self.load_stream))
+
+    def _begin_load(self, ids: CheckedIds, slot: Slot, e_load: Event, waits, layers, p: Path) -> LoadJob:
+        """Under the lock, after the copies and e_load were enqueued: the trackers' moves, the job."""
+        self.slots.begin_read(slot, e_load)  # the slot may be freed only after e_load
+        self.blocks.register(Access.LOAD, ids, e_load, waits)
+        layer_events = [*layers, e_load] if layers else [e_load] * self._num_layers
+        job = LoadJob(self, slot, e_load, ids.ids, slot.nbytes, p._value_, 0.0, layer_events=layer_events)
+        self._jobs.append(job)
+        return job
+
+    def _check_readable(self, slot: Slot) -> None:
+        state = self.slots.state(slot)
+        if state not in (SlotState.READY, SlotState.READING):
+            # Checked before submitting anything: a half-submitted job could not be undone.
+            why = "the slot holds no complete data yet: wait for its save job first"
+            raise LifecycleError("load", slot.name, state.value, None, why)
+
+    # ---- the traced submits: the same steps, a mark between each ----------------------------
+    def _traced_save(self, block_ids, *, after, num_tokens=None, path=None, timeout=None) -> SaveJob:
+        tr, t0 = self._trace, time.perf_counter()
+        tr.begin("save")
+        self._check_open()
+        ids = self._ids.checked(block_ids, False, num_tokens)
+        tr.mark("ids")
+        p = self._path("save", path, False)
+        slot = self.slots.alloc(len(ids) * self._block_nbytes, timeout or 0.0, self._on_pressure)
+        tr.mark("slot")
+        try:
+            with self._lock:
+                k, waited = self._save_waits(ids, after)
+                tr.mark("tracker_wait")
+                e_save = self.device.new_event(f"e_save#{k}")
+                self.mover.save(p, ids, slot, self.save_stream, e_save)
+                tr.mark("mover")
+                if e_save.stream is None:  # as in `save`
+                    e_save.record(self.save_stream)  # after every copy: then the slot is READY
+                tr.mark("event")
+                job = self._begin_save(ids, slot, e_save, waited, p, t0)
+                tr.mark("tracker_begin")
+        except BaseException:
+            self._undo_save(slot)
+            raise
+        tr.end()
+        return job
+
+    def _traced_load(self, slot, block_ids, *, num_tokens=None, per_layer=True, path=None) -> LoadJob:
+        tr, t0 = self._trace, time.perf_counter()
+        tr.begin("load")
+        ids = self._load_ids(slot, block_ids, num_tokens, per_layer)
+        tr.mark("ids")
+        p = self._path("load", path, per_layer)
+        if self.slots.state(slot) is SlotState.FILLING:
+            self.poll()  # a save into this slot that has completed becomes READY now
+        tr.mark("poll")
+        with self._lock:
+            k, waits = self._load_waits(slot, ids)
+            tr.mark("tracker_wait")
+            e_load = self.device.new_event(f"e_load#{k}")
+            try:
+                layers = self.mover.load(p, ids, slot, self.load_stream, per_layer, f"e_load#{k}", e_load)
+            except BaseException:
+                self._quiesce(self.load_stream)  # its enqueued copies must not outlive the error
+                raise
+            tr.mark("mover")
+            if e_load.stream is None:  # as in `load`
+                e_load.record(self.load_stream)  # after every copy: the blocks landed, the slot free
+            tr.mark("event")
+            job = self._begin_load(ids, slot, e_load, waits, layers, p)
+        job.submit_s = time.perf_counter() - t0
+        tr.mark("tracker_begin")
+        tr.end()
+        return job
+
     # ---- helpers ---------------------------------------------------------------------------
+    def _settle(self, job: _Job) -> None:
+        with self._lock:
+            if job.settled:
+                return
+            if not job.event.query():
+                raise RuntimeError(f"internal: settling {job.event.label} before it completed")
+            if isinstance(job, SaveJob):
+                if not job.slot_released:
+                    self.slots.fill_done(job.slot)  # e_save completed: the slot holds the data
+            else:
+                self.slots.end_read(job.slot, job.event)  # e_load completed: the copy read it all
+            job.settled = True
+            self._jobs.remove(job)
+
+    def _quiesce(self, stream) -> bool:
+        """After a failed submit: wait until nothing it may have enqueued is in flight (`stream`,
+        the job's, and the mover's helper streams). False, with a warning, when the wait itself
+        failed (the device is lost): the caller then keeps the job's buffers out of reuse."""
+        try:
+            stream.synchronize()  # copies enqueued before the failure still read / write the buffers
+            self.mover.synchronize()  # and its helper streams' gathers / scatters
+        except Exception as e:  # the submit's own error is the one to raise
+            why = f"kvtier: a failed job's copies could not be waited for ({e}); its slot is kept"
+            warnings.warn(why, stacklevel=3)
+            return False
+        return True
+
+    def _note_wait(self, stream: Stream, event: Event) -> None:
+        """`stream` was made to wait for `event` (`job.wait_on`, `wait_layer`): a compute access
+        registered on that stream later counts it as waited (the order the stream guarantees)."""
+        with self._lock:
+            evs = [e for e in self._stream_waits.get(stream, []) if not e.query()]
+            evs.append(event)
+            self._stream_waits[stream] = evs
+
+    def _waited(self, event: Event, waited) -> list[Event]:
+        with self._lock:
+            return [*waited, *self._stream_waits.get(event.stream, [])]
+
+    def _check_event(self, event) -> None:
+        """`event` is an event of this engine's device: a later job's stream will wait for it."""
+        if not isinstance(event, Event) or getattr(event, "_dev", self.device) is not self.device:
+            raise ValueError(f"event: expected an event of this engine's device, got {event!r}")
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("TransferEngine is closed")
+
+
+def _make_mover(ctx: MoverContext):
+    """The mover of `ctx.device`: SimMover on a SimDevice, else CudaMover (imported only then)."""
+    from kvtier.device.sim import SimDevice
+
+    if isinstance(ctx.device, SimDevice):
+        from kvtier.engine.sim_mover import SimMover
+
+        return SimMover(ctx)
+    from kvtier.engine.cuda_mover import CudaMover
+
+    return CudaMover(ctx)
+
+
+def _check_slot(slot) -> None:
+    if not isinstance(slot, Slot):
+        raise ValueError(f"slot: expected a Slot of this engine's pool (a save job's .slot), got {slot!r}")

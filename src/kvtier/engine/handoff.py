@@ -1,6 +1,6 @@
 """GPU-to-GPU KV handoff: blocks of device a's paged cache into device b's (prefill on a, decode on b).
 
-One job, in the lifecycle protocol's order (DESIGN.md), on a copy stream of each device:
+One job, in the lifecycle protocol's order (`kvtier.lifecycle`), on a copy stream of each device:
 
   a: wait `after` + pending writers/loaders of the source blocks -> per piece of ~piece_bytes:
      gather into a contiguous chunk on a's send stream, then a peer copy chunk_a -> chunk_b on
@@ -43,7 +43,7 @@ class Handoff:
     sanitize: trackers made here raise LifecycleError on illegal moves (default: KVTIER_SANITIZE).
     piece_bytes: bytes per piece of the pipeline (gather / peer copy / scatter overlap).
     layer_group: layers per scatter of the last piece, each group with its event (a per-layer
-        scatter costs a launch, ~0.1 ms of host time on the H200: 32 of them outlast the copy).
+        scatter costs a launch of host time: one per layer of a deep model outlasts the copy).
     """
 
     def __init__(
@@ -138,9 +138,8 @@ class Handoff:
                 self._quiesce()  # what it enqueued must not read a's or write b's blocks after the error
                 raise
         layer_events = [*layers, e_done] if layers else [e_done] * b.kv.num_layers
-        n = len(src_ids)
-        return HandoffJob(e_sent, e_done, layer_events, src_ids, dst_ids, a.kv.chunk_nbytes(n), self.route,
-                          [chunk_a, chunk_b, ids_a, ids_b])  # fmt: skip
+        nbytes, keep = a.kv.chunk_nbytes(len(src_ids)), [chunk_a, chunk_b, ids_a, ids_b]
+        return HandoffJob(e_sent, e_done, layer_events, src_ids, dst_ids, nbytes, self.route, keep)
 
     # ---- the bytes -------------------------------------------------------------------------
     def _pieces(self, n: int, num_tokens: int | None) -> list[tuple[int, int, int | None]]:
@@ -272,11 +271,11 @@ def _piece_ids(kv: PagedKV, ids: torch.Tensor, pieces, unique: bool, stream: Str
     `stream`: the per-layer scatters and the per-piece gathers reuse them, no check per launch.
     The job keeps them until e_done: the device ids must outlive the kernels that read them,
     also where the allocator ignores record_stream (PYTORCH_NO_CUDA_MEMORY_CACHING=1)."""
-    from kvtier.ops.checks import BlockIds, checked_block_ids
+    from kvtier.ops.checks import BlockIds, trusted_block_ids
 
     bs = kv.block_size
     with torch.cuda.stream(stream.raw):
-        whole = checked_block_ids(kv, ids, unique, None)  # one H2D, its ready event on `stream`
+        whole = trusted_block_ids(kv, ids, unique, bs)  # one H2D, its ready event on `stream`
     return [
         BlockIds(
             kv, ids[s:e], whole.dev[s:e], unique, bs if nt is None else nt - (e - s - 1) * bs, whole.ready
@@ -285,9 +284,19 @@ def _piece_ids(kv: PagedKV, ids: torch.Tensor, pieces, unique: bool, stream: Str
     ]
 
 
-def handoff(src_kv, src_blocks, dst_kv, dst_blocks, *, after: Event | None, src_device=None,
-            dst_device=None, num_tokens: int | None = None, per_layer: bool = True,
-            sanitize: bool | None = None) -> HandoffJob:  # fmt: skip
+def handoff(
+    src_kv,
+    src_blocks,
+    dst_kv,
+    dst_blocks,
+    *,
+    after: Event | None,
+    src_device=None,
+    dst_device=None,
+    num_tokens: int | None = None,
+    per_layer: bool = True,
+    sanitize: bool | None = None,
+) -> HandoffJob:
     """One-shot `Handoff(src_kv, dst_kv, ...).send(...)`; see `Handoff` for the arguments."""
     h = Handoff(src_kv, dst_kv, src_device=src_device, dst_device=dst_device, sanitize=sanitize)
     return h.send(src_blocks, dst_blocks, after=after, num_tokens=num_tokens, per_layer=per_layer)

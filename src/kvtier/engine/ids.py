@@ -1,38 +1,32 @@
-"""Block ids of a job: checked on the CPU in a few numpy passes (no Python loop per block, no
-sort), and handed to the GPU through a ring of pinned host buffers (no allocation per job).
+"""Block ids of a job, checked once at the engine's entry (`IdCheck`) and trusted below.
 
 `IdCheck` turns what the caller passed (a 1-D int32/int64 tensor, a numpy array, a range or a
 sequence of ints) into an int32 array of its own -- the job keeps it, so the caller may reuse its
 buffer; int32 because every id of a cache of at most 2**31 blocks fits, and half the bytes are
 half the memory traffic of a big job's submit -- and checks it: in range (one pass: a negative id
 viewed as unsigned is out of range too), distinct where asked (a mask marked, counted, cleared),
-`num_tokens` fitting.
-With the C helper (`fast.py`) the usual input -- a contiguous int64/int32 tensor or array, or a
-list or tuple of ints (vLLM's block ids; numpy's conversion of a list cost 28 us for 512 ids and
-179 us for 8192 on the CI CPU, the C pass 1.7 and 10) -- is copied and checked in one C call
-instead; the errors are the same. For jobs of SPARE_MIN ids or more that call also picks the
-job's array from a few spares of that length: one that no job, tracker entry or view holds any
-more (a reference count of 1, read under the GIL), so a serving loop of like-sized jobs touches
-no new memory per job (the H200 hosts: a new 64 KiB array cost ~6 us more than a reused one right
-after a 1 GiB copy, `probe_ids_cost.py`). `check` and `__call__` give int64 tensors (a copy) to
-callers that want them; the engine takes `checked`.
+`num_tokens` fitting. The result is a `CheckedIds`: the block tracker takes it as it is, and the
+movers turn it into `ops.BlockIds` with no second check (`ops.checks.trusted_block_ids`).
 
-`HostRing` holds the host buffers a graph's ids are copied from. An asynchronous H2D copy reads
-its pinned source when the stream reaches it, not when it is enqueued: a buffer is written again
-only once the event recorded after its last copy has completed.
+With the C helper (`fastpath/fast.py`) the usual input -- a contiguous int64/int32 tensor or
+array, or a list or tuple of ints (vLLM's block ids) -- is copied and checked in one C call
+instead of several numpy passes; the errors are the same. For jobs of SPARE_MIN ids or more that
+call also picks the job's array from a few spares of that length: one that no job, tracker entry
+or view holds any more (a reference count of 1, read under the GIL), so a serving loop of
+like-sized jobs touches no new memory per job (a freshly allocated array is cold in the caches
+right after a large copy). `check` and `__call__` give int64 tensors (a copy) to callers that
+want them; the engine takes `checked`.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import torch
 
-from kvtier.engine.fast import fast as _fast
+from kvtier.engine.fastpath.fast import fast as _fast
 from kvtier.lifecycle.blocks import CheckedBlocks
 
 SPARE_MIN = 1024  # ids from which a job's array comes from spares (smaller ones: malloc's bins)
@@ -40,6 +34,21 @@ SPARE_BYTES = 2 << 20  # spares of one length, at most (64 arrays of 8192 ids)
 SPARE_LENGTHS = 4  # lengths with spares, the latest ones (others: a new array per job)
 MAX_BLOCKS = 1 << 31  # every id of a cache up to this size fits the int32 copies
 NOT_INTS = 3  # the C check's answer for a list with an item that is no int (numpy's path then)
+
+
+class CheckedIds(CheckedBlocks):
+    """Block ids checked once at the entry: `ids` (the job's own int32 numpy array, [n], in
+    [0, `bound`), distinct when `unique`) and `last_valid`, the valid tokens of the last block.
+    The block tracker keeps it as `CheckedBlocks`; movers trust it (a plain slotted class: made
+    once per job, it must cost next to nothing)."""
+
+    __slots__ = ("last_valid", "unique")
+
+    def __init__(self, ids: np.ndarray, bound: int, unique: bool, last_valid: int):
+        self.ids, self.bound, self.unique, self.last_valid = ids, bound, unique, last_valid
+
+    def __len__(self) -> int:
+        return self.ids.shape[0]
 
 
 class IdCheck:
@@ -61,13 +70,13 @@ class IdCheck:
         return self.check(block_ids, unique, num_tokens)[0]
 
     def check(self, block_ids, unique: bool, num_tokens: int | None = None):
-        """(int64 [n] CPU tensor, the same ids as `CheckedBlocks` for the block tracker)."""
+        """(int64 [n] CPU tensor, the same ids as `CheckedIds`)."""
         b = self.checked(block_ids, unique, num_tokens)
         return torch.from_numpy(b.ids).long(), b
 
-    def checked(self, block_ids, unique: bool, num_tokens: int | None = None) -> CheckedBlocks:
-        """The checked ids as `CheckedBlocks` only: `.ids` is the job's own int32 numpy array (no
-        torch view made: one call fewer on a submit, whose movers take numpy ids)."""
+    def checked(self, block_ids, unique: bool, num_tokens: int | None = None) -> CheckedIds:
+        """The checked ids as `CheckedIds`: `.ids` is the job's own int32 numpy array (no torch
+        view made: one call fewer on a submit, whose movers take numpy ids)."""
         got = self._native(block_ids, unique) if _fast is not None else None
         if got is None:
             a = self._array(block_ids)
@@ -81,20 +90,21 @@ class IdCheck:
             raise ValueError(f"block_ids: out of range; the cache has {self.num_blocks} blocks")
         if bad == 2:
             raise ValueError("block_ids: duplicate ids; a load cannot write one block twice")
+        bs = self.block_size
+        if num_tokens is None:
+            return CheckedIds(a, self.num_blocks, unique, bs)
         n = len(a)
-        if num_tokens is not None:
-            bs = self.block_size
-            if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
-                raise ValueError(f"num_tokens: expected an int or None, got {num_tokens!r}")
-            if not (n - 1) * bs < num_tokens <= n * bs:
-                raise ValueError(f"num_tokens: {num_tokens!r} does not fit {n} blocks of {bs} tokens")
-        return CheckedBlocks(a, self.num_blocks)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+            raise ValueError(f"num_tokens: expected an int or None, got {num_tokens!r}")
+        if not (n - 1) * bs < num_tokens <= n * bs:
+            raise ValueError(f"num_tokens: {num_tokens!r} does not fit {n} blocks of {bs} tokens")
+        return CheckedIds(a, self.num_blocks, unique, num_tokens - (n - 1) * bs)
 
     def _native(self, block_ids, unique: bool) -> tuple[np.ndarray, int] | None:
         """The usual input -- a contiguous 1-D int64/int32 CPU tensor or numpy array, or a list or
         tuple of ints -- copied and checked in one C call (`fast.py`): (the copy, 0 / 1 out of
         range / 2 a repeat); None for anything else (the numpy path handles it)."""
-        if type(block_ids) is torch.Tensor:  # few torch reads: 9-15 us each, caches cold (probe_cold_steps)
+        if type(block_ids) is torch.Tensor:  # few torch reads: each is costly on a cold host
             dt, shape = block_ids.dtype, block_ids.shape
             if len(shape) != 1 or not (block_ids.is_cpu and block_ids.is_contiguous()):
                 return None
@@ -186,7 +196,7 @@ class IdCheck:
         """`ids` (in range; `hi`: their largest, if known) repeat an id. No sort: mark each id in a
         bool scratch, count the marks up to `hi` (a sequential pass), clear them again; fewer
         marks than ids means a repeat. One byte per block: a quarter of the cache lines a mark of
-        positions touches -- the scratch is cold at each job (H200: ~100 us for 8192 ids before)."""
+        positions touches -- the scratch is cold at each job."""
         a = ids.numpy() if isinstance(ids, torch.Tensor) else ids
         if hi is None:
             hi = int(a.max())
@@ -196,70 +206,3 @@ class IdCheck:
             distinct = np.count_nonzero(m[: hi + 1])
             m[a] = False  # all False again for the next call
         return distinct != len(a)
-
-
-class HostRing:
-    """Host buffers reused round-robin, each guarded by the event recorded after the copy that
-    last read it. Not thread-safe (used under the engine's lock).
-
-    make_buffer(): a new buffer (pinned, on CUDA). make_event(): an event with `record(stream)`,
-    `query()` and `synchronize()`. depth: buffers made up front; up to max_depth are made when
-    every buffer is still being read, past that the host waits for the oldest copy. A buffer is
-    guarded by the ring's own event (`arm`) or by one the caller records later (`arm_with`, e.g.
-    the job's event: one runtime call fewer, the buffer busy until the whole job is done).
-    `guards` (per buffer: its event, None while never used) and `next` (the buffer `take` tries
-    first) are read and written inline by the fused replay (`graph_fused.py`): it queries the guard
-    itself and calls `take` only when that buffer is busy, then arms it as `arm_with` would.
-    """
-
-    def __init__(self, make_buffer: Callable[[], Any], make_event: Callable[[], Any], depth=2, max_depth=16):
-        if not 1 <= depth <= max_depth:
-            raise ValueError(f"depth: expected 1 <= depth <= max_depth ({max_depth}), got {depth}")
-        self._make_buffer, self._make_event, self.max_depth = make_buffer, make_event, max_depth
-        self.buffers: list = []
-        self.guards: list = []  # per buffer: recorded after its last copy (None: never used)
-        self._own: list = []  # per buffer: the ring's own event, made on its first `arm`
-        self.next = 0  # the buffer used longest ago
-        self.grown = self.waited = 0
-        for _ in range(depth):
-            self._add(len(self.buffers))
-
-    def _add(self, i: int) -> None:
-        self.buffers.insert(i, self._make_buffer())
-        self.guards.insert(i, None)
-        self._own.insert(i, None)
-
-    def take(self) -> int:
-        """The index of a buffer the host may write now; then enqueue its copy and `arm` it."""
-        i = self.next
-        ev = self.guards[i]
-        if ev is not None and not ev.query():  # its last copy may not have read it yet
-            if len(self.buffers) < self.max_depth:
-                self._add(i)  # a new buffer in its place; the busy one stays next in line
-                self.grown += 1
-            else:
-                # Writing it now would change the ids of a copy still queued: wait for that copy.
-                ev.synchronize()
-                self.waited += 1
-        return i
-
-    def arm(self, i: int, stream) -> None:
-        """Record buffer `i`'s event on `stream` right after the copy that reads it was enqueued."""
-        own = self._own[i]
-        if own is None:
-            own = self._own[i] = self._make_event()
-        # The buffer is reused only after this event: the copy has then read the ids it held.
-        own.record(stream)
-        self.guards[i] = own
-        self.next = (i + 1) % len(self.buffers)
-
-    def arm_with(self, i: int, event) -> None:
-        """Guard buffer `i` with `event`, which the caller records after the copy that reads it
-        (on that copy's stream, later in the same submit): no event record of the ring's own.
-        Until it is recorded the buffer reads as free; the caller holds the lock meanwhile."""
-        # The buffer is reused only after `event`: the copy before it has then read the ids.
-        self.guards[i] = event
-        self.next = (i + 1) % len(self.buffers)
-
-    def __len__(self) -> int:
-        return len(self.buffers)

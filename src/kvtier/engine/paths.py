@@ -1,4 +1,4 @@
-"""Which copy path a job takes: the rule, with the measurements behind it.
+"""Which copy path a job takes: the rule, and the reasons behind it.
 
 Paths (all move the same block-major chunk, so a chunk saved one way loads any way):
 
@@ -6,24 +6,24 @@ Paths (all move the same block-major chunk, so a chunk saved one way loads any w
   pinned DMA per buffer on the copy engine, pipelined (ops.save_staged / load_staged).
 - "kernel": one Triton kernel reads/writes the pinned slot through UVA, on a persistent grid
   capped at `uva_ctas` CTAs (default: a quarter of the SMs).
-- "batch": `cudaMemcpyBatchAsync` (CUDA >= 12.8, through cuda-bindings): every piece handed
-  to the copy engine in one call; no SM at all.
+- "batch": `cudaMemcpyBatchAsync` (CUDA >= 12.8): every piece handed to the copy engine in one
+  call; no SM at all.
 
-The rule of `path="auto"` (H200, benchmarks/results/nvidia-h200-2026-11-29.json):
+The rule of `path="auto"`:
 
-- save -> "staged". It reached 98.7-99.1% of pinned D2H where the UVA kernel reached 93-95%,
-  and during its DMAs it holds no SM: a matmul beside bulk DMA lost 0.9%, beside a full-grid
-  UVA kernel it ran 5.4x slower.
-- load -> "staged" when compute runs beside (~97% of pinned H2D, SMs only for the short HBM
-  scatters); when nothing computes beside and per-layer events are asked, "kernel" (~90% of
-  H2D), whose per-layer launches give a true event per layer, so layer i can start as soon as
-  it has arrived. Staged loads give every layer the job's final event.
-- "batch" only for pieces (one K or V block of one layer) of at least `BATCH_MIN_PIECE` and
-  when the API is present: at 32 KiB pieces it ran at 56% of the ceiling with 0.75 us of CPU per
-  piece. The 4 MiB threshold is not measured yet: it is where the per-piece submit cost falls
-  under 1% of the piece's transfer time at 55 GB/s.
+- save -> "staged". Large pinned DMAs come closer to the link's ceiling than a UVA kernel, and
+  during its DMAs the staged path holds no SM: a matmul beside bulk DMA barely slows, beside a
+  full-grid UVA kernel it slows several times.
+- load -> "staged" when compute runs beside (SMs only for the short HBM scatters); when nothing
+  computes beside and per-layer events are asked, "kernel", whose per-layer launches give a true
+  event per layer, so layer i can start as soon as it has arrived. Staged loads give every layer
+  the job's final event.
+- "batch" only for pieces (one K or V block of one layer) of at least `BATCH_MIN_PIECE` and when
+  the API is present: its CPU cost is per piece, and small pieces stay well under the link's
+  ceiling. At `BATCH_MIN_PIECE` the per-piece submit cost is a small fraction of the piece's
+  transfer time.
 
-`path=` (engine-wide or per job) overrides the rule.
+`path=` (engine-wide in `EngineConfig`, or per job) overrides the rule.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ BATCH_MIN_PIECE = 4 << 20  # bytes; see the module docstring
 
 
 def parse_path(path: str | Path, name: str = "path") -> Path:
+    """`path` as a Path; ValueError naming `name` when it is none of them."""
     try:
         return Path(path)
     except ValueError:
@@ -64,21 +65,3 @@ def choose_path(
     if direction == "load" and per_layer and not compute_beside:
         return Path.KERNEL
     return Path.STAGED
-
-
-def job_path(engine, direction: str, path: str | None, per_layer: bool = False) -> Path:
-    """The path of one of `engine`'s jobs: `path=` if given (checked against the mover), else the
-    engine's own (`auto`: `choose_path` for its cache and options), decided and checked once per
-    direction and per_layer and kept in `engine._auto` (kv and options are fixed)."""
-    if path is None and (p := engine._auto.get((direction, per_layer))) is not None:
-        return p
-    p = parse_path(path) if path is not None else engine.path
-    if p is Path.AUTO:
-        kv, beside = engine.kv, engine.compute_beside
-        piece = kv.piece_numel * kv.dtype.itemsize
-        p = choose_path(direction, piece_nbytes=piece, per_layer=per_layer, compute_beside=beside,
-                        batch_ok=engine.mover.batch_available)  # fmt: skip
-    engine.mover.check_path(p)
-    if path is None:  # the engine's own path: fixed, so decided and checked once
-        engine._auto[(direction, per_layer)] = p
-    return p

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -68,20 +69,28 @@ def block_ids(
         if unique and len(torch.unique(cpu)) != len(cpu):
             raise ValueError(f"{name}: duplicate block ids; a block cannot be written twice in one copy")
     on_device = isinstance(ids, torch.Tensor) and ids.device == kv.device and kv.device.type != "cpu"
-    return _landed(kv, cpu, ids.to(torch.int32) if on_device else None, unique, num_tokens)
+    last_valid = check_num_tokens(kv, len(cpu), num_tokens)
+    return _landed(kv, cpu, ids.to(torch.int32) if on_device else None, unique, last_valid)
+
+
+def trusted_block_ids(kv: PagedKV, ids, unique: bool, last_valid: int) -> BlockIds:
+    """BlockIds of ids checked once already, at the entry of their caller (the engine's
+    `IdCheck`: in range, distinct when `unique`, `last_valid` the valid tokens of the last block):
+    only the copy to the device, no second check. `ids`: int32 or int64 [n], a CPU tensor or numpy
+    array; int32 ids go to the device as they are, `BlockIds.cpu` gets an int64 copy."""
+    cpu = torch.from_numpy(ids) if isinstance(ids, np.ndarray) else ids
+    dev = cpu.to(kv.device, non_blocking=True) if cpu.dtype == torch.int32 else None  # pageable: staged now
+    return _landed(kv, cpu.to(torch.int64), dev, unique, last_valid)
 
 
 def checked_block_ids(kv: PagedKV, cpu: torch.Tensor, unique: bool, num_tokens: int | None) -> BlockIds:
-    """BlockIds of CPU ids its caller has checked already (the engine's `IdCheck`: in range,
-    distinct when `unique`, num_tokens fitting): only the copy to the device, no second check. The
-    engine's ids are int32: they go to the device as they are, `BlockIds.cpu` gets an int64 copy."""
-    dev = cpu.to(kv.device, non_blocking=True) if cpu.dtype == torch.int32 else None  # pageable: staged now
-    return _landed(kv, cpu.to(torch.int64), dev, unique, num_tokens)
+    """`trusted_block_ids` for ids whose caller checked the range (and repeats when `unique`) but
+    not `num_tokens`: that one is checked here."""
+    return trusted_block_ids(kv, cpu, unique, check_num_tokens(kv, len(cpu), num_tokens))
 
 
-def _landed(kv: PagedKV, cpu: torch.Tensor, dev, unique: bool, num_tokens: int | None) -> BlockIds:
+def _landed(kv: PagedKV, cpu: torch.Tensor, dev, unique: bool, last_valid: int) -> BlockIds:
     """The BlockIds, with `dev` (int32 ids on the cache's device) copied from `cpu` if not given."""
-    last_valid = check_num_tokens(kv, len(cpu), num_tokens)
     if dev is None:
         dev = cpu.to(torch.int32).to(kv.device, non_blocking=True)  # pageable source: staged at once
     ready = None

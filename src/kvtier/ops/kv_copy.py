@@ -9,6 +9,15 @@ is there only when that stream's work has completed (record an event after the c
 Nothing invalid reaches a kernel: a bad argument raises `ValueError` naming it (ops/checks.py).
 Block ids are a list, a CPU or GPU tensor (checked on every call), or a `BlockIds` checked once.
 
+The chunk of n blocks, per layout of the cache (`kvtier.layout`; L layers, bs tokens per block,
+H KV heads of D elements, a latent of C):
+
+    vllm_flash, flashinfer NHD, cross_layer   (n, L, 2, bs, H, D)
+    flashinfer HND (or HND memory)            (n, L, 2, H, bs, D)
+    mla                                       (n, L, 1, bs, C)
+
+of the cache's dtype, contiguous; or the same bytes as 1-D uint8 of `kv.chunk_nbytes(n)`.
+
 On a machine without CUDA the kernels run in Triton's interpreter (`TRITON_INTERPRET=1`, set
 before `kvtier.kernels` is imported) on CPU tensors; there a host chunk is a plain CPU tensor.
 """
@@ -36,10 +45,9 @@ from kvtier.ops.checks import (
 )
 
 TILE_BYTES = 16 << 10  # bytes per program step: 8 x 16-byte vectors per thread at 4 warps
-# Default grids, from the H200 run of 2026-11-29 (benchmarks/results): GPU<->GPU is fastest with one
-# program per tile (94.6% of the D2D copy vs 90.8% with 8 resident CTAs per SM); a UVA copy is
-# PCIe-bound and ran as fast on 32 CTAs as on 1056, so it holds a quarter of the SMs at most and
-# leaves the rest to the model's compute.
+# Default grids. GPU<->GPU: one program per tile, which beats a persistent grid of a few resident
+# CTAs per SM. A UVA copy is bound by PCIe, not by SMs: a quarter of them move it as fast as all
+# of them would, and the rest stay free for the model's compute.
 UVA_SM_DIVISOR = 4
 NUM_WARPS = 4
 _UNITS = {4: torch.int32, 2: torch.int16, 1: torch.int8}
@@ -79,15 +87,28 @@ def gather(
 ) -> torch.Tensor:
     """Copy blocks `block_ids` (n of them) of every layer, K and V, into `dst`.
 
-    block_ids: n block ids (list, int tensor on the CPU or the cache's GPU, or a `BlockIds`).
-    dst: the chunk, (n, num_layers, num_kv, *kv.block_shape) of kv.dtype, or a 1-D uint8
-         buffer of kv.chunk_nbytes(n); contiguous; on the cache's GPU or in pinned host memory.
+    kv: the paged cache (`kvtier.layout`), on a CUDA GPU (CPU under the interpreter).
+    block_ids: n block ids, any order, repeats allowed: a list/tuple of ints, an int32/int64
+         tensor [n] on the CPU or the cache's GPU (checked now), or a `BlockIds` (checked once).
+    dst: the chunk, (n, num_layers, num_kv, *kv.block_shape) of kv.dtype: (n, L, 2, bs, H, D)
+         for vllm_flash / flashinfer NHD / cross_layer, (n, L, 2, H, bs, D) for HND, (n, L, 1,
+         bs, C) for mla; or a 1-D uint8 buffer of kv.chunk_nbytes(n). Contiguous; on the
+         cache's GPU or in pinned host memory (written through UVA).
     num_tokens: tokens in these blocks, (n - 1) * block_size < num_tokens <= n * block_size;
          default all. Tokens past it in the last block are written as zeros.
     max_ctas: cap on the programs launched (persistent grid), e.g. to leave SMs to compute
-         while writing to host memory; default fills the GPU.
+         while writing to host memory; default: every tile on the GPU, a quarter of the SMs
+         into host memory.
     layers: (first, count): copy only these layers' pieces (the chunk keeps every layer); default all.
     Returns dst. Asynchronous on the current stream.
+
+    >>> import torch
+    >>> from kvtier import layout, ops
+    >>> caches = [torch.randn(2, 64, 16, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(32)]
+    >>> kv = layout.vllm_flash(caches)  # 32 layers of (2, num_blocks, block_size, heads, head_dim)
+    >>> dst = torch.empty(kv.chunk_shape(3), dtype=kv.dtype, pin_memory=True)
+    >>> ops.gather(kv, [5, 1, 9], dst).shape  # then record an event: the bytes land asynchronously
+    torch.Size([3, 32, 2, 16, 8, 128])
     """
     check_cache(kv)
     ids = as_block_ids(kv, block_ids, False, num_tokens)
@@ -109,12 +130,23 @@ def scatter(
 ) -> None:
     """Copy the chunk `src` into blocks `block_ids` (n distinct ids) of every layer, K and V.
 
-    block_ids: as in `gather`, without duplicates.
-    src: the chunk, (n, num_layers, num_kv, *kv.block_shape) of kv.dtype, or a 1-D uint8
-         buffer of kv.chunk_nbytes(n); contiguous; on the cache's GPU or in pinned host memory.
+    kv: the paged cache, as in `gather`.
+    block_ids: as in `gather`, without duplicates (a `BlockIds` made with unique=True).
+    src: the chunk, shaped as `gather`'s dst: (n, num_layers, num_kv, *kv.block_shape) of
+         kv.dtype ((n, L, 2, bs, H, D) for vllm_flash / flashinfer NHD / cross_layer,
+         (n, L, 2, H, bs, D) for HND, (n, L, 1, bs, C) for mla) or 1-D uint8 of
+         kv.chunk_nbytes(n); contiguous; on the cache's GPU or in pinned host memory.
     num_tokens: as in `gather`; cache tokens past it in the last block are left untouched.
+    max_ctas: as in `gather`.
     layers: as in `gather` (a per-layer load scatters one layer per call, then records an event).
     Asynchronous on the current stream; `src` must stay alive and unchanged until it completes.
+
+    >>> import torch
+    >>> from kvtier import layout, ops
+    >>> caches = [torch.zeros(64, 2, 16, 8, 128, dtype=torch.float16, device="cuda") for _ in range(4)]
+    >>> kv = layout.flashinfer(caches, "NHD")  # 4 layers of (num_blocks, 2, block_size, heads, dim)
+    >>> src = torch.randn(kv.chunk_shape(2), dtype=kv.dtype, pin_memory=True)  # (2, 4, 2, 16, 8, 128)
+    >>> ops.scatter(kv, [7, 3], src, num_tokens=20)  # block 7 whole, the first 4 tokens of block 3
     """
     check_cache(kv)
     ids = as_block_ids(kv, block_ids, True, num_tokens)

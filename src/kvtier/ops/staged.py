@@ -1,10 +1,10 @@
 """Staged save/load: a GPU gather into a staging buffer at HBM speed, then one large pinned DMA
 per chunk on the copy engine (and the inverse), pipelined over two staging buffers.
 
-Why: a kernel that stores into host memory holds its SMs for the whole PCIe-bound transfer
-(a full-grid UVA save made a concurrent matmul 5.4x slower); the copy engine uses no SM, and
-one large DMA reaches the pinned-copy ceiling where per-block DMAs do not. The gather of chunk
-c + 1 overlaps the DMA of chunk c.
+Why: a kernel that stores into host memory holds its SMs for the whole PCIe-bound transfer,
+and slows the model's compute beside it; the copy engine uses no SM, and one large DMA reaches
+the pinned-copy ceiling where a DMA per block does not. The gather of chunk c + 1 overlaps the
+DMA of chunk c.
 
 The host side is the same block-major chunk as `ops.gather` writes (`kvtier.layout`), so a
 chunk saved either way loads either way; a group of consecutive blocks is one byte range.
@@ -35,9 +35,17 @@ from kvtier.ops.kv_copy import launch, use_ids
 def make_staging(kv: PagedKV, chunk_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Two staging buffers on the cache's device, each 1-D uint8 of kv.chunk_nbytes(chunk_blocks).
 
+    chunk_blocks: blocks per staged chunk (a positive int): one DMA moves that many blocks.
     Keep them alive until the last event of every call that used them. Calls on the same pair of
     streams order themselves; a save and a load sharing buffers on different streams must be
-    ordered by the caller (or get a pair each)."""
+    ordered by the caller (or get a pair each).
+
+    >>> import torch
+    >>> from kvtier import layout, ops
+    >>> kv = layout.mla([torch.zeros(16, 64, 576, dtype=torch.bfloat16, device="cuda") for _ in range(61)])
+    >>> [b.shape for b in ops.make_staging(kv, 8)]  # 8 blocks of 61 layers x 64 tokens x 576 x 2 B
+    [torch.Size([35979264]), torch.Size([35979264])]
+    """
     if isinstance(chunk_blocks, bool) or not isinstance(chunk_blocks, int) or chunk_blocks < 1:
         raise ValueError(f"chunk_blocks: expected a positive int, got {chunk_blocks!r}")
     check_cache(kv)
@@ -60,11 +68,30 @@ def save_staged(
 ) -> torch.cuda.Event | None:
     """Save blocks `block_ids` (n) of every layer into the pinned host chunk `dst`.
 
-    dst: (n, num_layers, num_kv, *kv.block_shape) of kv.dtype, or 1-D uint8 of kv.chunk_nbytes(n),
-         contiguous, pinned host memory.
+    kv: the paged cache (`kvtier.layout`) on a CUDA GPU (CPU under the interpreter).
+    block_ids: n block ids, repeats allowed: a list/tuple of ints, an int32/int64 tensor [n] on
+         the CPU or the cache's GPU (checked now), or a `BlockIds` (checked once).
+    dst: (n, num_layers, num_kv, *kv.block_shape) of kv.dtype: (n, L, 2, bs, H, D) for
+         vllm_flash / flashinfer NHD / cross_layer, (n, L, 2, H, bs, D) for HND, (n, L, 1, bs, C)
+         for mla; or 1-D uint8 of kv.chunk_nbytes(n). Contiguous, pinned host memory.
     staging: two GPU buffers from `make_staging`; a chunk is as many blocks as one holds.
+    gather_stream, copy_stream: torch.cuda.Streams of the cache's device (None without CUDA);
+         the gathers run on the first, the DMAs on the second.
     wait_event: recorded after the KV of these blocks was written; the first gather waits for it.
-    Returns the event recorded after the last DMA (None without CUDA).
+    num_tokens, max_ctas: as in `gather`.
+    Returns the event recorded after the last DMA (None without CUDA): then `dst` holds the
+    blocks, and the blocks and the staging buffers are free.
+
+    >>> import torch
+    >>> from kvtier import layout, ops
+    >>> caches = [torch.randn(2, 256, 16, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(32)]
+    >>> kv = layout.vllm_flash(caches)
+    >>> staging = ops.make_staging(kv, 64)  # chunks of 64 blocks, two in flight
+    >>> dst = torch.empty(kv.chunk_nbytes(100), dtype=torch.uint8, pin_memory=True)
+    >>> written = torch.cuda.current_stream().record_event()  # after the model wrote these blocks
+    >>> done = ops.save_staged(kv, range(100), dst, staging=staging, gather_stream=torch.cuda.Stream(),
+    ...                        copy_stream=torch.cuda.Stream(), wait_event=written)
+    >>> done.synchronize()
     """
     check_cache(kv)
     _check_streams(kv, gather_stream, copy_stream, wait_event)
@@ -99,10 +126,27 @@ def load_staged(
 ) -> torch.cuda.Event | None:
     """Load the pinned host chunk `src` into blocks `block_ids` (n distinct ids) of every layer.
 
-    src: (n, num_layers, num_kv, *kv.block_shape) of kv.dtype, or 1-D uint8 of kv.chunk_nbytes(n),
-         contiguous, pinned host memory; it must stay unchanged until the returned event.
+    kv: the paged cache, as in `save_staged`.
+    block_ids: as in `save_staged`, without duplicates (a `BlockIds` made with unique=True).
+    src: shaped as `save_staged`'s dst: (n, num_layers, num_kv, *kv.block_shape) of kv.dtype
+         ((n, L, 2, bs, H, D) for vllm_flash / flashinfer NHD / cross_layer, (n, L, 2, H, bs, D)
+         for HND, (n, L, 1, bs, C) for mla) or 1-D uint8 of kv.chunk_nbytes(n); contiguous,
+         pinned host memory; it must stay unchanged until the returned event.
+    staging: two GPU buffers from `make_staging`.
+    copy_stream, scatter_stream: torch.cuda.Streams of the cache's device (None without CUDA);
+         the DMAs run on the first, the scatters on the second.
     wait_event: recorded after the last reader of the destination blocks; the first scatter waits.
-    Returns the event recorded after the last scatter (None without CUDA).
+    num_tokens, max_ctas: as in `scatter`.
+    Returns the event recorded after the last scatter (None without CUDA): then the blocks hold
+    the data, and `src` and the staging buffers are free.
+
+    >>> import torch
+    >>> from kvtier import layout, ops
+    >>> kv = layout.cross_layer(torch.zeros(256, 32, 2, 16, 8, 128, dtype=torch.float16, device="cuda"))
+    >>> src = torch.randn(kv.chunk_shape(4), dtype=kv.dtype, pin_memory=True)  # (4, 32, 2, 16, 8, 128)
+    >>> done = ops.load_staged(kv, [8, 9, 10, 11], src, staging=ops.make_staging(kv, 2),
+    ...                        copy_stream=torch.cuda.Stream(), scatter_stream=torch.cuda.Stream())
+    >>> torch.cuda.current_stream().wait_event(done)  # attention reads the blocks only after it
     """
     check_cache(kv)
     _check_streams(kv, scatter_stream, copy_stream, wait_event)

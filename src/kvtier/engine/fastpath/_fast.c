@@ -1,7 +1,7 @@
-/* kvtier.engine._fast: the two steps of a submit that cost most on a host whose caches are cold
- * (engine/fast.py says why and measures it), each as one C call instead of a dozen numpy, torch
- * and ctypes calls. Optional: built by `make` (setup.py, optional=True) or device_run.sh; without
- * it kvtier runs the same steps in numpy and ctypes (engine/ids.py, engine/graphs.py).
+/* kvtier.engine.fastpath._fast: the two steps of a submit that cost most on a host whose caches
+ * are cold (engine/fastpath/fast.py says why), each as one C call instead of a dozen numpy, torch
+ * and ctypes calls. Optional: built by `make` (setup.py, optional=True); without it kvtier runs
+ * the same steps in numpy and ctypes (engine/ids.py, engine/fastpath/graphs.py).
  *
  *   check_ids(src, wide, n, num_blocks, seen, out) -> 0 ok | 1 an id out of range | 2 a repeat
  *             (wide: 1 int64, 0 int32, 2 a list or tuple of ints -- 3: an item is no int)
@@ -81,7 +81,7 @@ static int int_arg(PyObject *o, long long *v) {
 
 /* 1 if the n ids strictly increase (then none repeats). Stops at the first that does not, so an
  * unordered list costs next to nothing here and a rising one a read of ids just written. Not
- * inlined: inlined, it made the scalar copy loop 1.7x slower on the CI CPU (its code layout). */
+ * inlined: inlined, it made the scalar copy loop slower (its code layout). */
 static __attribute__((noinline)) int rising(const int32_t *a, long long n) {
     for (long long i = 1; i < n; i++)
         if (a[i] <= a[i - 1])
@@ -116,7 +116,7 @@ static int copy_scalar(const void *src, int wide, long long n, uint64_t lim, int
  * check (unsigned `id < lim` as a signed compare of both with the sign bit flipped) and the
  * rising check (each id against the one before it, loaded again one id back) all at once. Where
  * the ids are cold in memory both passes cost their reads; in cache (or for a load's rising
- * check, a second pass over the ids) this one is ~2x faster on the CI CPU. */
+ * check, a second pass over the ids) this one is faster. */
 static inline __attribute__((target("avx2"))) __m256i load4(const void *src, int wide, long long i) {
     if (wide)
         return _mm256_loadu_si256((const __m256i *)((const int64_t *)src + i));
@@ -178,8 +178,8 @@ static int simd_on(void) {
 /* The range-checked copy of a list or tuple of n Python ints: 1 at the first out of range, 3 at
  * the first item that is not an exact int or does not fit 64 bits (the caller's numpy path then
  * handles the list and raises what is wrong), else 0. A caller's list (vLLM's block ids) in one
- * C pass: numpy's conversion of it cost 28 us for 512 ids and 179 us for 8192 on the CI CPU, this
- * pass 1.7 and 10 (4.2 and 41 through PyLong_AsLongLongAndOverflow for each item). */
+ * C pass, many times faster than numpy's conversion of it (and than PyLong_AsLongLongAndOverflow
+ * for each item). */
 static inline long long int_value(PyObject *o, int *over) {
     /* An exact int's value, read from its one digit where it has one (no call): the public
      * unstable API from 3.12, the 3.11 struct before it; else the general conversion. */
@@ -226,9 +226,8 @@ static int copy_ids(const void *src, int wide, long long n, uint64_t lim, int32_
 
 /* The repeat check of n in-range ids over `seen`, a bit per block in 64-bit words (all zero, left
  * all zero): 0, or 2 for a repeat. Branch-free: each id ORs its bit into its word and keeps what
- * the word held at that bit, two ids a step on two chains. The byte mask before it, a branch per
- * run of ids, took about a third longer for 8192 random ids, hot or with the caches flushed
- * (`benchmarks/bench_repeat_mask.c` on the CI CPU: 7.1 against 5.3 us hot). Then every word it
+ * the word held at that bit, two ids a step on two chains (a byte mask with a branch per run of
+ * ids is slower, hot or with the caches flushed). Then every word it
  * marked is cleared: one sweep where the mask is no bigger than the ids, else word by word. */
 static int repeats(const int32_t *out, long long n, long long num_blocks, uint64_t *seen) {
     uint64_t d0 = 0, d1 = 0;
@@ -414,7 +413,7 @@ static PyObject *set_runtime(PyObject *self, PyObject *const *args, Py_ssize_t n
 /* fill: n checked int32 ids into the pinned buffer the ids copy reads. From STREAM_MIN ids on
  * (x86) the stores stream past the caches: between two submits a 1 GiB DMA passes through the
  * host's last-level cache, so the buffer's lines are rarely there and a plain store first reads
- * each one (8192 ids: 6 us on the H200 hosts, 0.1 for 512). Streamed stores write whole lines
+ * each one. Streamed stores write whole lines
  * without reading them. Below that, memcpy. */
 #define STREAM_MIN 2048
 static void fill(const int32_t *ids, int32_t *dst, long long n) {

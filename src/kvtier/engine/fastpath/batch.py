@@ -10,8 +10,8 @@ split into its valid token rows (one per head for HND pieces): a load leaves the
 past `num_tokens` untouched, and a save zeroes them in the slot on the CPU before submitting (the
 slot is ours and no copy touches it yet), matching the chunk format.
 
-Measured on the H200 at 32 KiB pieces: 56% of the ceiling, 0.75 us of CPU per piece, so `auto`
-uses it only for large pieces (paths.py). It refuses the legacy default stream; the engine's copy
+Its CPU cost is per piece and small pieces stay well under the link's ceiling, so `auto` uses it
+only for large pieces (`engine/paths.py`). It refuses the legacy default stream; the engine's copy
 streams are never that one.
 """
 

@@ -1,11 +1,9 @@
-"""The submit path's optional C helper, `kvtier.engine._fast` (`_fast.c`), and whether it is in use.
+"""The submit path's optional C helper, `kvtier.engine.fastpath._fast` (`_fast.c`), and whether it
+is in use.
 
-Why C: on the H200 boxes a submit runs on a cold host -- right after the previous job's
-enqueue, or after the caller's other work -- where every distinct numpy, torch or ctypes call
-costs 10-30 us instead of 0.3-2 (`benchmarks/host_states.py`: a 512-id check 5-9 us back to
-back, 28-230 us right after other work; on the CI CPU with its caches flushed `np.max` 1.2 -> 13
-us, `torch.from_numpy` 0.7 -> 12, one ctypes call 1.5 -> 13). So the two steps made of many such
-calls become one C call each:
+Why C: a submit often runs on a cold host -- right after the previous job's enqueue, or after
+the caller's other work -- where every distinct numpy, torch or ctypes call costs many times
+what it costs back to back. So the two steps made of many such calls become one C call each:
 
     check_ids  the ids copied to the job's own int32 array, range-checked, (loads) checked for
                repeats -- instead of astype, max, two scatters and a count (`ids.IdCheck`); one
@@ -16,9 +14,9 @@ calls become one C call each:
                into it, then cudaMemcpyAsync, cudaGraphLaunch and the job's cudaEventRecord --
                instead of np.copyto and four ctypes calls (`graphs.StagedGraphs`)
 
-Built by `make` (setup.py, optional: skipped without a C compiler) and by
-`benchmarks/device_run.sh`; `KVTIER_NATIVE=0` turns it off. Without it every step runs as
-before in numpy and ctypes, with the same results and errors (the tests run both).
+Built by `make` (setup.py, optional: skipped without a C compiler); `KVTIER_NATIVE=0` turns it
+off. Without it every step runs in numpy and ctypes, with the same results and errors (the tests
+run both).
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ import functools
 
 from kvtier.native import load
 
-fast, why = load("kvtier.engine._fast")  # the module or None, and why not
+fast, why = load("kvtier.engine.fastpath._fast")  # the module or None, and why not
 
 
 @functools.cache
@@ -42,8 +40,14 @@ def runtime_bound() -> bool:
     lib = runtime()[0]
     if lib is None:
         return False
-    names = ("cudaMemcpyAsync", "cudaGraphLaunch", "cudaEventRecord", "cudaGetDevice", "cudaSetDevice",
-             "cudaEventQuery")  # fmt: skip
+    names = (
+        "cudaMemcpyAsync",
+        "cudaGraphLaunch",
+        "cudaEventRecord",
+        "cudaGetDevice",
+        "cudaSetDevice",
+        "cudaEventQuery",
+    )
     try:
         fast.set_runtime(*(ctypes.cast(getattr(lib, n), ctypes.c_void_p).value for n in names))
     except (AttributeError, ValueError):  # a runtime without one of them

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvtier.engine.graph_nodes import SlotNodes
-from kvtier.engine.ids import HostRing
+from kvtier.engine.fastpath.graph_nodes import SlotNodes
+from kvtier.engine.fastpath.ring import HostRing
 
 
 class LRU:

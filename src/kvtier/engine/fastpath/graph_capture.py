@@ -9,9 +9,9 @@ import warnings
 
 import torch
 
-from kvtier.engine.graph_cache import Entry, Exec, host_buf
-from kvtier.engine.graph_nodes import SlotNodes
-from kvtier.engine.ids import HostRing
+from kvtier.engine.fastpath.graph_cache import Entry, Exec, host_buf
+from kvtier.engine.fastpath.graph_nodes import SlotNodes
+from kvtier.engine.fastpath.ring import HostRing
 from kvtier.ops.staged import load_chunks, save_chunks
 
 
@@ -56,14 +56,24 @@ def capture_entry(graphs, direction, n, last_valid, slot_tensor, staging, side, 
         try:
             if direction == "save":
                 save_chunks(
-                    kv, ids_dev, last_valid, slot_tensor, staging=staging, gather_stream=side,
+                    kv,
+                    ids_dev,
+                    last_valid,
+                    slot_tensor,
+                    staging=staging,
+                    gather_stream=side,
                     copy_stream=stream,
-                )  # fmt: skip
+                )
             else:
                 load_chunks(
-                    kv, ids_dev, last_valid, slot_tensor, staging=staging, copy_stream=stream,
+                    kv,
+                    ids_dev,
+                    last_valid,
+                    slot_tensor,
+                    staging=staging,
+                    copy_stream=stream,
                     scatter_stream=side,
-                )  # fmt: skip
+                )
         except BaseException:
             with contextlib.suppress(Exception):
                 g.capture_end()  # leave capture mode; the capture is lost anyway
@@ -76,9 +86,8 @@ def capture_entry(graphs, direction, n, last_valid, slot_tensor, staging, side, 
             nodes = find_nodes(graphs, g, direction, base, nbytes, n, staging)
         # Deep: with the job's event as guard a buffer is busy until its job is done.
         ring = HostRing(lambda: host_buf(n), torch.cuda.Event, depth=2, max_depth=64)
-    try:
-        handle = int(g.raw_cuda_graph_exec() or 0)
-    except (AttributeError, RuntimeError):  # a torch without it: torch's replay only
-        handle = 0
+    handle = int(g.raw_cuda_graph_exec() or 0)
+    if not handle:  # a replay is the runtime's own launch of this exec (`StagedGraphs._launch`)
+        raise RuntimeError("torch gave no cudaGraphExec_t handle for the captured graph")
     main = Exec(handle, nodes)
     return Entry(g, ids_dev, stream, nodes, ring, [main], main)

@@ -12,7 +12,7 @@ import torch
 
 from kvtier.device.cuda_events import NOT_READY
 from kvtier.device.cudart import clear_last_error
-from kvtier.engine.fast import fast as _fast
+from kvtier.engine.fastpath.fast import fast as _fast
 
 GUARD, COPY, LAUNCH, RECORD, DEVICE = 5, 1, 2, 3, 4  # the failed step in a nonzero result (_fast.c)
 WHAT = {GUARD: "cudaEventQuery", DEVICE: "cudaSetDevice", COPY: "cudaMemcpyAsync", LAUNCH: "cudaGraphLaunch"}

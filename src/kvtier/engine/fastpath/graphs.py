@@ -1,23 +1,24 @@
 """CUDA graphs of the staged path: the per-job GPU sequence of a staged save / load (gathers +
 DMAs, or DMAs + scatters, over the two staging buffers) captured once, replayed for later jobs.
 
-Submitting a staged job eagerly costs ~1-3 ms of CPU (a Triton launch, stream switches and an
+Submitting a staged job eagerly costs a lot of CPU (Triton launches, stream switches and an
 event pair per chunk); a replay is one small H2D copy of the block ids into the graph's own
-device buffer and one `cudaGraphLaunch`, both on the engine's copy stream, as two runtime calls
-on raw handles (`graph_nodes.Launcher`; torch's copy_ / replay where those are unavailable).
-With the C helper (`fast.py`) the fill of the pinned ids buffer, those two calls and the record of
-the job's event are one C call (`graph_fused.py`); the event is then recorded right after the
-launch, as the engine would have.
+device buffer and one `cudaGraphLaunch`, both on the engine's copy stream. `StagedGraphs._launch`
+is the one way a graph is replayed: with the C helper (`fast.py`) the fill of the pinned ids
+buffer, those two calls and the record of the job's event are one C call (`graph_fused.py`; the
+event is then recorded right after the launch, as the engine would have); without it the same
+runtime calls go through ctypes on raw handles (`graph_nodes.Launcher`). Where neither can run
+(no CUDA runtime calls), graphs stay off and staged jobs run eagerly.
 
 Key: everything the graph bakes in besides the ids and the slot address -- direction, slot size,
 number of blocks, valid tokens of the last block, the staging buffers. The ids are data: each
-replay first copies them from one of the entry's pinned buffers (`ids.HostRing`, made at capture,
+replay first copies them from one of the entry's pinned buffers (`ring.HostRing`, made at capture,
 refilled only once the event after its last copy has completed). The slot address is baked
 into the DMA (memcpy) nodes; after capture `graph_nodes.py` finds those nodes, and a replay for
 another slot of the same size first moves their host side (cudaGraphExecMemcpyNodeSetParams on
 the exec graph), so one graph serves every slot. Where the
 nodes are not as expected (or the update API fails), that graph is keyed by its slot address
-too (`pinned_key`), as before: a replay never writes bytes anywhere but the job's slot.
+too (`pinned_key`): a replay never writes bytes anywhere but the job's slot.
 With `slot_execs` > 1 an entry keeps up to that many execs of its graph (cudaGraphInstantiate of
 the kept graph), each pointed at a recent slot: a job on one of those slots launches its exec
 unmoved (a moved exec may cost the driver a re-upload at its next launch); another slot moves
@@ -44,15 +45,15 @@ import warnings
 import numpy as np
 import torch
 
-from kvtier.engine.fast import runtime_bound
-from kvtier.engine.graph_cache import LRU, GraphStats, HostBuf, graph_key, pinned_key
-from kvtier.engine.graph_cache import Entry as _Entry
-from kvtier.engine.graph_cache import Exec as _Exec
-from kvtier.engine.graph_capture import capture_entry
-from kvtier.engine.graph_fused import STEPS, replay_fused
-from kvtier.engine.graph_nodes import Launcher, NodeError
-from kvtier.engine.ids import HostRing
-from kvtier.engine.jobs import NO_TRACE
+from kvtier.engine.fastpath.fast import runtime_bound
+from kvtier.engine.fastpath.graph_cache import LRU, GraphStats, HostBuf, graph_key, pinned_key
+from kvtier.engine.fastpath.graph_cache import Entry as _Entry
+from kvtier.engine.fastpath.graph_cache import Exec as _Exec
+from kvtier.engine.fastpath.graph_capture import capture_entry
+from kvtier.engine.fastpath.graph_fused import STEPS, replay_fused
+from kvtier.engine.fastpath.graph_nodes import Launcher, NodeError
+from kvtier.engine.fastpath.ring import HostRing
+from kvtier.engine.trace import NO_TRACE
 
 __all__ = ["LRU", "GraphStats", "StagedGraphs", "graph_key", "pinned_key"]
 
@@ -61,8 +62,10 @@ class StagedGraphs:
     """The graph cache of one CudaMover (used under the engine's lock).
 
     slot_execs: execs kept per graph, each at a recent slot (1: one exec, moved to each job's slot).
-    direct: replay through runtime calls (`Launcher`); off where they are missing or failed.
-    trace: a `jobs.SubmitTrace` (or None) to time the phases of a replay.
+    fused: replays are one call of the C helper (`graph_fused.py`); off without it, or after it
+        failed (replays then go through the ctypes `Launcher`).
+    trace: a `SubmitTrace` read by `replay_traced` (the mover calls that one only while tracing).
+    Without the runtime calls a replay needs (`Launcher`), graphs stay off: jobs run eagerly.
     """
 
     def __init__(self, kv, max_graphs: int = 64, slot_execs: int = 1):
@@ -71,7 +74,6 @@ class StagedGraphs:
         self.kv = kv
         self.cache = LRU(max_graphs)
         self.stats = GraphStats()
-        self.enabled = True
         self.retarget = True  # capture retargetable graphs (off after a failed node update)
         self.slot_execs = slot_execs
         self.trace = None
@@ -83,98 +85,88 @@ class StagedGraphs:
             self._launcher: Launcher | None = Launcher()
         except NodeError:
             self._launcher = None
-        self.direct = self._launcher is not None
-        self.fused = self.direct and runtime_bound()  # replays as one call of the C helper
+        self.enabled = self._launcher is not None  # no runtime calls: every job runs eagerly
+        self.fused = self.enabled and runtime_bound()  # replays as one call of the C helper
 
     def replay(self, key, ids, stream: torch.cuda.Stream, slot_ptr: int, done=None, done_on=None) -> bool:
-        """Replay the graph of `key` for the slot at `slot_ptr` with block ids `ids` (int32 CPU,
-        checked: the engine's numpy array, or a tensor); False on a miss. `done`: the job's event,
-        recorded on `stream` after the graph (it guards the ids buffer instead of an event record
-        of its own). With `done_on` (the device stream wrapping `stream`) the C helper may record
-        a raw `done` itself, right after the launch; `done.stream` is then set, and the caller
-        records it only while it is None."""
-        tr, by_key = self.trace, self.cache.by_key  # tr: marks only when tracing
-        entry = by_key.get(key) if self.enabled else None  # the LRU's get, inline (a call fewer)
+        """Replay the graph of `key` for the slot at `slot_ptr` with block ids `ids` (int32 [n] CPU,
+        checked: the engine's numpy array, or a tensor); False on a miss (the job goes eager).
+        `done`: the job's event, recorded on `stream` after the graph (it guards the ids buffer
+        instead of an event record of its own). With `done_on` (the device stream wrapping
+        `stream`) the C helper may record a raw `done` itself, right after the launch;
+        `done.stream` is then set, and the caller records it only while it is None."""
+        entry = self._entry(key, slot_ptr)
+        ex = None if entry is None else self._exec(key, entry, slot_ptr)
+        return self._count(ex is not None and self._launch(entry, ex, ids, stream, done, done_on))
+
+    def replay_traced(self, key, ids, stream, slot_ptr: int, done=None, done_on=None) -> bool:
+        """`replay`, marking its phases on `self.trace` (graph_lookup, retarget, then the launch's)."""
+        tr = self.trace
+        entry = self._entry(key, slot_ptr)
+        tr.mark("graph_lookup")
+        ex = None if entry is None else self._exec(key, entry, slot_ptr)
+        tr.mark("retarget")
+        return self._count(ex is not None and self._launch(entry, ex, ids, stream, done, done_on))
+
+    def _entry(self, key, slot_ptr: int) -> _Entry | None:
+        """The entry of `key`, or of its slot-pinned key; None on a miss or while graphs are off."""
+        if not self.enabled:
+            return None
+        by_key = self.cache.by_key
+        entry = by_key.get(key)  # the LRU's get, inline (a call fewer)
         if entry is not None:
             by_key.move_to_end(key)
-        elif self.enabled:
-            key = pinned_key(key, slot_ptr)
-            entry = self.cache.get(key)
-        if tr is not None:
-            tr.mark("graph_lookup")
-        # The DMA nodes must point at this job's slot before the replay is enqueued (else the
-        # bytes go to / come from the last slot); skipped when an exec's nodes already do.
-        if entry is None or entry.nodes is None:
-            ex = None if entry is None else entry.main  # pinned: its key holds this slot's address
-        else:  # `_exec_for`'s first test inline: the most recently used exec points at this slot already
-            x = entry.execs[0] if self.direct else entry.main
-            ex = x if x.nodes.base == slot_ptr else self._exec_for(key, entry, slot_ptr)
-        if tr is not None:
-            tr.mark("retarget")
-        if ex is None:
-            ok = False
-        elif self.fused and done is not None and ex.handle:
-            ok = replay_fused(self, entry, ex, ids, stream, done, done_on)  # the usual replay: one C call
-        else:
-            ok = self._enqueue(entry, ex, ids, stream, done)
-        if not ok:
-            self.stats.misses += 1
-            return False
-        self.stats.replays += 1
-        return True
+            return entry
+        return self.cache.get(pinned_key(key, slot_ptr))
 
-    def _enqueue(self, entry: _Entry, ex: _Exec, ids, stream, done=None) -> bool:
-        """The ids copy then the launch, on `stream` (the entry's copy stream), through ctypes or
-        torch (`replay_fused` does both in one C call); False: nothing of the graph was launched
-        (the job goes eager)."""
+    def _exec(self, key, entry: _Entry, slot_ptr: int) -> _Exec | None:
+        """The exec to launch: its DMA nodes must point at this job's slot before the replay is
+        enqueued (else the bytes go to / come from the last slot)."""
+        if entry.nodes is None:
+            return entry.main  # pinned: its key holds this slot's address
+        x = entry.execs[0]  # the usual case: the most recently used exec points at this slot already
+        return x if x.nodes.base == slot_ptr else self._exec_for(key, entry, slot_ptr)
+
+    def _count(self, ok: bool) -> bool:
+        if ok:
+            self.stats.replays += 1
+        else:
+            self.stats.misses += 1
+        return ok
+
+    def _launch(self, entry: _Entry, ex: _Exec, ids, stream, done, done_on) -> bool:
+        """The one way a graph is replayed: the ids copied into a free pinned ring buffer, its H2D
+        copy to the graph's device ids buffer, the graph launch (and, fused, the job's event record),
+        on `stream`. One call of the C helper where it is built, else the same runtime calls
+        through ctypes. False: nothing of the graph was launched (the job goes eager)."""
+        if self.fused and done is not None:
+            return replay_fused(self, entry, ex, ids, stream, done, done_on)
         tr, ring = self.trace or NO_TRACE, entry.ring
         i = ring.take()  # a buffer no queued copy reads any more
         buf = ring.buffers[i]
         np.copyto(buf.array, ids.numpy() if isinstance(ids, torch.Tensor) else ids, casting="unsafe")
         tr.mark("ids_fill")
-        # The graph reads its ids buffer: the new ids land first, on the stream that replays it (and
-        # after the previous replay of this graph, which read the old ones, on that same stream).
-        if self.direct and ex.handle:
-            if torch.cuda.current_device() == stream.device_index:
-                return self._direct(entry, ex, buf, i, stream, done)
-            with torch.cuda.device(stream.device_index):
-                return self._direct(entry, ex, buf, i, stream, done)
-        if ex is not entry.main:
-            return False  # only torch's own exec can be launched through torch
-        prev = torch.cuda.current_stream()  # of the current device
-        if prev.device_index != stream.device_index:  # another device is current: the general context
-            with torch.cuda.stream(stream):
-                self._torch_launch(entry, buf, i, stream, done)
-        else:
-            torch.cuda.set_stream(stream)  # cheaper than a StreamContext on the usual path
-            try:
-                self._torch_launch(entry, buf, i, stream, done)
-            finally:
-                torch.cuda.set_stream(prev)
-        return True
+        if torch.cuda.current_device() == stream.device_index:
+            return self._runtime_calls(entry, ex, buf, i, stream, done)
+        with torch.cuda.device(stream.device_index):
+            return self._runtime_calls(entry, ex, buf, i, stream, done)
 
-    def _direct(self, entry: _Entry, ex: _Exec, buf: HostBuf, i: int, stream, done=None) -> bool:
+    def _runtime_calls(self, entry: _Entry, ex: _Exec, buf: HostBuf, i: int, stream, done=None) -> bool:
         tr, h = self.trace or NO_TRACE, stream.cuda_stream
         try:
-            self._launcher.h2d(entry.ids_dev.data_ptr(), buf.ptr, buf.array.nbytes, h)
+            # The graph reads its ids buffer: the new ids land first, on the stream that replays it
+            # (after the previous replay of this graph, which read the old ones, on that same stream).
+            self._launcher.h2d(entry.ids_ptr, buf.ptr, buf.array.nbytes, h)
             _arm(entry.ring, i, stream, done)
             tr.mark("ids_h2d")
             self._launcher.launch(ex.handle, h)
         except NodeError as e:  # nothing of the graph was launched: the job goes eager
-            self.direct = False
+            self.enabled = False
             self.stats.failures += 1
-            warnings.warn(f"kvtier: direct graph launch failed, replays go through torch: {e}", stacklevel=5)
+            warnings.warn(f"kvtier: direct graph launch failed, staged jobs stay eager: {e}", stacklevel=5)
             return False
         tr.mark("launch")
         return True
-
-    def _torch_launch(self, entry: _Entry, buf: HostBuf, i: int, stream, done=None) -> None:
-        tr = self.trace or NO_TRACE
-        entry.ids_dev.copy_(buf.tensor, non_blocking=True)
-        _arm(entry.ring, i, stream, done)
-        tr.mark("ids_h2d")
-        entry.graph.replay()
-        tr.mark("launch")
 
     def _exec_for(self, key, entry: _Entry, slot_ptr: int) -> _Exec | None:
         """The exec to launch for the slot at `slot_ptr`: one whose nodes point there already, else
@@ -182,7 +174,7 @@ class StagedGraphs:
         when moving failed (the entry is dropped)."""
         if entry.nodes is None:
             return entry.main  # pinned: its key holds this slot's address
-        execs = entry.execs if self.direct else [entry.main]
+        execs = entry.execs
         if execs[0].nodes.base == slot_ptr:
             return execs[0]  # the usual case: the most recently used exec points at this slot already
         ex = None
@@ -190,14 +182,13 @@ class StagedGraphs:
             if x.nodes.base == slot_ptr:
                 ex = x
                 break
-        if ex is None and self.direct and len(entry.execs) < self.slot_execs:
+        if ex is None and len(execs) < self.slot_execs:
             ex = self._new_exec(entry)
         if ex is None:
             ex = execs[-1]
-        if self.direct:  # most recently used first
-            if ex in entry.execs:
-                entry.execs.remove(ex)
-            entry.execs.insert(0, ex)
+        if ex in execs:  # most recently used first
+            execs.remove(ex)
+        execs.insert(0, ex)
         if ex.nodes.base != slot_ptr and not self._move(key, entry, ex, slot_ptr):
             return None
         return ex

@@ -1,0 +1,107 @@
+"""SimMover: the bytes of a job on a `SimDevice` (CPU), landing late as a GPU's would.
+
+Staged: a gather "kernel" into a staging tensor, then a late copy into the slot (and the
+inverse). Kernel: the "kernel" reads/writes the slot itself, one launch per layer on loads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.device.base import Event, Stream
+from kvtier.engine.ids import CheckedIds
+from kvtier.engine.movers import MoverContext, layer_kv
+from kvtier.engine.paths import Path
+from kvtier.pool import Slot
+
+
+def _tokens(n: int, block_size: int, last_valid: int) -> int | None:
+    """The reference ops' num_tokens for n blocks whose last holds `last_valid` tokens."""
+    return None if last_valid == block_size else (n - 1) * block_size + last_valid
+
+
+class SimMover:
+    batch_available = False
+
+    def __init__(self, ctx: MoverContext):
+        self.dev, self.kv = ctx.device, ctx.kv
+        if self.kv.device.type != "cpu":
+            raise ValueError(f"kv: SimDevice needs a CPU cache, got {self.kv.device}")
+
+    def set_trace(self, trace) -> None:
+        pass  # no phases of its own: every copy is one launch
+
+    def check_path(self, path: Path) -> None:
+        if path is Path.BATCH:
+            why = "needs CUDA >= 12.8 (cudaMemcpyBatchAsync); SimDevice has no copy engine"
+            raise ValueError(f"path 'batch' {why}")
+
+    def save(self, path: Path, ids: CheckedIds, slot: Slot, stream: Stream, done=None) -> None:
+        """Enqueue the save of blocks `ids` into `slot` on `stream` (the engine records `done`)."""
+        from kvtier.reference import gather_ref
+
+        kv, t = self.kv, torch.as_tensor(ids.ids)  # the job's numpy ids as a tensor view
+        tokens = _tokens(len(t), kv.block_size, ids.last_valid)
+        dst = slot.tensor if path is Path.KERNEL else torch.empty(slot.nbytes, dtype=torch.uint8)
+
+        def gather() -> None:  # runs when the stream reaches it: reads the blocks then
+            dst.copy_(gather_ref(kv, t, tokens).view(-1).view(torch.uint8))
+
+        self.dev.launch(gather, stream)
+        if path is Path.STAGED:
+            self.dev.copy(slot.tensor, dst, stream)  # the DMA, landing late
+
+    def load(
+        self, path: Path, ids: CheckedIds, slot: Slot, stream: Stream, per_layer: bool, label: str, done=None
+    ) -> list[Event]:
+        """Enqueue the load; return the events of layers 0..L-2 (the engine records the last)."""
+        from kvtier.reference import scatter_ref
+
+        kv, t = self.kv, torch.as_tensor(ids.ids)  # the job's numpy ids as a tensor view
+        n, tokens = len(t), _tokens(len(t), kv.block_size, ids.last_valid)
+        src = slot.tensor
+        if path is Path.STAGED:
+            src = torch.empty(slot.nbytes, dtype=torch.uint8)
+            self.dev.copy(src, slot.tensor, stream)  # the DMA into staging, landing late
+        chunk = src.view(kv.dtype).view(kv.chunk_shape(n))
+        if path is Path.STAGED or not per_layer:
+            self.dev.launch(lambda: scatter_ref(kv, t, chunk, tokens), stream)
+            return []
+        events = []
+        for layer in range(kv.num_layers):
+            one = layer_kv(kv, layer)
+            part = chunk[:, layer : layer + 1]
+            self.dev.launch(lambda one=one, part=part: scatter_ref(one, t, part, tokens), stream)
+            if layer < kv.num_layers - 1:
+                events.append(stream.record(f"{label}:layer{layer}"))  # layer `layer` has landed
+        return events
+
+    def load_slots(self, ids: CheckedIds, counts, slots, stream: Stream, label: str) -> list[Event]:
+        """Layer-major load of several slots (`TransferEngine.load_slots`): per layer one "kernel"
+        scattering that layer of every slot; return the events of layers 0..L-2."""
+        from kvtier.reference import scatter_ref
+
+        kv, all_ids, parts, at = self.kv, torch.as_tensor(ids.ids), [], 0
+        for s, c in zip(slots, counts, strict=True):
+            last = at + c == len(all_ids)
+            tokens = _tokens(c, kv.block_size, ids.last_valid) if last else None
+            parts.append((all_ids[at : at + c], s.tensor.view(kv.dtype).view(kv.chunk_shape(c)), tokens))
+            at += c
+        events = []
+        for layer in range(kv.num_layers):
+            one = layer_kv(kv, layer)
+
+            def copy(one=one, layer=layer) -> None:  # runs when the stream reaches it
+                for i, chunk, tokens in parts:
+                    scatter_ref(one, i, chunk[:, layer : layer + 1], tokens)
+
+            self.dev.launch(copy, stream)
+            if layer < kv.num_layers - 1:
+                events.append(stream.record(f"{label}:layer{layer}"))  # layer `layer` of every slot landed
+        return events
+
+    def synchronize(self) -> None:
+        pass  # all work is on the engine's streams
+
+    def close(self) -> None:
+        pass
