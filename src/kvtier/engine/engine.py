@@ -496,7 +496,7 @@ class TransferEngine:
             return False
         return True
 
-    def _note_wait(self, stream: Stream, event: Event) -> None:
+    def note_wait(self, stream: Stream, event: Event) -> None:
         """`stream` was made to wait for `event` (`job.wait_on`, `wait_layer`): a compute access
         registered on that stream later counts it as waited (the order the stream guarantees)."""
         with self._lock:

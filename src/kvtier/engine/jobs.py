@@ -49,7 +49,7 @@ class _Job:
         """Make later work on `stream` wait for the whole job (no host blocking)."""
         # e.g. compute overwriting saved blocks, or reading loaded ones, must follow the copy.
         stream.wait_event(self.event)
-        self.engine._note_wait(stream, self.event)
+        self.engine.note_wait(stream, self.event)
 
 
 @dataclass(eq=False)
@@ -72,4 +72,4 @@ class LoadJob(_Job):
         ev = self.layer_events[layer]
         # Attention of layer `layer` must not read its blocks before their bytes have landed.
         stream.wait_event(ev)
-        self.engine._note_wait(stream, ev)
+        self.engine.note_wait(stream, ev)

@@ -112,7 +112,7 @@ class LoadHandle:
         for j in waits:
             j.wait_layer(layer, stream)  # attention must not read a block before its bytes land
         for j, ev in notes:
-            j.engine._note_wait(stream, ev)  # ordered before the waited event of its stream
+            j.engine.note_wait(stream, ev)  # ordered before the waited event of its stream
 
     def done(self) -> bool:
         """True once every chunk has landed in its GPU blocks."""
