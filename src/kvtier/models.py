@@ -10,6 +10,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+MAX_DIM = 1 << 24  # the largest count or width a shape field takes: far above any model, and
+# small enough that products of a few of them stay exact in a float (no overflow, no huge loops)
+
+
+def check_count(name: str, value: object, least: int = 1) -> int:
+    """`value` if it is an int (not a bool) within [least, MAX_DIM]; else ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= MAX_DIM:
+        raise ValueError(f"{name}: must be {count_range(least)}, got {short_repr(value)}")
+    return value
+
+
+def count_range(least: int) -> str:
+    """What `check_count` accepts, in words: "a positive integer (at most 16777216)"."""
+    kind = "a positive integer" if least == 1 else f"an integer >= {least}"
+    return f"{kind} (at most {MAX_DIM})"
+
+
+def short_repr(value: object, most: int = 40) -> str:
+    """repr(value), cut to about `most` characters: an error message stays one readable line."""
+    r = repr(value)
+    return r if len(r) <= most else f"{r[: most - 12]}... ({len(r)} chars)"
 
 
 def dtype_bytes(dtype: str) -> float:
@@ -27,6 +48,16 @@ class MoE:
     shared_experts: int = 0
     first_dense_layers: int = 0  # leading layers with a dense MLP (DeepSeek: first_k_dense_replace)
 
+    def __post_init__(self) -> None:
+        for f in ("num_experts", "experts_per_token", "expert_intermediate"):
+            check_count(f, getattr(self, f))
+        check_count("shared_experts", self.shared_experts, 0)
+        check_count("first_dense_layers", self.first_dense_layers, 0)
+        if self.experts_per_token > self.num_experts:
+            raise ValueError(
+                f"experts_per_token: {self.experts_per_token} exceeds num_experts={self.num_experts}"
+            )
+
 
 @dataclass(frozen=True, slots=True)
 class MLA:
@@ -35,6 +66,12 @@ class MLA:
     qk_nope_head_dim: int
     v_head_dim: int
     q_lora_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+            check_count(f, getattr(self, f))
+        if self.q_lora_rank is not None:
+            check_count("q_lora_rank", self.q_lora_rank)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,10 +93,20 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         for f in ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "vocab"):
-            if getattr(self, f) <= 0:
-                raise ValueError(f"{f}: must be positive, got {getattr(self, f)}")
+            check_count(f, getattr(self, f))
         if self.heads % self.kv_heads:
             raise ValueError(f"kv_heads: {self.kv_heads} does not divide heads={self.heads}")
+        for f in ("tie_embeddings", "qkv_bias"):
+            if not isinstance(getattr(self, f), bool):
+                raise ValueError(f"{f}: must be True or False, got {getattr(self, f)!r}")
+        if self.moe is not None and not isinstance(self.moe, MoE):
+            raise ValueError(f"moe: must be a MoE or None, got {self.moe!r}")
+        if self.mla is not None and not isinstance(self.mla, MLA):
+            raise ValueError(f"mla: must be an MLA or None, got {self.mla!r}")
+        if self.moe is not None and self.moe.first_dense_layers > self.layers:
+            raise ValueError(
+                f"moe.first_dense_layers: {self.moe.first_dense_layers} exceeds layers={self.layers}"
+            )
 
     # ---- parameters -------------------------------------------------------------------
     def _attn_params(self) -> int:
@@ -79,19 +126,19 @@ class ModelSpec:
         bias = (q + 2 * kv) if self.qkv_bias else 0
         return h * (q + 2 * kv) + bias + q * h
 
-    def _mlp_params(self, layer: int, active: bool) -> int:
-        h = self.hidden
-        moe = self.moe
-        if moe is None or layer < moe.first_dense_layers:
-            return 3 * h * self.intermediate
+    def _mlp_params(self, active: bool) -> int:
+        """MLP parameters of all layers: the dense ones, then the MoE ones (closed form)."""
+        h, moe = self.hidden, self.moe
+        dense = 3 * h * self.intermediate
+        if moe is None:
+            return self.layers * dense
         n = moe.experts_per_token if active else moe.num_experts
-        return (n + moe.shared_experts) * 3 * h * moe.expert_intermediate + h * moe.num_experts  # + router
+        routed = (n + moe.shared_experts) * 3 * h * moe.expert_intermediate + h * moe.num_experts  # + router
+        return moe.first_dense_layers * dense + (self.layers - moe.first_dense_layers) * routed
 
     def params(self, active: bool = False) -> int:
         """Parameter count; `active`: only the experts one token uses (MoE)."""
-        per_layer = sum(
-            self._attn_params() + self._mlp_params(i, active) + 2 * self.hidden for i in range(self.layers)
-        )
+        per_layer = self.layers * (self._attn_params() + 2 * self.hidden) + self._mlp_params(active)
         embed = self.vocab * self.hidden * (1 if self.tie_embeddings else 2)
         return per_layer + embed + self.hidden
 

@@ -19,8 +19,12 @@ transfer times (`path`: bytes / slowest hop + hop latencies), with probed ceilin
   the new tokens' layers pipeline with the copies only: ``max(R_s + C, read_s + overlap(copy_s,
   C))``, and so for load (`transfer_parts`).
 
-The load is assumed not to slow the compute running beside it (copy-engine path; PERF.md P5
-measured a 10% cost for the staged path's short gathers): calibrate before trusting a close call.
+The best split is found among the chunk boundaries in O(log(n / chunk)) evaluations: the
+recompute side R_s + C only grows with s and the load side only shrinks, so their maximum falls
+until the two cross and rises after; a bisection finds the crossing (`_best_split`).
+
+The load is assumed not to slow the compute running beside it (copy-engine path; the staged
+path's short gathers do cost some): calibrate before trusting a close call.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from kvtier.path import Hop, Path, build_path
 from kvtier.roofline import prefill
 from kvtier.specs import GPU, Link, get_gpu, get_link, measured_host_link
 
+MAX_TOKENS = 1 << 40  # the most tokens a request's prefix or new part may hold: beyond any context
 CHOICES = ("load", "recompute", "split")  # in order of preference when two predict the same time
 TIER_ALIASES = {"host": "host", "disk": "disk", "remote": "remote", "redis": "remote"}
 
@@ -172,12 +177,15 @@ def plan(
         model = resolve_model(model)
     g = get_gpu(gpu, ceilings) if isinstance(gpu, str) else gpu
     for name, v in (("chunk_tokens", chunk_tokens), ("new_tokens", new_tokens)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name}: must be an integer >= 1, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_TOKENS:
+            raise ValueError(f"{name}: must be an integer within [1, {MAX_TOKENS}], got {v!r}")
     n = matched_tokens
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0 or n % chunk_tokens:
-        raise ValueError(f"matched_tokens: must be a multiple of chunk_tokens={chunk_tokens} >= 0, got {n!r}")
-    if not 0 < efficiency <= 1:
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOKENS or n % chunk_tokens:
+        raise ValueError(
+            f"matched_tokens: must be a multiple of chunk_tokens={chunk_tokens} within [0, {MAX_TOKENS}], "
+            f"got {n!r}"
+        )
+    if isinstance(efficiency, bool) or not isinstance(efficiency, int | float) or not 0 < efficiency <= 1:
         raise ValueError(f"efficiency: must be within (0, 1], got {efficiency!r}")
     for name, v in (("prefill_overhead_ms", prefill_overhead_ms), ("forward_floor_ms", forward_floor_ms)):
         if isinstance(v, bool) or not isinstance(v, int | float) or not (0 <= v < float("inf")):
@@ -202,9 +210,8 @@ def plan(
     options = {"recompute": Option("recompute", n, 0, pre(n + m), 0.0, 0.0, pre(n + m))}
     if n:
         options["load"] = split_at(0, "load")
-    inner = [split_at(s, "split") for s in range(chunk_tokens, n, chunk_tokens)]
-    if inner:
-        options["split"] = min(inner, key=lambda o: (o.ms, o.recompute_tokens))
+    if n > chunk_tokens:  # a boundary inside the hit
+        options["split"] = _best_split(lambda k: split_at(k * chunk_tokens, "split"), n // chunk_tokens)
     choice = min((c for c in CHOICES if c in options), key=lambda c: options[c].ms)  # ties: CHOICES order
     best = options[choice]
     reasons = _reasons(options, choice, p, model.kv_bytes_per_token(kv_dtype), n, m, chunk_tokens)
@@ -220,6 +227,39 @@ def plan(
         kv_bytes_per_token=model.kv_bytes_per_token(kv_dtype),
         reasons=tuple(reasons),
     )
+
+
+def _best_split(at, chunks: int) -> Option:
+    """The split with the least predicted time over boundaries k = 1 .. chunks - 1 (``at(k)``: the
+    split after k chunks), the smallest k among equals: what trying every boundary would pick.
+
+    Its time is max(rise(k), fall(k)): the recompute side never shrinks as k grows and the load
+    side never grows (float rounding keeps both monotone), so the maximum falls to the crossing
+    and rises after it. Two bisections, O(log chunks) calls of ``at``."""
+
+    def rise(o: Option) -> float:
+        return o.recompute_ms + o.new_ms
+
+    def fall(o: Option) -> float:
+        return o.ms if o.ms > rise(o) else -1.0  # the load side, where it is the larger one
+
+    def first(lo: int, hi: int, pred) -> int:
+        """The least k in [lo, hi) with pred(at(k)) (pred turns True once and stays); hi if none."""
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if pred(at(mid)):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    cross = first(1, chunks, lambda o: fall(o) < 0)  # the recompute side is the larger from here on
+    best = at(cross) if cross < chunks else None
+    if cross > 1:  # the load side just before the crossing, and the earliest boundary as fast as it
+        before = at(cross - 1)
+        if best is None or before.ms <= best.ms:
+            best = at(first(1, cross - 1, lambda o: o.ms <= before.ms))
+    return best
 
 
 def transfer_parts(p: Path, tokens: int, per_token: float) -> tuple[float, float]:

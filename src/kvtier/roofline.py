@@ -142,6 +142,65 @@ def turning_batch(
     return lo
 
 
+@dataclass(frozen=True, slots=True)
+class MemoryFit:
+    """Whether the weights and the KV of `batch` requests of `context` tokens each fit one GPU's
+    memory (bytes; a lower bound on what serving needs: activations, the CUDA context and
+    fragmentation are not counted), and what would fit if not."""
+
+    memory_bytes: float
+    weights_bytes: float
+    kv_bytes: float
+    batch: int
+    context: int
+    max_batch: int | None  # the largest batch whose KV fits beside the weights (None: no KV, context 0)
+    gpus_for_weights: int  # GPUs the weights alone need, split evenly (tensor parallel)
+    gpus_needed: int  # GPUs the weights and this batch's KV need, split evenly
+
+    @property
+    def fits(self) -> bool:
+        return self.weights_bytes + self.kv_bytes <= self.memory_bytes
+
+    def to_json(self) -> dict:
+        return {
+            "fits": self.fits,
+            "memory_bytes": self.memory_bytes,
+            "weights_bytes": self.weights_bytes,
+            "kv_bytes": self.kv_bytes,
+            "total_bytes": self.weights_bytes + self.kv_bytes,
+            "batch": self.batch,
+            "context": self.context,
+            "max_batch": self.max_batch,
+            "gpus_for_weights": self.gpus_for_weights,
+            "gpus_needed": self.gpus_needed,
+        }
+
+
+def memory_fit(
+    model: ModelSpec, gpu: GPU, batch: int, context: int, dtype: str = "bf16", kv_dtype: str = "bf16"
+) -> MemoryFit:
+    """Do the weights plus `batch` x `context` tokens of KV fit `gpu`'s memory? If not: the largest
+    batch at this context on one GPU, and the GPUs the weights (and the KV) need."""
+    _check_positive(batch=batch)
+    if context < 0:
+        raise ValueError(f"context: must be >= 0, got {context}")
+    memory = gpu.mem_gb * 1e9
+    weights = model.weight_bytes(dtype)
+    per_request = context * model.kv_bytes_per_token(kv_dtype)
+    kv = batch * per_request
+    max_batch = int(max(0.0, memory - weights) // per_request) if per_request else None
+    return MemoryFit(
+        memory_bytes=memory,
+        weights_bytes=weights,
+        kv_bytes=kv,
+        batch=batch,
+        context=context,
+        max_batch=max_batch,
+        gpus_for_weights=max(1, math.ceil(weights / memory)),
+        gpus_needed=max(1, math.ceil((weights + kv) / memory)),
+    )
+
+
 def amdahl(fraction: float, speedup: float) -> float:
     """End-to-end speedup when a part taking `fraction` of the time gets `speedup` times faster."""
     if not 0 <= fraction <= 1:

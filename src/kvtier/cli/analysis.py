@@ -4,27 +4,70 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+from pathlib import Path
 
 import click
 
 from kvtier.cli import cli
 from kvtier.cli.report import path_json, roofline_json, specs_json
 from kvtier.cli.tables import print_path, print_roofline, print_specs
+from kvtier.planner import MAX_TOKENS  # no context is longer: a larger count is a typo
 
-POSITIVE = click.IntRange(min=1)
+MAX_BATCH = 1 << 30
+POSITIVE = click.IntRange(min=1, max=MAX_BATCH)
+TOKENS = click.IntRange(min=0, max=MAX_TOKENS)
+POSITIVE_TOKENS = click.IntRange(min=1, max=MAX_TOKENS)
+
+
+class OneLineErrors(click.Command):
+    """A command whose usage errors print one line, ``Error: ...`` naming the option, exit code 2:
+    no usage banner above it (the error is the news; `--help` has the rest)."""
+
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.UsageError as e:
+            e.ctx = None  # click prints the usage banner only for an error that carries its context
+            raise
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as e:
+            e.ctx = None
+            raise
 
 
 def usage_errors(fn):
-    """Bad input becomes a one-line usage error (exit code 2), never a traceback."""
+    """Bad input becomes a one-line usage error (exit code 2), never a traceback. OverflowError:
+    a number too large for a float, from an input that no check caught."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except ValueError as e:
+        except (ValueError, OverflowError) as e:
             raise click.UsageError(str(e)) from None
 
     return wrapper
+
+
+def _writable_png(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """--plot: refused before any work when its folder is missing or not writable."""
+    if value is None:
+        return None
+    folder = Path(value).parent
+    if not folder.is_dir():
+        raise click.BadParameter(f"folder {str(folder)!r} does not exist", ctx, param)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise click.BadParameter(f"folder {str(folder)!r} is not writable", ctx, param)
+    return value
+
+
+def plot_option(help_text: str):
+    """--plot PNG: checked at once (its folder exists and is writable)."""
+    return click.option("--plot", type=click.Path(dir_okay=False), callback=_writable_png, help=help_text)
 
 
 def _ceilings(path: str | None):
@@ -40,7 +83,10 @@ def _finish(data: dict, as_json: bool, printer, plot: str | None, plotter: str) 
     if plot:
         from kvtier.cli import plots
 
-        getattr(plots, plotter)(data, plot)
+        try:
+            getattr(plots, plotter)(data, plot)
+        except OSError as e:  # e.g. the disk filled up, or the folder went away since the check
+            raise click.UsageError(f"--plot: cannot write {plot!r}: {e.strerror or e}") from None
         data["plot"] = plot
     _emit(data, as_json, printer)
 
@@ -89,7 +135,7 @@ def efficiency_option(help_text: str):
 common_json = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 
 
-@cli.command()
+@cli.command(cls=OneLineErrors)
 @common_ceilings
 @common_json
 @usage_errors
@@ -98,15 +144,18 @@ def specs(ceilings: str | None, as_json: bool) -> None:
     _emit(specs_json(_ceilings(ceilings)), as_json, print_specs)
 
 
-@cli.command()
+@cli.command(cls=OneLineErrors)
 @common_model
 @common_gpu
 @click.option("--batch", "-b", type=POSITIVE, default=1, show_default=True, help="Requests decoded together.")
+@click.option("--context", "-c", type=TOKENS, default=8192, show_default=True, help="Tokens per request.")
 @click.option(
-    "--context", "-c", type=click.IntRange(min=0), default=8192, show_default=True, help="Tokens per request."
-)
-@click.option(
-    "--prefill", "prefill_tokens", type=POSITIVE, default=8192, show_default=True, help="Prefill length."
+    "--prefill",
+    "prefill_tokens",
+    type=POSITIVE_TOKENS,
+    default=8192,
+    show_default=True,
+    help="Prefill length.",
 )
 @click.option("--dtype", default="bf16", show_default=True, help="Weight and compute dtype.")
 @common_kv_dtype
@@ -116,9 +165,7 @@ def specs(ceilings: str | None, as_json: bool) -> None:
 )
 @common_ceilings
 @common_json
-@click.option(
-    "--plot", type=click.Path(dir_okay=False), help="Draw the roofline with operating points to a PNG."
-)
+@plot_option("Draw the roofline with operating points to a PNG.")
 @usage_errors
 def roofline(
     model, gpu, batch, context, prefill_tokens, dtype, kv_dtype, efficiency, amdahl, ceilings, as_json, plot
@@ -149,9 +196,11 @@ def _parse_amdahl(text: str) -> tuple[float, float]:
     return fraction, speedup
 
 
-@cli.command()
+@cli.command(cls=OneLineErrors)
 @common_model
-@click.option("--tokens", "-t", type=POSITIVE, default=8192, show_default=True, help="Tokens of KV to move.")
+@click.option(
+    "--tokens", "-t", type=POSITIVE_TOKENS, default=8192, show_default=True, help="Tokens of KV to move."
+)
 @click.option(
     "--link", "-l", default=None, help="GPU <-> host link (pcie3..pcie6); default: the GPU's PCIe gen."
 )
@@ -167,9 +216,7 @@ def _parse_amdahl(text: str) -> tuple[float, float]:
 @efficiency_option("Fraction of peak FLOPs reachable when recomputing.")
 @common_ceilings
 @common_json
-@click.option(
-    "--plot", type=click.Path(dir_okay=False), help="Draw load vs recompute time over prefix length."
-)
+@plot_option("Draw load vs recompute time over prefix length.")
 @usage_errors
 def path(
     model,

@@ -6,6 +6,8 @@ import click
 
 from kvtier.cli import cli
 from kvtier.cli.analysis import (
+    MAX_TOKENS,
+    OneLineErrors,
     _ceilings,
     _emit,
     _gpu_key,
@@ -19,7 +21,7 @@ from kvtier.cli.analysis import (
 )
 
 
-@cli.command("plan")
+@cli.command("plan", cls=OneLineErrors)
 @common_model
 @common_gpu
 @click.option(
@@ -31,16 +33,20 @@ from kvtier.cli.analysis import (
 )
 @click.option(
     "--matched",
-    type=click.IntRange(min=0),
+    type=click.IntRange(min=0, max=MAX_TOKENS),
     required=True,
     help="Tokens of the stored prefix hit (whole chunks).",
 )
 @click.option(
-    "--new", "new", type=click.IntRange(min=1), required=True, help="Prompt tokens after the prefix."
+    "--new",
+    "new",
+    type=click.IntRange(min=1, max=MAX_TOKENS),
+    required=True,
+    help="Prompt tokens after the prefix.",
 )
 @click.option(
     "--chunk-tokens",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=MAX_TOKENS),
     default=256,
     show_default=True,
     help="The store's chunk size.",
@@ -83,6 +89,7 @@ def plan_cmd(
     from kvtier.ceilings import Ceilings
     from kvtier.hfconfig import resolve_model
     from kvtier.planner import plan
+    from kvtier.roofline import memory_fit
     from kvtier.specs import get_gpu
 
     measured = _ceilings(ceilings)
@@ -118,6 +125,7 @@ def plan_cmd(
     data |= {"ceilings": ceilings, "calibration": calibration, "prefill_overhead_ms": overhead}
     data |= {"forward_floor_ms": floor}
     data |= {"gpu_measured": list(g.measured)} | p.to_json()
+    data["fits"] = memory_fit(m, g, 1, matched + new, kv_dtype=kv_dtype).to_json()  # the request's KV
     _emit(data, as_json, _print)
 
 
@@ -171,6 +179,10 @@ def _print(d: dict) -> None:
             h.add_row(hop["name"] + mark, f"{hop['gbps']:.1f}", f"{hop['time_ms']:.3f}")
         con.print(h)
     con.print("(sources of every figure: --json or `kvtier specs`)")
+    if not d["fits"]["fits"]:
+        from kvtier.cli.tables import fit_text
+
+        con.print(f"fits in GPU memory (weights + this request's KV): {fit_text(d['fits'])}")
     for r in d["reasons"]:
         con.print(f"- {r}")
     s = d["split_tokens"]

@@ -110,6 +110,7 @@ def roofline_json(
             {"batch": b} | rl.decode_step(m, g, b, context, dtype, kv_dtype, efficiency).to_json()
             for b in SWEEP_BATCHES
         ],
+        "fits": rl.memory_fit(m, g, batch, context, dtype, kv_dtype).to_json(),
         "turning_batch": rl.turning_batch(m, g, context, dtype, kv_dtype),
         "turning_batch_weights_only": rl.turning_batch(m, g, 0, dtype, kv_dtype),
         "prefill": {"tokens": prefill_tokens}
@@ -168,6 +169,8 @@ def path_json(
         "tokens": tokens,
         "bytes": nbytes,
         "gib": nbytes / GIB,
+        # the moved KV beside the weights, on one GPU
+        "fits": rl.memory_fit(m, g, 1, tokens, kv_dtype=kv_dtype).to_json(),
         "path": p.to_json(nbytes),
         "transfer_ms": p.transfer_ms(nbytes),
         "bottleneck": p.bottleneck.name,

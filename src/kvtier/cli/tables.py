@@ -88,6 +88,7 @@ def print_roofline(d: dict) -> None:
             f"{d['kv_bytes_per_request'] / GIB:.3f} GiB, read in {d['kv_read_ms_per_request']:.3f} ms",
         ),
         (f"KV of the batch ({d['batch']} requests)", f"read in {d['kv_read_ms']:.2f} ms"),
+        (f"fits in {g['mem_gb']:g} GB of GPU memory", fit_text(d["fits"])),
         (f"decode step, batch {d['batch']}", _bound_text(d["decode"])),
         ("decode step, batch 1", _bound_text(d["decode_batch1"])),
         ("turns compute-bound at batch", _batch_text(d["turning_batch"], d["context"])),
@@ -105,6 +106,25 @@ def print_roofline(d: dict) -> None:
     for r in rows:
         t.add_row(*r)
     _console.print(t)
+
+
+def fit_text(f: dict) -> str:
+    """Whether weights + KV fit one GPU and, if not, what would: the largest batch, or more GPUs."""
+    sizes = (
+        f"{f['weights_bytes'] / 1e9:.1f} GB weights + {f['kv_bytes'] / 1e9:.1f} GB KV = "
+        f"{f['total_bytes'] / 1e9:.1f} GB"
+    )
+    if f["fits"]:
+        more = "" if f["max_batch"] is None else f"; up to batch {f['max_batch']} at {f['context']} tokens"
+        return f"yes: {sizes}{more}"
+    if f["gpus_for_weights"] > 1:
+        fix = f"the weights alone need {f['gpus_for_weights']} GPUs"
+    else:
+        fix = f"the largest batch at {f['context']} tokens is {f['max_batch']}"
+    return (
+        f"NO: {sizes} > {f['memory_bytes'] / 1e9:g} GB; {fix}; weights + KV need {f['gpus_needed']} GPUs "
+        "(activations not counted)"
+    )
 
 
 def _bound_text(b: dict) -> str:
@@ -134,6 +154,8 @@ def print_path(d: dict) -> None:
     lr = d["load_vs_recompute"]
     s = lr["split"]
     _console.print(f"transfer: {d['transfer_ms']:.2f} ms through {p['bottleneck']}")
+    if not d["fits"]["fits"]:
+        _console.print(f"fits in GPU memory (weights + this KV): {fit_text(d['fits'])}")
     for note in p["notes"]:
         _console.print(f"  note: {note}")
     _console.print(

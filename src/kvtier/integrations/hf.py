@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import inspect
 import time
+import warnings
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kvtier import layout
 from kvtier.device.base import Device
-from kvtier.engine import TransferEngine
+from kvtier.engine import EngineConfig, TransferEngine
+from kvtier.hfconfig import cache_kv_shape
 from kvtier.pool import PinnedPool
 from kvtier.store import KVStore
 
@@ -53,14 +55,16 @@ class KVTier:
         self.kv = layout.vllm_flash(kv_caches)
         self.pool = PinnedPool(device, pool_bytes)
         # compute_beside=False: loads take the per-layer path, an event per layer to wait on.
-        # Staging no larger than the whole cache (the engine's default is 512 MiB per direction).
+        # Staging no larger than the whole cache (the engine's default is far larger than a small model's).
         staging = min(512 << 20, max(2 * self.kv.block_nbytes, self.kv.chunk_nbytes(self.kv.num_blocks)))
         opts = dict(compute_beside=False, staging_bytes=staging)
-        self.engine = TransferEngine(device, self.kv, self.pool, **(opts | (engine_options or {})))
+        config = EngineConfig(**(opts | (engine_options or {})))
+        self.engine = TransferEngine(device, self.kv, self.pool, config)
         self.store = KVStore(self.engine, model, tiers=list(tiers), **store_options)
         self.chunk_tokens = self.store.fmt.tokens
         self._free = list(range(self.kv.num_blocks))[::-1]  # plain-Python block allocator
         self.owns_device = False  # for_model made it: close() closes it too
+        self._closed = False
 
     @classmethod
     def for_model(
@@ -80,21 +84,14 @@ class KVTier:
         (default: room for every block twice). model_id: the identity of the weights, part of every
         key (default: the config's name_or_path, else the class name: give one for weights made
         locally). options: `StoreConfig` fields (chunk_tokens, salt, ...) and engine_options."""
+        # The shape the model's attention really caches (one head for multi-query); refused up
+        # front, with the reason, where the paged layout cannot hold it (MLA, sliding windows).
+        kv_heads, head_dim = cache_kv_shape(model.config)
         cfg = (
             model.config.get_text_config(decoder=True)
             if hasattr(model.config, "get_text_config")
             else model.config
         )
-        types = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-        if (
-            types != {"full_attention"}
-            or getattr(cfg, "sliding_window", None)
-            and not getattr(cfg, "layer_types", None)
-        ):
-            raise ValueError(f"model: only full-attention layers are supported, got {sorted(types)}")
-        heads = cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         dev_t = next(model.parameters()).device
         shape = (2, num_blocks, block_size, kv_heads, head_dim)
         caches = [torch.zeros(shape, dtype=model.dtype, device=dev_t) for _ in range(cfg.num_hidden_layers)]
@@ -142,11 +139,24 @@ class KVTier:
         self._free.extend(reversed(blocks))
 
     def close(self) -> None:
-        """Finish every transfer and push, then close the store and the engine (not the tiers)."""
-        self.store.close()
-        self.engine.close()
+        """Finish every transfer and push, then close the store, the engine, the pool and (made
+        by `for_model`) the device; not the tiers. Idempotent, and safe after a failure: every
+        part is closed even when one raises (a sticky device error raises in each), and the
+        first error is reported once, as a RuntimeWarning, not raised."""
+        if self._closed:
+            return
+        self._closed = True
+        parts = [self.store.close, self.engine.close, self.pool.close]
         if self.owns_device:
-            self.device.close()
+            parts.append(self.device.close)  # last: its workers run the copies the others wait for
+        first: BaseException | None = None
+        for close in parts:
+            try:
+                close()
+            except Exception as e:  # noqa: BLE001 - the rest must still be released
+                first = first or e
+        if first is not None:
+            warnings.warn(f"KVTier.close: {first!r} (every part was closed)", RuntimeWarning, stacklevel=2)
 
     def __enter__(self) -> KVTier:
         return self
