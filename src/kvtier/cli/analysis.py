@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-from pathlib import Path
 
 import click
 
 from kvtier.cli import cli
+from kvtier.cli.options import plot_option
 from kvtier.cli.report import path_json, roofline_json, specs_json
 from kvtier.cli.tables import print_path, print_roofline, print_specs
 from kvtier.planner import MAX_TOKENS  # no context is longer: a larger count is a typo
@@ -18,25 +17,6 @@ MAX_BATCH = 1 << 30
 POSITIVE = click.IntRange(min=1, max=MAX_BATCH)
 TOKENS = click.IntRange(min=0, max=MAX_TOKENS)
 POSITIVE_TOKENS = click.IntRange(min=1, max=MAX_TOKENS)
-
-
-class OneLineErrors(click.Command):
-    """A command whose usage errors print one line, ``Error: ...`` naming the option, exit code 2:
-    no usage banner above it (the error is the news; `--help` has the rest)."""
-
-    def make_context(self, *args, **kwargs):
-        try:
-            return super().make_context(*args, **kwargs)
-        except click.UsageError as e:
-            e.ctx = None  # click prints the usage banner only for an error that carries its context
-            raise
-
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except click.UsageError as e:
-            e.ctx = None
-            raise
 
 
 def usage_errors(fn):
@@ -51,23 +31,6 @@ def usage_errors(fn):
             raise click.UsageError(str(e)) from None
 
     return wrapper
-
-
-def _writable_png(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """--plot: refused before any work when its folder is missing or not writable."""
-    if value is None:
-        return None
-    folder = Path(value).parent
-    if not folder.is_dir():
-        raise click.BadParameter(f"folder {str(folder)!r} does not exist", ctx, param)
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise click.BadParameter(f"folder {str(folder)!r} is not writable", ctx, param)
-    return value
-
-
-def plot_option(help_text: str):
-    """--plot PNG: checked at once (its folder exists and is writable)."""
-    return click.option("--plot", type=click.Path(dir_okay=False), callback=_writable_png, help=help_text)
 
 
 def _ceilings(path: str | None):
@@ -135,7 +98,7 @@ def efficiency_option(help_text: str):
 common_json = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of tables.")
 
 
-@cli.command(cls=OneLineErrors)
+@cli.command()
 @common_ceilings
 @common_json
 @usage_errors
@@ -144,7 +107,7 @@ def specs(ceilings: str | None, as_json: bool) -> None:
     _emit(specs_json(_ceilings(ceilings)), as_json, print_specs)
 
 
-@cli.command(cls=OneLineErrors)
+@cli.command()
 @common_model
 @common_gpu
 @click.option("--batch", "-b", type=POSITIVE, default=1, show_default=True, help="Requests decoded together.")
@@ -196,7 +159,7 @@ def _parse_amdahl(text: str) -> tuple[float, float]:
     return fraction, speedup
 
 
-@cli.command(cls=OneLineErrors)
+@cli.command()
 @common_model
 @click.option(
     "--tokens", "-t", type=POSITIVE_TOKENS, default=8192, show_default=True, help="Tokens of KV to move."

@@ -115,7 +115,8 @@ def _print(d: dict) -> None:
         )
     p10 = d["p10"]
     con.print(
-        f"predictions ({p10['scope']}): {p10['within_before']}/{p10['points']} points within 10% before calibration, "
+        f"predictions ({p10['scope']}): {p10['within_before']}/{p10['points']} points within 10% "
+        "before calibration, "
         f"{p10['within_after']}/{p10['points']} after: {p10['status']}"
         + (f"; saved to {d['saved']}" if d.get("saved") else "")
     )

@@ -22,6 +22,7 @@ import click
 
 from kvtier.cli import cli
 from kvtier.cli.demo_report import plot_ttft, print_report
+from kvtier.cli.options import plot_option
 
 # Random-weight Llama configs per device: small enough for 2 CPU cores, larger on a GPU.
 MODELS = {
@@ -254,9 +255,7 @@ def sweep(kind: str, prefixes, new_tokens: int, model=None) -> list[dict]:
 @click.option(
     "--redis", "redis_url", default=None, help="Also push to this Redis and hit it from a 2nd instance."
 )
-@click.option(
-    "--plot", type=click.Path(dir_okay=False), default=None, help="PNG: TTFT vs prefix, recompute vs load."
-)
+@plot_option("PNG: TTFT vs prefix, recompute vs load.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def demo(
     device_kind: str, prefix: int | None, requests: int, new_tokens: int, redis_url, plot, as_json

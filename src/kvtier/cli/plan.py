@@ -7,7 +7,6 @@ import click
 from kvtier.cli import cli
 from kvtier.cli.analysis import (
     MAX_TOKENS,
-    OneLineErrors,
     _ceilings,
     _emit,
     _gpu_key,
@@ -21,7 +20,7 @@ from kvtier.cli.analysis import (
 )
 
 
-@cli.command("plan", cls=OneLineErrors)
+@cli.command("plan")
 @common_model
 @common_gpu
 @click.option(
