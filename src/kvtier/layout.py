@@ -7,6 +7,8 @@ Shapes accepted (per layer, or stacked into one cross-layer tensor with `num_lay
     FlashInfer HND          (num_blocks, 2, num_kv_heads, block_size, head_dim)
     MLA latent              (num_blocks, block_size, latent_dim)
     cross-layer blocks      (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)  one tensor
+    vLLM 0.33               [num_blocks, num_kv_heads, block_size, K||V] in one of six physical
+                            orders (LBHNC ... BHLNC; MLA: its latent); see `vllm_paged`
 
 Any strides are accepted as long as one K or V block of one layer (a "piece") is contiguous
 in memory, token-major (NHD: block_size, heads, dim) or head-major (HND: heads, block_size,
@@ -32,12 +34,13 @@ dim), MLA (bs, latent)), so a copy is raw bytes. When the token count is not a m
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+# uint8 / int8: pages vLLM hands over as raw bytes (fp8 e4m3/e5m2, its quantized KV); a copy moves bits.
+DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8, torch.int8)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -181,6 +184,174 @@ def cross_layer(kv_cache: torch.Tensor) -> PagedKV:
         )
     layers = [kv_cache[:, layer] for layer in range(kv_cache.shape[1])]
     return _build("cross_layer", layers, lambda x: x.transpose(0, 1))
+
+
+# ---- vLLM 0.33: per-layer [num_blocks, num_kv_heads, block_size, K||V] views --------------
+
+VLLM_ORDERS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+_VLLM_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}  # vLLM's legacy names of the two L-first ones
+
+
+def vllm_paged(
+    kv_caches: Mapping[str, torch.Tensor] | Sequence[torch.Tensor] | torch.Tensor,
+    order: str = "LBHNC",
+    *,
+    mla: bool = False,
+) -> PagedKV:
+    """vLLM 0.33's KV cache as its workers hand it to a connector's `register_kv_caches`.
+
+    kv_caches: per layer a 4-D view ``[B, H, N, C]`` (num_blocks, num_kv_heads, block_size, C),
+        with C = 2 * head_size elements, K then V in the last dimension (no leading 2); a dict
+        layer name -> view (vLLM's, in layer order), a sequence of views, or one tensor: 5-D
+        ``[L, B, H, N, C]`` (every layer) or 4-D (one layer). MLA: H = 1 and C the latent
+        (kv_lora_rank + rope dim, e.g. 576), or the squeezed 3-D ``[B, N, C]`` attention binds.
+        bf16, fp16, fp32, fp8 (uint8 as vLLM allocates it, or float8_e4m3fn) and int8 pages.
+    order: the physical order, a `KVCacheLayout` name (or the enum itself); "NHD" / "HND" are
+        vLLM's aliases of LBNHC / LBHNC. Checked against the strides: ValueError naming
+        `kv_caches` and `order` when they disagree, with the orders the strides do fit.
+    mla: the cache is MLA's latent (4-D views with H = 1); 3-D views imply it.
+
+    Each order, per layer, in elements (P = H*N*C, one layer's page of a block). vLLM carves
+    every layer out of one buffer; a B-first order may pad the block stride when several KV
+    cache groups share a block, and any larger, non-overlapping stride is accepted:
+
+        order  memory            per-layer strides (B, H, N, C)   layer l starts at
+        LBHNC  [L, B, H, N, C]   (P,     N*C,     C,   1)          l * B*P
+        LBNHC  [L, B, N, H, C]   (P,     C,       H*C, 1)          l * B*P
+        LHBNC  [L, H, B, N, C]   (N*C,   B*N*C,   C,   1)          l * B*P
+        BLHNC  [B, L, H, N, C]   (L*P,   N*C,     C,   1)          l * P
+        BLNHC  [B, L, N, H, C]   (L*P,   C,       H*C, 1)          l * P
+        BHLNC  [B, H, L, N, C]   (L*P,   L*N*C,   C,   1)          l * N*C
+
+    The host chunk (module docstring) depends only on where H sits against N, so a chunk saved
+    under one order loads under another exactly when their chunk bytes agree:
+
+        head-major  LBHNC LHBNC BLHNC BHLNC  num_kv = H pieces (N, 1, C)  block: [L, H, N, C]
+        token-major LBNHC BLNHC              one piece (N, H, C)          block: [L, N, H, C]
+        MLA         every order              one piece (N, C)             block: [L, N, C]
+
+    Within a family chunks are interchangeable (and `store.chunk_layout` names them alike);
+    across the two families only when H = 1. LHBNC and BHLNC keep a block's heads apart, so each
+    head's (N, C) is a piece of its own, and LBHNC / BLHNC are cut the same way to share their
+    chunks. MLA chunks also equal `mla()`'s. `contiguous_block_run` tells when a block is one
+    DMA-able run. A uint8 cache's chunk goes to `kvtier.ops` as 1-D bytes (they read any uint8
+    chunk so).
+
+    Hazards on the caller's side: vLLM puts a layer that shares another's KV under both names
+    (one tensor twice: drop the sharing layers first, or this refuses the overlap); and where it
+    splits a block into a backend's smaller kernel blocks (L-first orders), its views address
+    kernel blocks, so block b is kernel blocks b * r ... b * r + r - 1 (r = block_size / kernel's).
+
+    >>> buf = torch.zeros(64, 32, 8, 16, 256, dtype=torch.bfloat16)  # BLHNC: [B, L, H, N, C]
+    >>> kv = vllm_paged([buf[:, layer] for layer in range(32)], "BLHNC")
+    >>> kv.chunk_shape(2), contiguous_block_run(kv)  # (n, L, H, N, 1, C); bytes of a block's run
+    ((2, 32, 8, 16, 1, 256), 2097152)
+    """
+    name = _vllm_order(order)
+    views, _ = _vllm_views(kv_caches)
+    if views[0].dim() == 3:
+        mla, views = True, [x.unsqueeze(1) for x in views]
+    if mla and views[0].shape[1] != 1:
+        raise ValueError(f"kv_caches: an MLA view is [B, 1, N, latent], got {tuple(views[0].shape)}")
+    step = _layer_step(views)
+    fits = _vllm_orders_fitting(views[0], len(views), step)
+    if name not in fits:
+        where = f"layer step {step}" if step is not None else "layers in separate buffers"
+        raise ValueError(
+            f"kv_caches: strides {views[0].stride()} ({where}) of {tuple(views[0].shape)} views are not "
+            f"order={name!r}; they fit {', '.join(fits) or 'none of ' + ', '.join(VLLM_ORDERS)}"
+        )
+    if mla:
+        return _build("mla", [x[:, 0] for x in views], lambda x: x[None, :, :, None, :])
+    if name.index("H") < name.index("N"):  # head-major: each head's (N, C) a piece, heads as num_kv
+        canon = lambda x: x.permute(1, 0, 2, 3).unsqueeze(3)  # noqa: E731 - (H, B, N, 1, C)
+    else:  # token-major: the block's (N, H, C) one piece
+        canon = lambda x: x.transpose(1, 2).unsqueeze(0)  # noqa: E731 - (1, B, N, H, C)
+    return _build(f"vllm_{name.lower()}", views, canon)  # layer i of a dict: kv_caches[i] in messages
+
+
+def contiguous_block_run(pkv: PagedKV) -> int | None:
+    """Bytes of one block's run when every piece of a block (all layers, K and V) lies in one
+    contiguous run in exactly the chunk's order, so that one plain DMA per block (or per run of
+    consecutive ids, when `pkv.block_stride` equals the run) moves it to or from a chunk; else
+    None. vLLM's BLHNC and BLNHC, `cross_layer`, MLA in B-first orders, and any one-layer cache
+    give `pkv.block_nbytes`. BHLNC gives None (H > 1 and L > 1): its block is contiguous, but
+    as [H, L, N, C], not the chunk's [L, H, N, C]. A partial last block is not a whole run:
+    a DMA of it would copy, or overwrite, the tokens past `num_tokens`.
+
+    >>> contiguous_block_run(cross_layer(torch.zeros(8, 4, 2, 16, 2, 64)))  # 4*2*16*2*64 floats
+    65536
+    """
+    step, at = pkv.piece_numel, None
+    for layer in range(pkv.num_layers):
+        for k in range(pkv.num_kv):
+            a = pkv.layer_offsets[layer] + k * pkv.kv_stride
+            if at is not None and a != at + step:
+                return None
+            at = a
+    return pkv.block_nbytes
+
+
+def _vllm_order(order) -> str:
+    name = getattr(order, "name", order)  # vLLM's KVCacheLayout member, or its name
+    if not isinstance(name, str) or _VLLM_ALIASES.get(name, name) not in VLLM_ORDERS:
+        raise ValueError(f"order: expected one of {VLLM_ORDERS} (or 'NHD' / 'HND'), got {order!r}")
+    return _VLLM_ALIASES.get(name, name)
+
+
+def _vllm_views(kv_caches) -> tuple[list[torch.Tensor], list[str]]:
+    """(per-layer 4-D or 3-D views, the name of each in messages)."""
+    if isinstance(kv_caches, torch.Tensor):
+        if kv_caches.dim() not in (3, 4, 5):
+            raise ValueError(
+                f"kv_caches: expected [L, B, H, N, C] or one layer's [B, H, N, C], "
+                f"got {tuple(kv_caches.shape)}"
+            )
+        views = list(kv_caches.unbind(0)) if kv_caches.dim() == 5 else [kv_caches]
+        return views, [str(i) for i in range(len(views))]
+    if isinstance(kv_caches, Mapping):
+        names, views = [repr(k) for k in kv_caches], list(kv_caches.values())
+    else:
+        views = list(kv_caches)
+        names = [str(i) for i in range(len(views))]
+    if not views:
+        raise ValueError("kv_caches: no layers")
+    for name, x in zip(names, views, strict=True):
+        if not isinstance(x, torch.Tensor) or x.dim() not in (3, 4):
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(
+                f"kv_caches[{name}]: expected a 4-D [B, H, N, C] view (MLA: or [B, N, C]), got {got}"
+            )
+        if x.dim() != views[0].dim():
+            raise ValueError(f"kv_caches[{name}]: {x.dim()}-D, layer {names[0]} is {views[0].dim()}-D")
+    return views, names
+
+
+def _layer_step(views: list[torch.Tensor]) -> int | None:
+    """Elements from one layer's first element to the next one's, when the layers are views of
+    one buffer at a uniform step (as vLLM allocates them); else None."""
+    if len(views) < 2 or len({x.untyped_storage().data_ptr() for x in views}) != 1:
+        return None
+    es = views[0].element_size()
+    steps = {b.data_ptr() - a.data_ptr() for a, b in zip(views, views[1:], strict=False)}
+    if len(steps) != 1 or (s := steps.pop()) % es or s == 0:
+        return None
+    return s // es
+
+
+def _vllm_orders_fitting(x: torch.Tensor, num_layers: int, step: int | None) -> list[str]:
+    """The orders whose nesting the strides show: along the order, from outside in, each axis
+    (of size > 1) steps over the whole extent of the next. Size-1 axes fit anywhere."""
+    sizes = dict(zip("BHNC", x.shape, strict=True), L=num_layers)
+    strides = dict(zip("BHNC", x.stride(), strict=True), L=step)
+    fits = []
+    for order in VLLM_ORDERS:
+        if num_layers > 1 and step is None and order[0] != "L":
+            continue  # a B-first order holds a block's layers together: one buffer, one step
+        axes = [a for a in order if sizes[a] > 1 and strides[a] is not None]
+        if all(abs(strides[o]) >= abs(strides[i]) * sizes[i] for o, i in zip(axes, axes[1:], strict=False)):
+            fits.append(order)
+    return fits
 
 
 def _per_layer(kv_caches, ndim: int, name: str) -> list[torch.Tensor]:
