@@ -53,7 +53,7 @@ fi
 gpu_tests() {  # $GPU_TESTS: pytest arguments, the GPU tests a change touched
   if [ -n "${GPU_TESTS:-}" ]; then
     echo "== GPU tests"
-    timeout 200 $py -m pytest -q -p no:cacheprovider $GPU_TESTS 2>&1 | tail -40 | tee "$out/pytest-gpu.log"
+    timeout ${GPU_TIMEOUT:-200} $py -m pytest -q -p no:cacheprovider $GPU_TESTS 2>&1 | tail -40 | tee "$out/pytest-gpu.log"
   fi
 }
 p6_suites() {  # $P6_SUITES: suites of `python -m lab bench`
