@@ -7,8 +7,10 @@
  *   Slab(slot_type, chunks, ptrs, sizes, chunk_bytes, alignment, check_request)
  *             check_request(nbytes) raises for what is no positive int (device.base.check_nbytes)
  *   take(nbytes) -> a new slot_type instance, or None when no free extent fits
- *   free(slot)            the slot's address given back; ValueError when nothing lives there
- *   set_in_flight(slot, busy)
+ *   is_live(slot)         True when slot itself is the allocation at its address (O(1));
+ *                         False for a released, reused or foreign handle
+ *   free(slot)            the slot's address given back; ValueError unless is_live
+ *   set_in_flight(slot, busy)   ValueError when busy and not is_live
  *   largest() / smaller_than(span) / extents() / total()    as freelist.FreeList's
  *   used, waste, in_flight_bytes, live (dict start -> slot), in_flight (set): read-only
  *
@@ -203,6 +205,45 @@ static int check_slot(Slab *s, PyObject *slot) {
     return -1;
 }
 
+/* The allocation that lives at slot's address (borrowed; NULL without an error when none), its
+ * key in *key (a new reference) and its chunk/offset. NULL with an error set on failure. */
+static PyObject *live_at(Slab *s, PyObject *slot, PyObject **key, long long *chunk, long long *off) {
+    *key = NULL;
+    if (check_slot(s, slot) < 0 || get_ll(s, slot, F_CHUNK, chunk) < 0 || get_ll(s, slot, F_OFFSET, off) < 0)
+        return NULL;
+    *key = PyLong_FromLongLong(*chunk * s->chunk_bytes + *off);
+    if (*key == NULL)
+        return NULL;
+    return PyDict_GetItemWithError(s->live, *key);
+}
+
+/* ValueError naming slot: it is not the allocation at its address (`now` says what is). */
+static PyObject *not_allocated(PyObject *slot, PyObject *live) {
+    Py_XINCREF(live);  /* borrowed from the dict: the name lookups below run Python code */
+    PyObject *name = PyObject_GetAttrString(slot, "name");
+    PyObject *other = live != NULL ? PyObject_GetAttrString(live, "name") : NULL;
+    if (name != NULL && (live == NULL || other != NULL)) {
+        if (live == NULL)
+            PyErr_Format(PyExc_ValueError, "slot %S is not allocated: nothing lives at its address", name);
+        else
+            PyErr_Format(PyExc_ValueError, "slot %S is not allocated: %S lives at its address", name, other);
+    }
+    Py_XDECREF(name);
+    Py_XDECREF(other);
+    Py_XDECREF(live);
+    return NULL;
+}
+
+static PyObject *Slab_is_live(Slab *s, PyObject *slot) {
+    PyObject *key;
+    long long chunk, off;
+    PyObject *live = live_at(s, slot, &key, &chunk, &off);
+    Py_XDECREF(key);
+    if (live == NULL && PyErr_Occurred())
+        return NULL;
+    return PyBool_FromLong(live == slot);
+}
+
 static PyObject *Slab_take(Slab *s, PyObject *arg) {
     long long n = -1;
     if (PyLong_CheckExact(arg)) {
@@ -248,22 +289,13 @@ static PyObject *Slab_take(Slab *s, PyObject *arg) {
 
 static PyObject *Slab_free(Slab *s, PyObject *slot) {
     long long chunk, off, span, nbytes;
-    if (check_slot(s, slot) < 0 || get_ll(s, slot, F_CHUNK, &chunk) < 0 || get_ll(s, slot, F_OFFSET, &off) < 0)
-        return NULL;
-    PyObject *key = PyLong_FromLongLong(chunk * s->chunk_bytes + off);
-    if (key == NULL)
-        return NULL;
-    PyObject *live = PyDict_GetItemWithError(s->live, key);  /* borrowed */
-    if (live == NULL) {
-        Py_DECREF(key);
+    PyObject *key;
+    PyObject *live = live_at(s, slot, &key, &chunk, &off);  /* borrowed */
+    if (live != slot) {  /* a stale handle must not free the bytes of their new owner */
+        Py_XDECREF(key);
         if (PyErr_Occurred())
             return NULL;
-        PyObject *name = PyObject_GetAttrString(slot, "name");
-        if (name != NULL) {
-            PyErr_Format(PyExc_ValueError, "slot %S is not allocated: nothing lives at its address", name);
-            Py_DECREF(name);
-        }
-        return NULL;
+        return not_allocated(slot, live);
     }
     Py_INCREF(live);  /* the dict's reference goes below */
     if (get_ll(s, live, F_SPAN, &span) < 0 || get_ll(s, live, F_NBYTES, &nbytes) < 0 ||
@@ -300,6 +332,19 @@ static PyObject *Slab_set_in_flight(Slab *s, PyObject *const *args, Py_ssize_t n
     if (r < 0)
         return NULL;
     if (busy && !r) {
+        PyObject *key;
+        long long chunk, off;
+        PyObject *live = live_at(s, slot, &key, &chunk, &off);
+        Py_XDECREF(key);
+        if (live != slot) {  /* counted, a stale handle would never be uncounted */
+            if (PyErr_Occurred())
+                return NULL;
+            PyObject *name = PyObject_GetAttrString(slot, "name");
+            if (name != NULL)
+                PyErr_Format(PyExc_ValueError, "slot %S is not allocated: it cannot be in flight", name);
+            Py_XDECREF(name);
+            return NULL;
+        }
         if (PySet_Add(s->in_flight, slot) < 0)
             return NULL;
         s->in_flight_bytes += span;
@@ -425,6 +470,7 @@ static void Slab_dealloc(Slab *s) {
 
 static PyMethodDef Slab_methods[] = {
     {"take", (PyCFunction)Slab_take, METH_O, "A new slot of nbytes, or None when no free extent fits."},
+    {"is_live", (PyCFunction)Slab_is_live, METH_O, "True when slot is the allocation at its address."},
     {"free", (PyCFunction)Slab_free, METH_O, "Give a live slot's bytes back."},
     {"set_in_flight", (PyCFunction)(void (*)(void))Slab_set_in_flight, METH_FASTCALL, "Count a slot in flight or not."},
     {"largest", (PyCFunction)Slab_largest, METH_NOARGS, "The largest free extent."},

@@ -18,9 +18,19 @@ Exhaustion is back-pressure, never an out-of-memory crash: `alloc` waits up to `
 for a `free` (asking `on_pressure`, e.g. an evictor, to make room), then raises
 `PoolExhausted`; `try_alloc` returns None.
 
-`free` trusts its handle, as free(3) trusts its pointer: releasing a stale handle frees
-whatever now lives at that address. The lifecycle tracker (`kvtier.lifecycle`) is what
-refuses stale handles, double releases and releases under DMA.
+Handles are checked, sanitizer or not. A `Slot` carries its generation (`id`, unique per
+allocation) and the slab knows the allocation that lives at each start, so `check(slot)` is
+O(1): a released handle, one whose bytes a later allocation owns now, or a slot of another pool
+raises `StaleSlotError` (a `lifecycle.LifecycleError`) naming the slot, its generation and the
+live one. `free` checks the same way: a stale handle never frees a new owner's bytes. The
+engine checks every slot it is handed (load, load_slots, release) before it submits anything.
+The lifecycle tracker (`kvtier.lifecycle`) adds the states: releases under DMA, reads before
+the fill landed.
+
+Closing waits for copies in flight: `close()` with slots still marked in flight (FILLING /
+READING) synchronizes the device first, because freeing pinned pages under a DMA is a
+use-after-free; then it gives the slab back. It is idempotent, and a device error met while
+waiting is raised only after the slab was given back.
 
 The bookkeeping (free extents, live slots, byte counts, the in-flight set) is `slab.py`'s: in C
 where it is built (then `try_alloc` and `set_in_flight` are its calls themselves, atomic under
@@ -38,12 +48,17 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.device.base import Device, check_nbytes, check_timeout
+from kvtier.lifecycle.errors import StaleSlotError
 from kvtier.numa import allocate_near
 from kvtier.slab import PySlab, make_slab
 
 
 class PoolExhausted(RuntimeError):
     """No free extent fits the request within the timeout (back-pressure, not a crash)."""
+
+
+class PoolClosed(RuntimeError):
+    """The pool was closed: its slab went back to the device, no slot of it may be used."""
 
 
 @dataclass(slots=True, eq=False)
@@ -54,7 +69,7 @@ class Slot:
     of the slab, made on first use (a job replayed from a CUDA graph needs only `ptr`).
     """
 
-    id: int  # unique per allocation: a stale handle never shares it with the new owner
+    id: int  # the generation: unique per allocation, a stale handle never shares it with the new owner
     chunk: int
     offset: int
     nbytes: int
@@ -141,6 +156,7 @@ class PinnedPool:
         self.chunks = self._allocate_slab()
         sizes = [c.numel() for c in self.chunks]
         ptrs = [c.data_ptr() for c in self.chunks]
+        self._ptrs = ptrs  # each chunk's first byte: a slot whose address differs is foreign
         self._slab = make_slab(Slot, self.chunks, ptrs, sizes, chunk_bytes, alignment, check_nbytes, native)
         self.native = not isinstance(self._slab, PySlab)
         if self.native:  # one atomic C call each (the GIL): no pool frame, no lock on a submit
@@ -196,11 +212,40 @@ class PinnedPool:
                     wait = 1e-3 if left is None else min(1e-3, left)
                 self._freed.wait(wait)  # back-pressure: a free() wakes us
 
+    def check(self, slot: Slot, name: str = "slot") -> None:
+        """Raise unless `slot` is a live allocation of this pool, in O(1): `StaleSlotError` for a
+        released or reused handle or a slot of another pool, `PoolClosed` once closed,
+        ValueError for what is no Slot. `name` is the argument the error names."""
+        if self.closed:
+            self._refuse()
+        if not isinstance(slot, Slot):
+            raise ValueError(f"{name} must be a Slot of this pool, got {slot!r}")
+        if not self._slab.is_live(slot):  # one dict lookup and an identity test (atomic: the GIL)
+            raise self._stale("check", slot, name)
+
     def free(self, slot: Slot) -> None:
-        """Return the memory at `slot`'s address. Trusts the handle (see module doc)."""
-        with self._lock:  # the slab refuses what is no Slot, or no live one (ValueError)
+        """Return `slot`'s memory; `StaleSlotError` unless it is a live slot of this pool."""
+        with self._lock:  # the check and the free are one step: no other free comes between
+            if not self._slab.is_live(slot):  # (what is no Slot: ValueError, from the slab)
+                raise self._stale("free", slot, "slot")
             self._slab.free(slot)
             self._freed.notify_all()
+
+    def _stale(self, action: str, slot: Slot, name: str) -> StaleSlotError:
+        """The error for `slot`, which is not the live allocation at its address."""
+        c = slot.chunk
+        if not (type(c) is int and 0 <= c < len(self._ptrs) and self._ptrs[c] + slot.offset == slot.ptr):
+            why = "it is a slot of another pool"
+            return StaleSlotError(action, name, slot.name, slot.id, None, why)
+        live = self._slab.live.get(c * self.chunk_bytes + slot.offset)
+        if live is None:
+            why = f"generation {slot.id} was released and nothing is allocated there now"
+            return StaleSlotError(action, name, slot.name, slot.id, None, why)
+        why = (
+            f"generation {slot.id} was released; the live generation {live.id} ({live.name}) "
+            "owns its bytes now"
+        )
+        return StaleSlotError(action, name, slot.name, slot.id, live.id, why)
 
     def set_in_flight(self, slot: Slot, busy: bool) -> None:
         """Count `slot` as in flight (a copy may touch it) or not; idempotent. (What is no Slot:
@@ -230,7 +275,7 @@ class PinnedPool:
                 internal_waste=sl.waste,
             )
 
-    def check(self) -> None:
+    def check_free_list(self) -> None:
         """Verify the free list: sorted, disjoint, coalesced, and adding up (for tests)."""
         with self._lock:
             ext = [(s, n, "free") for s, n in self._slab.extents()]
@@ -247,13 +292,32 @@ class PinnedPool:
             assert self._slab.total() + self._slab.used == self.capacity
 
     def close(self) -> None:
-        """Give the slab back to the device; no copy may still be using it. Allocations then raise
-        (the slab's bookkeeping still holds the chunks: it must not hand out unpinned memory)."""
-        for c in self.chunks:
-            self.device.free_pinned(c)
-        self.chunks = []
+        """Give the slab back to the device, once no copy can touch it; idempotent.
+
+        Slots still marked in flight (a save filling one, a load reading one) make it synchronize
+        the device first. Allocations and `check` then raise `PoolClosed` (the slab's bookkeeping
+        still holds the chunks: it must not hand out unpinned memory). A device error met while
+        waiting is raised after the slab was given back (the pool is closed either way).
+        """
+        if self.closed:
+            return
         self.closed = True
         self.try_alloc = self._refuse  # the C slab's own call too (an instance attribute)
+        error: BaseException | None = None
+        if self._slab.in_flight_bytes:
+            try:
+                # Freeing pinned pages while a DMA still reads or writes them is a use-after-free.
+                self.device.synchronize()
+            except Exception as e:  # noqa: BLE001 - the slab goes back all the same, then raised
+                error = e
+        chunks, self.chunks = self.chunks, []
+        for c in chunks:
+            try:
+                self.device.free_pinned(c)
+            except Exception as e:  # noqa: BLE001 - every chunk is given back; the first error raised
+                error = error or e
+        if error is not None:
+            raise error
 
     def _refuse(self, nbytes: int = 0) -> None:
-        raise RuntimeError("PinnedPool is closed: its slab was given back to the device")
+        raise PoolClosed("PinnedPool is closed: its slab was given back to the device")

@@ -15,11 +15,12 @@ without a GIL (its calls rely on the GIL to be atomic: `native.py`). The tests r
 Interface: take(nbytes) -> a new slot or None when no free extent fits (nbytes checked:
 `check_request` raises for what is no positive int -- a plain function, not a bound method of the
 pool, which would make a reference cycle through the C type -- and a request over the largest
-chunk is refused); free(slot) (ValueError when nothing lives at its address);
-set_in_flight(slot, busy); largest(), smaller_than(span), extents(), total(); the attributes
-used, waste, in_flight_bytes, max_request, live (start -> slot), in_flight (a set). Not
-thread-safe by itself: the pool calls PySlab under its lock; each call of the C one is atomic
-under the GIL.
+chunk is refused); is_live(slot) (True when `slot` itself is the allocation that lives at its
+address: O(1), False for a released, reused or foreign handle); free(slot) (ValueError unless
+is_live); set_in_flight(slot, busy) (ValueError when busy and not is_live); largest(),
+smaller_than(span), extents(), total(); the attributes used, waste, in_flight_bytes, max_request,
+live (start -> slot), in_flight (a set). Not thread-safe by itself: the pool calls PySlab under
+its lock; each call of the C one is atomic under the GIL.
 """
 
 from __future__ import annotations
@@ -70,12 +71,18 @@ class PySlab:
         self.waste += span - nbytes
         return slot
 
+    def is_live(self, slot) -> bool:
+        self._check_slot(slot)
+        return self.live.get(slot.chunk * self.chunk_bytes + slot.offset) is slot
+
     def free(self, slot) -> None:
         self._check_slot(slot)
         start = slot.chunk * self.chunk_bytes + slot.offset
-        live = self.live.pop(start, None)
-        if live is None:
-            raise ValueError(f"slot {slot.name} is not allocated: nothing lives at its address")
+        live = self.live.get(start)
+        if live is not slot:  # a stale handle must not free the bytes of their new owner
+            now = "nothing lives at its address" if live is None else f"{live.name} lives at its address"
+            raise ValueError(f"slot {slot.name} is not allocated: {now}")
+        del self.live[start]
         self.used -= live.span
         self.waste -= live.span - live.nbytes
         self.set_in_flight(live, False)
@@ -84,6 +91,8 @@ class PySlab:
     def set_in_flight(self, slot, busy: bool) -> None:
         self._check_slot(slot)
         if busy and slot not in self.in_flight:
+            if not self.is_live(slot):  # counted, a stale handle would never be uncounted
+                raise ValueError(f"slot {slot.name} is not allocated: it cannot be in flight")
             self.in_flight.add(slot)
             self.in_flight_bytes += slot.span
         elif not busy and slot in self.in_flight:

@@ -84,7 +84,7 @@ def test_concurrent_jobs_every_byte_checked():
         eng.close()
         stats = pool.stats()
         assert stats.used == 0 and stats.in_flight == 0 and not eng.slots.live()
-        pool.check()
+        pool.check_free_list()
     finally:
         dev.close()
 

@@ -160,7 +160,7 @@ def test_many_concurrent_jobs_every_byte_right(sanitize):
         assert st.used == 0 and st.in_flight == 0 and st.free == st.capacity
         assert w.slots.live() == {}
         assert w.blocks.pending() == 0
-        w.pool.check()
+        w.pool.check_free_list()
         s = w.stats
         assert s["checked_bytes"] > THREADS * JOBS * PER_JOB * BLOCK // 3
         assert s["timeouts"] > 0 and s["aborted"] > 0 and s["shared_reads"] > 0

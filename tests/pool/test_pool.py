@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from kvtier import slab as slab_module
-from kvtier.device import SimDevice
+from kvtier.device import DeviceError, SimDevice
 from kvtier.freelist import FreeList
+from kvtier.lifecycle import LifecycleError, StaleSlotError
 from kvtier.pool import PinnedPool, PoolExhausted
 
 pytestmark = pytest.mark.usefixtures("slab")  # each test with the C and the Python bookkeeping
@@ -35,7 +36,7 @@ def test_sizes_are_rounded_to_alignment_only(dev):
     st = pool.stats()
     assert st.used == 256 + 1024 + 3072 + 5120 + 4096
     assert st.internal_waste == st.used - (1 + 1000 + 3000 + 5000 + 4096)
-    pool.check()
+    pool.check_free_list()
 
 
 def test_slots_are_disjoint_views_of_the_slab(dev):
@@ -60,7 +61,7 @@ def test_slab_is_chunked_and_slots_never_straddle(dev):
         assert s.offset + s.span <= pool.chunks[s.chunk].numel()
     with pytest.raises(ValueError, match="nbytes"):
         pool.alloc(4 * KiB + 1)  # bigger than any chunk: can never succeed
-    pool.check()
+    pool.check_free_list()
 
 
 def test_free_coalesces_and_accounting_adds_up(dev):
@@ -77,14 +78,14 @@ def test_free_coalesces_and_accounting_adds_up(dev):
     st = pool.stats()
     assert (st.used, st.free, st.in_flight, st.largest_free) == (0, 8 * KiB, 0, 8 * KiB)
     assert st.external_fragmentation == 0.0
-    pool.check()
+    pool.check_free_list()
 
 
 def test_free_of_unallocated_address_is_refused(dev):
     pool = PinnedPool(dev, 4 * KiB)
     s = pool.alloc(100)
     pool.free(s)
-    with pytest.raises(ValueError, match="not allocated"):
+    with pytest.raises(StaleSlotError, match=rf"slot#{s.id}.*nothing is allocated there"):
         pool.free(s)
 
 
@@ -155,7 +156,7 @@ def test_equal_size_requests_never_fragment(dev):
             assert len(live) == fits  # refused only when every slot position is taken
         st = pool.stats()
         assert pool.unusable_fraction(size) * st.free <= tails
-    pool.check()
+    pool.check_free_list()
 
 
 def test_mixed_sizes_fragmentation_is_bounded(dev):
@@ -183,7 +184,7 @@ def test_mixed_sizes_fragmentation_is_bounded(dev):
             worst = max(worst, pool.unusable_fraction(10 * KiB))
     assert worst < 0.3, worst
     assert failed == 0
-    pool.check()
+    pool.check_free_list()
 
 
 def test_concurrent_alloc_free_keeps_the_free_list_sound(dev):
@@ -213,7 +214,7 @@ def test_concurrent_alloc_free_keeps_the_free_list_sound(dev):
         t.join()
     assert not errors
     assert pool.stats().used == 0
-    pool.check()
+    pool.check_free_list()
 
 
 def test_numa_placement_is_best_effort(dev):
@@ -327,6 +328,7 @@ def test_c_bookkeeping_matches_the_python_reference_step_by_step():
             a, b = live.pop(rng.randrange(len(live)))
             c.free(a), p.free(b)
             for s, sl in ((c, a), (p, b)):
+                assert not s.is_live(sl)
                 with pytest.raises(ValueError, match="is not allocated"):
                     s.free(sl)  # a second release: nothing lives there any more
         elif live and r < 0.55:
@@ -343,6 +345,7 @@ def test_c_bookkeeping_matches_the_python_reference_step_by_step():
                 assert a.base is chunks[a.chunk] and type(a) is Slot
                 assert bytes(a.tensor.numpy()) == bytes(chunks[a.chunk][a.offset : a.offset + n].numpy())
                 live.append((a, b))
+                assert c.is_live(a) and p.is_live(b) and not c.is_live(b) and not p.is_live(a)
         assert c.extents() == p.extents(), step
         counts = [(s.used, s.waste, s.in_flight_bytes, s.total()) for s in (c, p)]
         assert counts[0] == counts[1], step
@@ -388,3 +391,80 @@ def test_slab_holds_no_reference_past_a_slots_life(dev, slab):
     gc.collect()
     assert [sys.getrefcount(c) for c in pool.chunks] + [sys.getrefcount(Slot)] == before
     assert pool.stats().slots == 0 and pool.stats().used == 0
+
+
+def test_a_stale_handle_is_refused_and_the_new_owner_keeps_its_bytes(dev):
+    """free() of a slot whose bytes were handed to a new owner raised nothing and freed the new
+    owner's bytes: the next allocation handed them out twice. Refused now, by generation."""
+    pool = PinnedPool(dev, KiB, alignment=256)
+    old = pool.alloc(1000)
+    pool.free(old)
+    new = pool.alloc(1000)
+    assert (new.chunk, new.offset) == (old.chunk, old.offset) and new.id != old.id  # same bytes
+    for call in (pool.check, pool.free):
+        with pytest.raises(
+            StaleSlotError, match=rf"slot#{old.id}.*generation {old.id}.*live generation {new.id}"
+        ):
+            call(old)
+    pool.check(new)  # the live handle passes
+    assert pool.try_alloc(1000) is None  # the new owner's bytes were not freed: no double hand-out
+    assert pool.stats().slots == 1
+    pool.free(new)
+    with pytest.raises(StaleSlotError, match="slots\\[3\\]"):
+        pool.check(new, name="slots[3]")  # the error names the argument
+    assert issubclass(StaleSlotError, LifecycleError)
+    pool.check_free_list()
+
+
+def test_a_slot_of_another_pool_is_refused(dev):
+    mine, other = PinnedPool(dev, 4 * KiB), PinnedPool(dev, 4 * KiB)
+    a, b = mine.alloc(512), other.alloc(512)
+    assert (a.chunk, a.offset, a.id) == (b.chunk, b.offset, b.id)  # alike but for the pool
+    with pytest.raises(StaleSlotError, match="another pool"):
+        mine.check(b)
+    with pytest.raises(StaleSlotError, match="another pool"):
+        mine.free(b)
+    mine.check(a)
+    assert mine.stats().slots == 1 and other.stats().slots == 1
+
+
+def test_a_stale_slot_is_never_counted_in_flight(dev):
+    pool = PinnedPool(dev, KiB)
+    old = pool.alloc(KiB)
+    pool.free(old)
+    new = pool.alloc(KiB)
+    with pytest.raises(ValueError, match=rf"slot#{old.id}.*not allocated"):
+        pool.set_in_flight(old, True)  # the slab's own refusal (the C call itself where built)
+    pool.set_in_flight(old, False)  # idempotent: nothing to clear
+    assert pool.stats().in_flight == 0
+    pool.set_in_flight(new, True)
+    assert pool.stats().in_flight == KiB
+
+
+def test_close_waits_for_a_copy_into_the_slab():
+    """close() with a copy in flight returned at once while the copy still wrote into the slab."""
+    with SimDevice(copy_delay=0.3) as d:
+        pool = PinnedPool(d, 4 * KiB)
+        slot = pool.alloc(KiB)
+        pool.set_in_flight(slot, True)  # what the tracker marks while a save fills it
+        src = torch.full((KiB,), 7, dtype=torch.uint8)
+        d.copy(slot.tensor, src, d.new_stream("copy"))
+        pool.close()  # the copy must land before the slab goes back to the device
+        assert torch.equal(slot.tensor, src)
+        assert pool.closed
+        with pytest.raises(RuntimeError, match="closed"):
+            pool.check(slot)  # no copy may start on a slab given back
+        pool.close()  # twice: nothing more to do
+
+
+def test_close_gives_the_slab_back_even_after_a_device_error():
+    d = SimDevice()
+    pool = PinnedPool(d, 4 * KiB)
+    slot = pool.alloc(KiB)
+    pool.set_in_flight(slot, True)
+    d.launch(lambda: 1 / 0, d.current_stream())  # a sticky device error
+    with pytest.raises(DeviceError, match="ZeroDivisionError"):
+        pool.close()  # the error is reported ...
+    assert pool.closed and pool.chunks == []  # ... and the slab was given back all the same
+    pool.close()  # idempotent after a failure
+    d.close()

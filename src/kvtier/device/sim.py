@@ -8,15 +8,24 @@ the event completes. "GPU memory" is ordinary CPU tensors.
 
 One condition variable per device guards all event state: the simulator has a handful of
 streams, and a single lock keeps the reasoning simple.
+
+`close()` cancels work not yet started (its events never complete; waiters are released), lets
+the item each worker is running finish, and joins the workers. An exit hook closes every
+SimDevice still open when the interpreter ends: a worker still inside a torch op at
+finalization is killed while it takes the GIL back, through C++ frames that may not unwind
+("terminate called without an active exception", SIGABRT). Daemon threads alone do not help.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import queue
 import random
 import threading
 import time
+import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -111,6 +120,8 @@ class SimStream(Stream):
 
     def _run(self) -> None:
         while (item := self._q.get()) is not None:
+            if self._dev._closed:
+                continue  # cancelled: the device closed before the stream reached it
             try:
                 item()
             except BaseException as e:  # noqa: BLE001 - kept and re-raised on the host, like CUDA
@@ -167,6 +178,7 @@ class SimDevice(Device):
         self._streams: list[SimStream] = []
         self._names = itertools.count()
         self._compute = self.new_stream("compute")
+        _open.add(self)  # closed at interpreter exit unless closed before
 
     # -- helpers ---------------------------------------------------------------------------
     def _own(self, stream: Stream, name: str) -> SimStream:
@@ -243,16 +255,38 @@ class SimDevice(Device):
         pass
 
     def synchronize(self) -> None:
+        if self._closed:
+            self._raise_error()
+            return  # the workers are stopped: no work can still run
         for s in list(self._streams):
             s.synchronize()  # each stream's tail marker: all work submitted so far has run
 
-    def close(self) -> None:
+    def close(self, timeout: float = 30.0) -> None:
+        """Cancel the work not yet started, let each worker finish its current item, and join
+        the workers (up to `timeout` s each; a warning names one still running). Idempotent."""
         with self._cv:
             if self._closed:
                 return
             self._closed = True
             self._cv.notify_all()  # release workers blocked in wait_event so they can exit
+        _open.discard(self)
         for s in self._streams:
             s._stop()
+        me = threading.current_thread()
         for s in self._streams:
-            s._thread.join(timeout=5.0)
+            if s._thread is not me:  # close() from a launched fn: its own worker ends after it
+                # A worker left running may be inside a torch op when the interpreter finalizes.
+                s._thread.join(timeout=timeout)
+                if s._thread.is_alive():
+                    why = f"SimDevice.close: stream {s.name}'s worker still runs after {timeout} s"
+                    warnings.warn(why, RuntimeWarning, stacklevel=2)
+
+
+_open: weakref.WeakSet[SimDevice] = weakref.WeakSet()  # devices not closed yet
+
+
+@atexit.register
+def _close_open_devices() -> None:
+    """At interpreter exit, close every SimDevice still open (see the module docstring)."""
+    for dev in list(_open):
+        dev.close()

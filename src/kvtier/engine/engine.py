@@ -187,6 +187,8 @@ class TransferEngine:
             raise ValueError("slots: expected a non-empty sequence of pool Slots")
         if len({id(s) for s in slots}) != len(slots):
             raise ValueError("slots: a slot appears twice; each chunk of a request has its own slot")
+        for j, s in enumerate(slots):
+            self.pool.check(s, f"slots[{j}]")  # a stale handle: its bytes may be another request's KV
         ids = self._ids.checked(block_ids, True, num_tokens)
         per_block, counts = self._block_nbytes, []
         for j, s in enumerate(slots):
@@ -274,6 +276,7 @@ class TransferEngine:
     def release(self, slot: Slot) -> None:
         """The owner drops `slot`; it returns to the pool once no copy into/out of it is pending."""
         _check_slot(slot)
+        self.pool.check(slot)  # a stale handle must not retire the slot of its bytes' new owner
         with self._lock:
             self.poll()
             for j in self._jobs:
@@ -287,12 +290,14 @@ class TransferEngine:
         """Wait for every job, settle them, drop the staging buffers. The pool stays open."""
         if self._closed:
             return
-        self.save_stream.synchronize()  # submitted is not done: the copies must land first
-        self.load_stream.synchronize()
-        self.mover.synchronize()
-        self.poll()
-        self.mover.close()
-        self._closed = True
+        try:
+            self.save_stream.synchronize()  # submitted is not done: the copies must land first
+            self.load_stream.synchronize()
+            self.mover.synchronize()
+            self.poll()
+        finally:  # after a device error too: closed, and the staging buffers dropped, then re-raise
+            self._closed = True
+            self.mover.close()
 
     def __enter__(self) -> TransferEngine:
         return self
@@ -381,6 +386,7 @@ class TransferEngine:
             self._check_open()
         if type(slot) is not Slot:  # the usual Slot passes with one test; the check names what is wrong
             _check_slot(slot)
+        self.pool.check(slot)  # a released or reused slot: its bytes may be another request's KV
         if per_layer is not True and per_layer is not False:
             raise ValueError(f"per_layer: expected True or False, got {per_layer!r}")
         ids = self._ids.checked(block_ids, True, num_tokens)

@@ -19,10 +19,15 @@ The trackers always keep the states and events (the protocol needs them). With t
 sanitizer on (`KVTIER_SANITIZE=1` or `sanitize=True`) every illegal move raises
 `LifecycleError` naming the buffer, its state, and the missing event; off, the moves are
 applied as asked — which is how the tests show each bug producing wrong data.
+
+Stale handles are refused with or without the sanitizer: a `Slot` carries its generation (its
+`id`, unique per allocation), and `PinnedPool.check(slot)` / `free(slot)` compare it in O(1) with
+the allocation that lives at its address now, raising `StaleSlotError` (a `LifecycleError`) for
+a released, reused or foreign handle. The sanitizer adds the full state tracking on top.
 """
 
 from kvtier.lifecycle.blocks import MUST_FOLLOW, WHY, Access, BlockTracker
-from kvtier.lifecycle.errors import LifecycleError, sanitize_enabled
+from kvtier.lifecycle.errors import LifecycleError, StaleSlotError, sanitize_enabled
 from kvtier.lifecycle.slots import SLOT_MOVES, SlotState, SlotTracker
 
 __all__ = [
@@ -34,5 +39,6 @@ __all__ = [
     "LifecycleError",
     "SlotState",
     "SlotTracker",
+    "StaleSlotError",
     "sanitize_enabled",
 ]
