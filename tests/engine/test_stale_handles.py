@@ -24,7 +24,8 @@ def reused(request):
     dev = SimDevice(copy_delay=0.01)
     kv = random_cache("vllm_flash", L, NB, BS, H, D, torch.bfloat16, seed=3)
     pool = PinnedPool(dev, kv.chunk_nbytes(N))  # room for one slot: the next save reuses its bytes
-    eng = TransferEngine(dev, kv, pool, EngineConfig(sanitize=request.param, staging_bytes=4 * kv.block_nbytes))
+    config = EngineConfig(sanitize=request.param, staging_bytes=4 * kv.block_nbytes)
+    eng = TransferEngine(dev, kv, pool, config)
     first = eng.save([0, 1], after=None)
     assert first.wait()
     eng.release(first.slot)

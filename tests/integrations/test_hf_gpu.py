@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 from kvtier.integrations.hf import KVTier  # noqa: E402
 from kvtier.store.disk import DiskTier  # noqa: E402
+
 from test_hf_cache import generate, llama, mistral, prompts, qwen2  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -99,6 +100,7 @@ def test_gpu_lean_graphs_replay_equals_the_eager_forward_hit_after_hit(arch):
     """Hits replayed through captured CUDA graphs read each hit's own blocks and tokens (two
     prompts of one shape, blocks poisoned before each hit) and equal the eager forward bit for bit."""
     from kvtier.integrations.lean import LeanRunner
+
     from test_hf_lean import two_prompts
 
     model = build(arch)

@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers")
 from kvtier.device import SimDevice  # noqa: E402
 from kvtier.integrations.hf import KVTier  # noqa: E402
 from kvtier.integrations.lean import LeanRunner  # noqa: E402
+
 from test_hf_cache import build, generate, llama, mistral, prompts, qwen2  # noqa: E402
 
 

@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers")
 from kvtier.device import SimDevice  # noqa: E402
 from kvtier.integrations.hf import KVTier, cache_kwarg  # noqa: E402
 from kvtier.integrations.hf_split import plan_request, split_cache  # noqa: E402
+
 from test_hf_cache import build, generate, llama, prompts, qwen2, run, tier_for  # noqa: E402
 
 

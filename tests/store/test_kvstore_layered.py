@@ -4,13 +4,14 @@ layer events shared; their order is tested in test_engine_load_slots.py) — eve
 dropped once e_load completed — and a failing submission gives every fetched chunk back."""
 
 import pytest
-from test_kvstore import BPC, BS, CT, DT, NB, D, H, L, Rig, toks
 
 from kvtier.device import SimDevice
 from kvtier.engine import EngineConfig, TransferEngine
 from kvtier.pool import PinnedPool
 from kvtier.reference import random_cache
 from kvtier.store import KVStore
+
+from test_kvstore import BPC, BS, CT, DT, NB, D, H, L, Rig, toks
 
 
 class LayeredRig(Rig):

@@ -14,6 +14,7 @@ from kvtier.lifecycle import SlotState
 from kvtier.reference import gather_ref
 from kvtier.store.disk import DiskTier
 from kvtier.store.redis_tier import RedisTier
+
 from store_redis_fixtures import redis_server  # noqa: F401  (a fixture)
 from test_kvstore import BPC, CT, Rig, expected, toks
 

@@ -10,6 +10,7 @@ import torch
 from kvtier.store.disk import DiskTier
 from kvtier.store.header import ChunkHeader
 from kvtier.store.redis_tier import RedisTier
+
 from store_redis_fixtures import redis_server  # noqa: F401  (a fixture)
 from test_kvstore import CT, Rig, toks
 

@@ -12,6 +12,7 @@ from kvtier.store.disk import DiskTier
 from kvtier.store.header import ChunkHeader
 from kvtier.store.redis_tier import RedisTier
 from kvtier.store.tier import contains_many, put_many
+
 from store_redis_fixtures import redis_cluster, redis_server  # noqa: F401  (fixtures)
 from test_kvstore import CT, Rig, toks
 

@@ -6,6 +6,7 @@ import pytest
 
 from kvtier.store.header import ChunkHeader
 from kvtier.store.redis_tier import RedisTier
+
 from store_redis_fixtures import redis_cluster  # noqa: F401  (a module-scoped fixture)
 
 pytestmark = pytest.mark.redis

@@ -10,6 +10,7 @@ import redis
 from kvtier.store.header import ChunkHeader
 from kvtier.store.redis_tier import RedisTier
 from kvtier.store.tier import DestTooSmall, Tier
+
 from store_redis_fixtures import redis_server  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.redis

@@ -11,6 +11,7 @@ from kvtier.store.chunkfile import SUFFIX
 from kvtier.store.disk import DiskTier
 from kvtier.store.header import ChunkHeader
 from kvtier.store.payload import PAGE
+
 from store_redis_fixtures import redis_server  # noqa: F401  (a fixture)
 
 THREADS = 4
