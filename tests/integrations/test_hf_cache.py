@@ -11,6 +11,7 @@ from kvtier.device import SimDevice  # noqa: E402
 from kvtier.integrations.hf import KVTier, cache_kwarg  # noqa: E402
 from kvtier.store.disk import DiskTier  # noqa: E402
 from kvtier.store.redis_tier import RedisTier  # noqa: E402
+
 from store_redis_fixtures import needs_redis, redis_server  # noqa: E402, F401  (a fixture)
 
 NEW = 6  # tokens generated per request
