@@ -5,9 +5,8 @@ slots in flight. One interface, two implementations:
     PySlab            here, in Python: the reference (and what runs without the C one)
     kvtier._slab.Slab the same in C (`_slab.c`), used when built: `take` and `set_in_flight`
                       are what a save's submit calls, and each is then one C call instead of a
-                      chain of Python frames, bisects, dict updates and a dataclass __init__ --
-                      the "slot" phase of a submit, 12-16 us of a hot save on the H200 hosts
-                      (`submit_traced_phases_us`), 34 us after a cache flush (`probe_cold_steps`)
+                      chain of Python frames, bisects, dict updates and a dataclass __init__
+                      (the "slot" phase of a submit's trace, `SubmitTrace`)
 
 `make_slab` picks one: the C one unless KVTIER_NATIVE=0, it is not built, or the interpreter runs
 without a GIL (its calls rely on the GIL to be atomic: `native.py`). The tests run both (`native=False`).

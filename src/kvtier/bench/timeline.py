@@ -92,7 +92,7 @@ def _work(device, compute_ms: float):
 
     a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=device.name)
     out = torch.empty_like(a)
-    reps = max(1, round(compute_ms / 0.2))  # ~0.2 ms per 4096^3 matmul on an H100/H200
+    reps = max(1, round(compute_ms / 0.2))  # ~0.2 ms per 4096^3 matmul on a current data-center GPU
     return lambda: [torch.mm(a, a, out=out) for _ in range(reps)]
 
 

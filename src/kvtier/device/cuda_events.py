@@ -1,9 +1,8 @@
 """Events of CudaDevice: raw cudaEvent_t handles driven through ctypes (default), or torch's.
 
-A job records one event and waits on a few. Through torch each of those calls costs the host
-10-15 us on the H200 boxes (a Python object, a device guard, its own checks); the same runtime
-call through ctypes costs 1-3 us (`benchmarks/results/...-32`: one pinned H2D plus one event
-record, 31 us hot through torch against 6.6 us through ctypes). `CudaEvent` holds a handle of
+A job records one event and waits on a few. Through torch each of those calls builds a Python
+object, takes a device guard and runs its own checks; the same runtime call through ctypes costs
+the host several times less (measured: docs/performance.md). `CudaEvent` holds a handle of
 its device's `EventHandles` and gives it back when the object dies (a handle is reused only by a
 later record, which CUDA allows at any time: waits already enqueued keep the old record).
 
@@ -19,12 +18,8 @@ import os
 import time
 from ctypes import CFUNCTYPE, POINTER, byref, c_float, c_int, c_uint, c_void_p
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
 
-from kvtier.device.base import Event, Stream, check_timeout
-
-if TYPE_CHECKING:
-    from kvtier.device.cuda import CudaDevice, CudaStream
+from kvtier.device.base import Device, Event, Stream, check_timeout
 
 NOT_READY = 600  # cudaErrorNotReady: the recorded work has not completed (not a failure)
 _TIMING = 0  # cudaEventDefault: timing on, so a trace can place every event on a timeline
@@ -139,7 +134,7 @@ class CudaEvent(Event):
     # read it, never assign it (record / mark_recorded do).
     __slots__ = ("_dev", "_gen", "_seen", "handle", "label", "stream")
 
-    def __init__(self, device: CudaDevice, label: str):
+    def __init__(self, device: Device, label: str):
         self._dev, self.label, self.stream = device, label, None
         # The cudaEvent_t: read it (a caller recording it in a call of its own, `mark_recorded`),
         # never assign it. A plain attribute: the C helper's replay reads it on every submit.
@@ -159,7 +154,7 @@ class CudaEvent(Event):
             with contextlib.suppress(Exception):  # interpreter shutdown: the handle dies with the process
                 self._dev._handles.give(h)
 
-    def mark_recorded(self, stream: CudaStream) -> None:
+    def mark_recorded(self, stream: Stream) -> None:
         """The caller has just recorded `handle` on `stream` (the C helper, `engine/fast.py`)."""
         self.stream = stream
         self._gen += 1  # a new record: not known complete any more
@@ -212,7 +207,7 @@ class CudaEvent(Event):
             return True
         return _poll(self, timeout)
 
-    def wait_on(self, stream: CudaStream) -> None:
+    def wait_on(self, stream: Stream) -> None:
         """Later work on `stream` waits for this event (the stream may be of another device)."""
         api = self._dev._api
         if self.stream is None or self._seen == self._gen:

@@ -5,28 +5,23 @@ seen complete since the last record."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from kvtier.device.base import Event, Stream, check_timeout
+from kvtier.device.base import Device, Event, Stream, check_timeout
 from kvtier.device.cuda_events import _poll
-
-if TYPE_CHECKING:
-    from kvtier.device.cuda import CudaDevice, CudaStream
 
 
 class TorchEvent(Event):
     """The same event over `torch.cuda.Event` (timing enabled, as CudaEvent's), and as CudaEvent
     it remembers having been seen complete since its last record (then no call is made)."""
 
-    def __init__(self, device: CudaDevice, label: str):
+    def __init__(self, device: Device, label: str):
         self._dev, self.label, self._stream = device, label, None
         self.raw = torch.cuda.Event(enable_timing=True)
         self._gen, self._seen = 0, -1  # as CudaEvent's: records so far, and the count last seen done
 
     @property
-    def stream(self) -> CudaStream | None:
+    def stream(self) -> Stream | None:
         return self._stream
 
     @property
@@ -59,7 +54,7 @@ class TorchEvent(Event):
             return True
         return _poll(self, timeout)
 
-    def wait_on(self, stream: CudaStream) -> None:
+    def wait_on(self, stream: Stream) -> None:
         if self._stream is None or self._seen == self._gen:
             return  # never recorded, or seen complete: the wait would be satisfied at once
         stream.raw.wait_event(self.raw)  # CUDA events order work across devices of one process
