@@ -1,0 +1,443 @@
+"""kvtier's disk, Redis and Redis Cluster tiers as an SGLang HiCache storage backend (L3).
+
+SGLang's cache controller builds it through its dynamic backend factory::
+
+    python -m sglang.launch_server ... --enable-hierarchical-cache \\
+      --hicache-storage-backend dynamic --hicache-storage-backend-extra-config \\
+      '{"backend_name": "kvtier", "module_path": "kvtier.integrations.sglang",
+        "class_name": "KVTierHiCache", "interface_v1": 1,
+        "tiers": ["disk", "redis"], "disk_path": "/nvme/kv", "redis_url": "redis://cache:6379"}'
+
+and then calls, from its prefetch and backup threads (settings: ``sglang_settings``):
+
+    KVTierHiCache(storage_config, kwargs)         tiers built and checked; bad settings raise here
+    register_mem_pool_host(pool)                  the host pool whose pages move; its page shape
+    batch_exists(keys, extra_info) -> int         pages present from the start: one round trip per tier
+    batch_set_v1(keys, host_indices, extra_info)  pages written from the pool in place -> list[bool]
+    batch_get_v1(keys, host_indices, extra_info)  pages read into the pool in place -> list[bool]
+    get / set / batch_get / batch_set / exists    the copying interface, without ``interface_v1``
+    get_stats() / stats() / close()               SGLang's StorageMetrics (+ ``.kvtier``); counters
+
+A failure is a miss: every call answers False (or a shorter hit count) for the pages it could
+not move, counts it, and never raises into SGLang, whose backup thread dies on an exception.
+Keys carry the model and the TP/PP ranks, except MLA's latent, which every TP rank shares and
+only the storage writer (TP rank 0) writes. Importable without SGLang and without a GPU; it
+subclasses SGLang's ``HiCacheStorage`` where that imports.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kvtier.store.header import ChunkHeader
+from kvtier.store.tier import contains_many, put_many
+
+from .sglang_pages import PageShape, chunk_key, page_views
+from .sglang_settings import HiCacheSettings
+
+log = logging.getLogger(__name__)
+
+try:  # subclassing SGLang's class is what its dynamic factory checks; kvtier runs without it too
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _Base
+except Exception:  # SGLang absent (or broken): a plain base, same methods
+    _Base = object
+
+GROUP_BYTES = 64 << 20  # pages per worker task: bounds a worker's staging buffer
+
+
+@dataclass
+class _Metrics:
+    """SGLang's ``StorageMetrics`` fields, for when SGLang's class does not import (no slots:
+    ``get_stats`` adds ``.kvtier``, as on SGLang's class)."""
+
+    prefetch_pgs: list = field(default_factory=list)
+    backup_pgs: list = field(default_factory=list)
+    prefetch_bandwidth: list = field(default_factory=list)
+    backup_bandwidth: list = field(default_factory=list)
+
+
+def rank_suffix(cfg) -> str:
+    """What names this rank's share of a page: model, TP (not for MLA's shared latent), PP, CP."""
+    model = (getattr(cfg, "model_name", None) or "").replace("/", "-")
+    out = model if getattr(cfg, "is_mla_model", False) else f"{model}_tp{cfg.tp_rank}of{cfg.tp_size}"
+    if getattr(cfg, "pp_size", 1) > 1:
+        out += f"_pp{cfg.pp_rank}of{cfg.pp_size}"
+    if getattr(cfg, "attn_cp_size", 1) > 1:
+        out += f"_cp{cfg.attn_cp_rank}of{cfg.attn_cp_size}"
+    if getattr(cfg, "dcp_size", 1) > 1:
+        out += f"_dcp{cfg.dcp_rank}of{cfg.dcp_size}_tp{cfg.tp_size}"
+    return out
+
+
+def is_writer(cfg) -> bool:
+    """MLA: one writer per replica (SGLang's ``is_storage_writer``); MHA: every rank."""
+    if hasattr(cfg, "is_storage_writer"):
+        return bool(cfg.is_storage_writer)
+    return not getattr(cfg, "is_mla_model", False) or cfg.tp_rank == 0
+
+
+class KVTierHiCache(_Base):
+    """storage_config: SGLang's ``HiCacheStorageConfig`` (or any object with its fields:
+    tp_rank, tp_size, pp_rank, pp_size, is_mla_model, model_name, extra_config). kwargs: what
+    SGLang's factory passes beside it (unused). tiers: prebuilt tiers instead of those the
+    settings name (tests, benchmarks)."""
+
+    def __init__(self, storage_config, kwargs: dict | None = None, *, tiers: list | None = None) -> None:
+        if storage_config is None or not hasattr(storage_config, "tp_rank"):
+            raise ValueError(
+                f"storage_config must be a HiCacheStorageConfig, got {type(storage_config).__name__}"
+            )
+        self.settings = HiCacheSettings.from_extra_config(getattr(storage_config, "extra_config", None))
+        self.config = storage_config
+        self.writer = is_writer(storage_config)
+        self._suffix = rank_suffix(storage_config)
+        self.tiers = list(tiers) if tiers is not None else self.settings.make_tiers()
+        if not self.tiers:
+            raise ValueError("tiers must name at least one tier")
+        self.mem_pool_host = None
+        self.shape: PageShape | None = None
+        self._ns = ""
+        self._layout = ""
+        self._exec = ThreadPoolExecutor(self.settings.io_threads, thread_name_prefix="kvtier-hicache")
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._counts: Counter = Counter()
+        self._metrics = _Metrics()
+        self._closed = False
+
+    # -- SGLang's calls -----------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        """Take the pool and measure its page shape once (its first page's pieces)."""
+        import torch
+
+        if not hasattr(mem_pool_host, "get_page_buffer_meta"):
+            raise ValueError(
+                f"mem_pool_host must have get_page_buffer_meta, got {type(mem_pool_host).__name__}"
+            )
+        page_size = int(mem_pool_host.page_size)
+        _, sizes = mem_pool_host.get_page_buffer_meta(torch.arange(page_size, dtype=torch.int64))
+        self.shape = PageShape.of(sizes, self.settings.gather_below_bytes)
+        self.mem_pool_host = mem_pool_host
+        layout = str(getattr(mem_pool_host, "layout", "unknown"))
+        dtype = str(getattr(mem_pool_host, "dtype", "unknown")).removeprefix("torch.")
+        self._layout = f"sglang_{layout}_{'page' if self.shape.gathered else 'piece'}"
+        self._ns = f"{self._suffix}\0{layout}\0{dtype}\0p{page_size}\0{self.settings.key_salt}"
+
+    def batch_exists(self, keys: list[str], extra_info=None) -> int:
+        """How many of ``keys`` from the start are held, every chunk of each in some tier."""
+        try:
+            return self._exists(list(keys), flat=not self.settings.interface_v1)
+        except Exception:  # a miss, never an exception into SGLang's prefetch thread
+            log.exception("kvtier hicache: batch_exists of %d keys failed", len(keys))
+            self._count("exists_errors")
+            return 0
+
+    def batch_set_v1(self, keys: list[str], host_indices, extra_info=None) -> list[bool]:
+        """Write each page from the pool (in place, or gathered) to every tier; True where every
+        chunk of the page is held by some tier. A non-writer MLA rank writes nothing: True."""
+        n = len(keys)
+        if not self.writer:
+            self._count("pages_set_skipped_not_writer", n)
+            return [True] * n
+        t0 = time.perf_counter()
+        try:
+            views = self._views(keys, host_indices)
+            ok = self._run(self._put_group, keys, views)
+        except Exception:  # never into SGLang's backup thread (sglang#38428: it would die)
+            log.exception("kvtier hicache: batch_set_v1 of %d pages failed", n)
+            ok = [False] * n
+        self._done("set", ok, time.perf_counter() - t0)
+        return ok
+
+    def batch_get_v1(self, keys: list[str], host_indices, extra_info=None) -> list[bool]:
+        """Read each page into the pool from the first tier holding each chunk; False for a page
+        with a chunk missing, corrupt or unreachable (its bytes in the pool are then undefined)."""
+        n = len(keys)
+        t0 = time.perf_counter()
+        try:
+            views = self._views(keys, host_indices)
+            ok = self._run(self._get_group, keys, views)
+        except Exception:  # a miss, never an exception into SGLang's prefetch thread
+            log.exception("kvtier hicache: batch_get_v1 of %d pages failed", n)
+            ok = [False] * n
+        self._done("get", ok, time.perf_counter() - t0)
+        return ok
+
+    # The copying interface: one flat page tensor per key (SGLang's ``get_data_page(flat=True)``).
+
+    def get(self, key: str, target_location=None, target_sizes=None):
+        got = self.batch_get([key], [target_location])
+        return got[0]
+
+    def batch_get(self, keys: list[str], target_locations=None, target_sizes=None) -> list:
+        out = []
+        for key, dest in zip(keys, target_locations or [None] * len(keys), strict=True):
+            try:
+                view = _tensor_bytes(dest)
+                ok = self._read(chunk_key(key, self._ns, "flat"), view, self._layout_flat)
+            except Exception:  # a miss, never an exception into SGLang
+                log.exception("kvtier hicache: get %s failed", key)
+                ok = False
+            self._count("pages_get_ok" if ok else "pages_get_failed")
+            out.append(dest if ok else None)
+        return out
+
+    def set(self, key: str, value=None, target_location=None, target_sizes=None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values=None, target_locations=None, target_sizes=None) -> bool:
+        if not self.writer:
+            self._count("pages_set_skipped_not_writer", len(keys))
+            return True
+        try:
+            items = []
+            for key, value in zip(keys, values, strict=True):
+                ck = chunk_key(key, self._ns, "flat")
+                view = _tensor_bytes(value)
+                items.append(
+                    (ck, ChunkHeader.for_payload(ck, view, (view.nbytes,), "uint8", self._layout_flat), view)
+                )
+            ok = self._put_items(items)
+        except Exception:  # never into SGLang's backup thread
+            log.exception("kvtier hicache: batch_set of %d pages failed", len(keys))
+            ok = [False] * len(keys)
+        self._count("pages_set_ok", sum(ok))
+        self._count("pages_set_failed", len(ok) - sum(ok))
+        return all(ok)
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def clear(self) -> None:
+        """Drop every chunk of the disk tiers (a Redis tier is shared: its server evicts)."""
+        for tier in self.tiers:
+            if hasattr(tier, "resident_keys"):
+                for key in tier.resident_keys():
+                    tier.delete(key)
+
+    def get_stats(self):
+        """SGLang's ``StorageMetrics`` of the calls since the last ``get_stats``, with kvtier's
+        counters as ``.kvtier`` (``stats()``)."""
+        with self._lock:
+            m, self._metrics = self._metrics, _Metrics()
+        out = _storage_metrics(m)
+        out.kvtier = self.stats()
+        return out
+
+    def stats(self) -> dict:
+        """Backend counters (pages, chunks, errors) and each tier's own (hits, misses, bytes)."""
+        with self._lock:
+            out: dict = dict(self._counts)
+        out["tiers"] = {getattr(t, "name", str(i)): t.stats() for i, t in enumerate(self.tiers)}
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._exec.shutdown(wait=True)  # no worker may still read a pool page or use a tier
+        for tier in self.tiers:
+            try:
+                tier.close()
+            except Exception as exc:  # closing a dead tier is not worth an exception
+                log.debug("kvtier hicache: closing %s: %s", getattr(tier, "name", tier), exc)
+
+    # -- internals ----------------------------------------------------------------------
+
+    @property
+    def _layout_flat(self) -> str:
+        return self._layout.rsplit("_", 1)[0] + "_flat"
+
+    def _views(self, keys: list[str], host_indices) -> list[tuple[memoryview, ...]]:
+        if self.mem_pool_host is None:
+            raise ValueError("no host pool: SGLang calls register_mem_pool_host first")
+        for key in keys:
+            if not isinstance(key, str) or not key:
+                raise ValueError(f"keys must be non-empty str, got {key!r}")
+        page_size = int(self.mem_pool_host.page_size)
+        if len(host_indices) != len(keys) * page_size:
+            raise ValueError(
+                f"host_indices has {len(host_indices)} slots for {len(keys)} pages of {page_size}"
+            )
+        return page_views(self.mem_pool_host, host_indices, len(keys), self.shape) if keys else []
+
+    def _run(self, fn, keys: list[str], views: list) -> list[bool]:
+        """``fn(keys, views, indices, first_failed)`` over groups of pages on the worker threads."""
+        if not views:
+            return []
+        per = max(1, GROUP_BYTES // self.shape.nbytes)
+        n_groups = max(self.settings.io_threads, -(-len(views) // per))
+        size = -(-len(views) // n_groups)
+        groups = [list(range(s, min(s + size, len(views)))) for s in range(0, len(views), size)]
+        first_failed = [len(views)]  # pages after a failed one are of no use to SGLang: skipped
+        ok = [False] * len(views)
+        futures = [self._exec.submit(fn, keys, views, g, first_failed) for g in groups]
+        for g, fut in zip(groups, futures, strict=True):
+            for i, good in zip(g, fut.result(), strict=True):
+                ok[i] = good
+        return ok
+
+    def _chunks(self, key: str) -> list[bytes]:
+        return [chunk_key(key, self._ns, part) for part in self.shape.parts()]
+
+    def _staging(self, nbytes: int) -> memoryview:
+        """This worker thread's gather buffer, grown as needed (never shared between threads)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._local.buf = bytearray(nbytes)
+        return memoryview(buf)[:nbytes]
+
+    def _put_group(self, keys, views, group, first_failed) -> list[bool]:
+        shape, items, owner = self.shape, [], []
+        stage = self._staging(shape.nbytes * len(group)) if shape.gathered else None
+        for n, i in enumerate(group):
+            if shape.gathered:
+                payloads, pos = [stage[n * shape.nbytes : (n + 1) * shape.nbytes]], n * shape.nbytes
+                for piece in views[i]:
+                    stage[pos : pos + piece.nbytes] = piece
+                    pos += piece.nbytes
+            else:
+                payloads = views[i]
+            for ck, payload in zip(self._chunks(keys[i]), payloads, strict=True):
+                header = ChunkHeader.for_payload(ck, payload, (payload.nbytes,), "uint8", self._layout)
+                items.append((ck, header, payload))
+                owner.append(n)
+        stored = self._put_items(items)
+        ok = [True] * len(group)
+        for n, good in zip(owner, stored, strict=True):
+            ok[n] = ok[n] and good
+        return ok
+
+    def _put_items(self, items: list) -> list[bool]:
+        """Each chunk to every tier (write-through: a local disk and a shared Redis both keep
+        it); True where some tier holds it."""
+        stored = [False] * len(items)
+        for tier in self.tiers:
+            for c, good in enumerate(put_many(tier, items)):
+                stored[c] = stored[c] or good
+        self._count("chunks_set_ok", sum(stored))
+        self._count("chunks_set_failed", len(stored) - sum(stored))
+        return stored
+
+    def _get_group(self, keys, views, group, first_failed) -> list[bool]:
+        shape, out = self.shape, []
+        for i in group:
+            if i > first_failed[0]:
+                out.append(False)
+                continue
+            chunks = self._chunks(keys[i])
+            if shape.gathered:
+                stage = self._staging(shape.nbytes)
+                ok = self._read(chunks[0], stage, self._layout)
+                pos = 0
+                for piece in views[i] if ok else ():
+                    piece[:] = stage[pos : pos + piece.nbytes]
+                    pos += piece.nbytes
+            else:
+                ok = all(
+                    self._read(ck, piece, self._layout) for ck, piece in zip(chunks, views[i], strict=True)
+                )
+            if not ok:
+                with self._lock:
+                    first_failed[0] = min(first_failed[0], i)
+            out.append(ok)
+        return out
+
+    def _read(self, key: bytes, dest: memoryview, layout: str) -> bool:
+        """``key`` into ``dest`` from the first tier that holds it intact and of this shape."""
+        for tier in self.tiers:
+            name = getattr(tier, "name", "tier")
+            try:
+                header = tier.get_into(key, dest)
+            except Exception as exc:  # DestTooSmall or a tier bug: this tier misses
+                log.warning("kvtier hicache: %s get_into failed: %s", name, exc)
+                self._count(f"{name}_read_errors")
+                continue
+            if header is None:
+                continue
+            if header.layout != layout or header.payload_len != dest.nbytes:
+                self._count(f"{name}_shape_mismatch")  # same key, other bytes: never loaded
+                continue
+            self._count(f"{name}_chunk_hits")
+            return True
+        self._count("chunks_missed")
+        return False
+
+    def _exists(self, keys: list[str], flat: bool) -> int:
+        if self.shape is None or not keys:
+            return 0
+        per = 1 if flat else len(self.shape.parts())
+        names = (
+            [chunk_key(k, self._ns, "flat") for k in keys]
+            if flat
+            else [c for k in keys for c in self._chunks(k)]
+        )
+        held = [False] * len(names)
+        for tier in self.tiers:
+            todo = [c for c, h in enumerate(held) if not h]
+            if not todo:
+                break
+            try:
+                found = contains_many(tier, [names[c] for c in todo])  # one pipelined round trip
+            except Exception as exc:  # an unreachable tier holds nothing for this call
+                log.warning("kvtier hicache: %s exists failed: %s", getattr(tier, "name", tier), exc)
+                self._count("exists_errors")
+                continue
+            for c, f in zip(todo, found, strict=True):
+                held[c] = bool(f)
+        for p in range(len(keys)):
+            if not all(held[p * per : (p + 1) * per]):
+                self._count("exists_pages_missed")
+                return p
+        return len(keys)
+
+    def _count(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[what] += n
+
+    def _done(self, op: str, ok: list[bool], seconds: float) -> None:
+        good = sum(ok)
+        nbytes = good * self.shape.nbytes if self.shape is not None else 0
+        with self._lock:
+            self._counts[f"pages_{op}_ok"] += good
+            self._counts[f"pages_{op}_failed"] += len(ok) - good
+            self._counts[f"bytes_{'read' if op == 'get' else 'written'}"] += nbytes
+            if getattr(self.config, "enable_storage_metrics", False) and ok:
+                pgs, bw = (
+                    (self._metrics.prefetch_pgs, self._metrics.prefetch_bandwidth)
+                    if op == "get"
+                    else (self._metrics.backup_pgs, self._metrics.backup_bandwidth)
+                )
+                pgs.append(good)
+                bw.append(nbytes / max(seconds, 1e-9) / 1e9)
+
+
+def _tensor_bytes(tensor) -> memoryview:
+    """A byte view of a contiguous CPU tensor (no copy; a non-contiguous one is refused, since
+    bytes read into a copy of it would be lost)."""
+    import torch
+
+    from kvtier.store.payload import as_view
+
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_contiguous():
+        raise ValueError(f"a page must be a contiguous tensor, got {type(tensor).__name__}")
+    return as_view(tensor.view(-1).view(torch.uint8))
+
+
+def _storage_metrics(m: _Metrics):
+    try:
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+    except Exception:  # SGLang absent: the same fields in kvtier's own class
+        return m
+    return StorageMetrics(
+        prefetch_pgs=m.prefetch_pgs,
+        backup_pgs=m.backup_pgs,
+        prefetch_bandwidth=m.prefetch_bandwidth,
+        backup_bandwidth=m.backup_bandwidth,
+    )
