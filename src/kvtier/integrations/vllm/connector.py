@@ -1,0 +1,175 @@
+"""KVTierConnector: kvtier's tiers (pinned host, disk, Redis) behind vLLM's KV connector API.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"host_bytes": 17179869184, "redis_url": "redis://h:6379"}}'
+
+vLLM makes one instance per role: the scheduler's delegates to `SchedulerSide` (no tensors),
+each worker's to `WorkerSide` (the engine and the store). Settings: `VllmSettings`.
+
+A best-effort cache (``requires_kv_delivery`` False): a save that does not happen is a later
+miss; a load that does not happen is reported (``get_block_ids_with_load_errors``) and vLLM
+recomputes those blocks (``kv_load_failure_policy="recompute"``, its default).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from .metadata import KVTierMetadata
+from .scheduler import SchedulerSide
+from .settings import VllmSettings
+
+log = logging.getLogger(__name__)
+
+
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's ``(vllm_config, role, kv_cache_config)``. Only a model with one KV cache group
+    (every layer full attention) is served; with several groups the connector stays idle (no
+    hits, no saves) and says so once."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.settings = s = VllmSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+        block_size = cc.block_size
+        groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or [None])
+        self.idle = groups != 1
+        if self.idle:
+            log.warning("kvtier: %d KV cache groups (hybrid model): the connector stays idle", groups)
+        model = s.model or f"{mc.model}@{getattr(mc, 'revision', None) or 'main'}"
+        tp_size = pc.tensor_parallel_size
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side = None
+        if role == KVConnectorRole.SCHEDULER:
+            hash_bs = getattr(kv_cache_config, "hash_block_size", None) or block_size
+            redis = None
+            if s.redis_url and not self.idle:
+                from kvtier.store.redis_tier import RedisTier
+
+                redis = RedisTier(url=s.redis_url, cluster=s.redis_cluster)
+            self.scheduler_side = SchedulerSide(s, block_size, hash_bs, tp_size, redis=redis)
+        else:
+            from .worker import WorkerSide
+
+            order = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(cc, "kv_cache_layout", None)
+            self.worker_side = WorkerSide(
+                s, model, tp_rank=_tp_rank(), tp_size=tp_size, order=order, block_size=block_size
+            )
+
+    # -- properties and class hooks ------------------------------------------------------------
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a later miss
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return VllmSettings.from_extra(extra_config).layerwise  # per-layer waits run between graph pieces
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> str | None:
+        return None  # every order: kvtier reads each (B-first orders DMA whole blocks)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        from .stats import KVTierStats
+
+        return KVTierStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from .prom import KVTierPromMetrics
+
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # -- worker side -----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches) -> None:
+        if not self.idle:
+            self.worker_side.register(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        if isinstance(kv_connector_metadata, KVTierMetadata):
+            self.worker_side.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, KVTierMetadata):
+            self.worker_side.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker_side.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return  # a chunk is saved whole (every layer, one job) in wait_for_save, after the forward
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if isinstance(meta, KVTierMetadata):
+            self.worker_side.save(meta)  # async: blocks held via request_finished until copied
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker_side.finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.load_errors()
+
+    def build_connector_worker_meta(self):
+        return self.worker_side.report()
+
+    def get_kv_connector_stats(self):
+        if self.worker_side is None:
+            return None
+        data = self.worker_side.stats()
+        return self.build_kv_connector_stats(data) if data else None
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.shutdown()
+        if self.scheduler_side is not None and self.scheduler_side.redis is not None:
+            self.scheduler_side.redis.close()
+
+    # -- scheduler side --------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.idle:
+            return 0, False
+        return self.scheduler_side.lookup(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if not self.idle:
+            self.scheduler_side.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVTierMetadata:
+        if self.idle:
+            return KVTierMetadata()
+        return self.scheduler_side.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        if not self.idle:
+            self.scheduler_side.update(connector_output)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.idle:
+            return False, None
+        return self.scheduler_side.finished(request), None  # True: freed once its saves read them
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except Exception:  # no process group (one worker, or a test): rank 0
+        return 0

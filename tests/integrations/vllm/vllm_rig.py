@@ -1,0 +1,224 @@
+"""A real vLLM 0.33 `Scheduler` with kvtier's connector, on the CPU, from a local config.json.
+
+Requests run whole: ``step()`` schedules, plays the worker side of every rank on CPU tensors
+(a mock model runner: the "forward" writes each computed token's KV as a function of the
+token prefix, so a loaded block can be compared with what recomputing writes), and feeds the
+output back into the scheduler.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # no accelerator: vLLM's CPU platform
+
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 1000,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "float16",
+    "head_dim": 16,
+}
+NUM_LAYERS, HEADS, HEAD_DIM, BLOCK = 2, 2, 16, 16
+
+
+def make_scheduler(tmp: Path, extra: dict, num_blocks: int = 64, tp_size: int = 1, policy: str = "recompute"):
+    from vllm.config import (
+        CacheConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    (tmp / "model").mkdir(exist_ok=True)
+    (tmp / "model" / "config.json").write_text(json.dumps(CONFIG))
+    mc = ModelConfig(model=str(tmp / "model"), skip_tokenizer_init=True, dtype="float16", max_model_len=2048)
+    cfg = VllmConfig(
+        model_config=mc,
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=2048,
+            max_model_len=2048,
+            is_encoder_decoder=False,
+            disable_hybrid_kv_cache_manager=True,
+        ),
+        parallel_config=ParallelConfig(tensor_parallel_size=1),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVTierConnector",
+            kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy=policy,
+        ),
+    )
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float16)
+    page = spec.page_size_bytes
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
+    kcc = KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[
+            KVCacheTensor(
+                size=page * num_blocks * NUM_LAYERS,
+                layers=names,
+                layer_stride=page * num_blocks,
+                block_stride=page,
+            )
+        ],
+        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
+    )
+    cfg.cache_config.num_gpu_blocks = num_blocks
+    sched = Scheduler(cfg, kcc, StructuredOutputManager(cfg), block_size=BLOCK, log_stats=True)
+    return cfg, kcc, sched
+
+
+def make_request(rid: str, tokens: list[int], max_tokens: int = 2):
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return Request(rid, tokens, sp, None, block_hasher=get_request_block_hasher(BLOCK, sha256))
+
+
+def kv_value(tokens: list[int], pos: int, layer: int) -> float:
+    """The mock forward's KV of token ``pos``: a function of the whole prefix (exact in fp32)."""
+    h = 0
+    for i, t in enumerate(tokens[: pos + 1]):
+        h = (h * 31 + t * (i + 1)) % 100003
+    return float(h + layer * 100003)
+
+
+class Worker:
+    """One rank's worker connector over CPU caches in vLLM's per-layer [B, H, N, C] views."""
+
+    def __init__(
+        self,
+        cfg,
+        kcc,
+        num_blocks: int,
+        order: str = "LBHNC",
+        tiers=None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        device=None,
+    ):
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        from kvtier.device import SimDevice
+        from kvtier.integrations.vllm import KVTierConnector
+
+        self.conn = KVTierConnector(cfg, KVConnectorRole.WORKER, kcc)
+        ws = self.conn.worker_side
+        ws._tiers, ws.tp_rank, ws.tp_size, ws.order = tiers, tp_rank, tp_size, order
+        ws._device = self.dev = device or SimDevice()
+        self.names = kcc.kv_cache_groups[0].layer_names
+        sizes = dict(L=NUM_LAYERS, B=num_blocks, H=HEADS, N=BLOCK, C=2 * HEAD_DIM)
+        buf = torch.full([sizes[a] for a in order], -1.0)
+        perm = [order.index(a) for a in "LBHNC"]  # logical [L, B, H, N, C] view of the buffer
+        self.cache = buf.permute(*perm)
+        self.conn.register_kv_caches({n: self.cache[i] for i, n in enumerate(self.names)})
+
+    def step(self, so, requests: dict):
+        from vllm.v1.outputs import KVConnectorOutput
+
+        c = self.conn
+        c.bind_connector_metadata(so.kv_connector_metadata)
+        c.handle_preemptions(so.kv_connector_metadata)
+        c.start_load_kv(None)
+        blocks = _blocks_of(so)
+        for li, name in enumerate(self.names):
+            c.wait_for_layer_load(name)
+            self.dev.current_stream().synchronize()  # the mock forward runs on the host
+            for rid, n in so.num_scheduled_tokens.items():
+                req, start = requests[rid], _computed_of(so, rid)
+                for p in range(start, start + n):
+                    b = blocks[rid][p // BLOCK]
+                    self.cache[li, b, :, p % BLOCK, :] = kv_value(req.all_token_ids, p, li)
+        c.wait_for_save()
+        sending, recving = c.get_finished(so.finished_req_ids)
+        out = KVConnectorOutput(
+            finished_sending=sending,
+            finished_recving=recving,
+            invalid_block_ids=c.get_block_ids_with_load_errors(),
+            kv_connector_stats=c.get_kv_connector_stats(),
+            kv_connector_worker_meta=c.build_connector_worker_meta(),
+        )
+        c.clear_connector_metadata()
+        return out
+
+    def check(self, req, block_ids: list[int], upto: int) -> None:
+        """Every token < ``upto`` of ``req`` holds the KV the mock forward computes."""
+        for li in range(NUM_LAYERS):
+            for p in range(upto):
+                got = self.cache[li, block_ids[p // BLOCK], :, p % BLOCK, :]
+                want = kv_value(req.all_token_ids, p, li)
+                assert torch.all(got == want), f"layer {li} token {p}: {got.flatten()[0]} != {want}"
+
+
+_BLOCKS: dict[str, list[int]] = {}
+
+
+def _blocks_of(so) -> dict[str, list[int]]:
+    for new in so.scheduled_new_reqs:
+        _BLOCKS[new.req_id] = list(new.block_ids[0])
+    cr = so.scheduled_cached_reqs
+    for i, rid in enumerate(cr.req_ids):
+        nb = cr.new_block_ids[i]
+        if rid in cr.resumed_req_ids:
+            _BLOCKS[rid] = list(nb[0]) if nb else []
+        elif nb:
+            _BLOCKS[rid] = _BLOCKS.get(rid, []) + list(nb[0])
+    return _BLOCKS
+
+
+def _computed_of(so, rid: str) -> int:
+    for new in so.scheduled_new_reqs:
+        if new.req_id == rid:
+            return new.num_computed_tokens
+    cr = so.scheduled_cached_reqs
+    return cr.num_computed_tokens[cr.req_ids.index(rid)]
+
+
+def run_step(sched, workers: list, requests: dict, sample: int = 7):
+    """One engine step: schedule, every rank's worker, the output back into the scheduler."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    so = sched.schedule()
+    outs = [w.step(so, requests) for w in workers]
+    kv = outs[0]
+    for o in outs[1:]:  # what vLLM's KVOutputAggregator does for the fields used here
+        kv.invalid_block_ids |= o.invalid_block_ids
+        if o.kv_connector_worker_meta is not None:
+            kv.kv_connector_worker_meta = (
+                o.kv_connector_worker_meta
+                if kv.kv_connector_worker_meta is None
+                else kv.kv_connector_worker_meta.aggregate(o.kv_connector_worker_meta)
+            )
+    ids = list(so.num_scheduled_tokens)
+    mro = ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[sample] for _ in ids],
+        kv_connector_output=kv,
+    )
+    sched.update_from_output(so, mro)
+    return so, kv
