@@ -22,6 +22,12 @@ request's chunks, one launch per layer for all of them): block i's pieces start 
 VEC-units from `chunk` (an offset, not a pointer: it may point into another allocation, which
 UVA addresses like any other).
 
+Block ids checked lazily (`CHECK`, ids still on the GPU when the call was made, never read back
+by the host): an id out of range (CHECK 1 and 2) or, for a scatter, given more than once (CHECK 2,
+after `block_id_claim_kernel` marked every id of the call in `claim`) is neither read nor written:
+its rows are masked off and the bad ids are counted into the error flag `err` [2] (out of range,
+repeated), which the host reads at its next completion check. CHECK 0: the host checked the ids.
+
 A call may copy a range of layers (`layer0`, `n_layers`; all of them by default): the chunk
 keeps its full block-major shape and only that layer range's pieces are touched.
 
@@ -36,13 +42,15 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["n_blocks", "last_valid", "layer0", "n_layers"])  # one binary for any size
+@triton.jit(do_not_specialize=["n_blocks", "last_valid", "layer0", "n_layers", "stamp"])  # any size
 def kv_copy_kernel(
     paged,  # *unit: base of the paged cache (the layer at the lowest address)
     layer_off,  # *int64 [num_layers]: VEC-units from `paged` to layer l's (kv 0, block 0)
-    block_ids,  # *int32 [n_blocks]: block ids, checked in range by the wrapper
+    block_ids,  # *int32 or *int64 [n_blocks]: block ids (checked by the wrapper unless CHECK)
     chunk,  # *unit: contiguous chunk (n_blocks, num_layers, KV, O, BS, I), GPU or pinned host
     chunk_off,  # *int64 [n_blocks]: with TABLE, VEC-units from `chunk` to block i (else unused)
+    err,  # *int32 [2]: with CHECK, bad ids counted here: out of range, repeated (else unused)
+    claim,  # *int32 [num_blocks]: with CHECK 2, `stamp` where block b is named once (else unused)
     n_blocks,  # blocks in this call (>= 1)
     last_valid,  # valid tokens in the last block of this call, 1..BS
     num_layers,  # layers in the cache (and in each block of the chunk)
@@ -50,6 +58,8 @@ def kv_copy_kernel(
     n_layers,  # layers this call copies: layer0 .. layer0 + n_layers - 1
     kv_stride,  # VEC-units from K to V of one block (unused when KV == 1)
     block_stride,  # VEC-units from block b to block b + 1
+    num_blocks,  # blocks in the cache (the bound of a lazily checked id)
+    stamp,  # with CHECK 2: this call's mark in `claim`
     KV: tl.constexpr,  # 2 (K and V) or 1 (MLA latent)
     O: tl.constexpr,  # segments per piece
     BS: tl.constexpr,  # tokens per block
@@ -59,6 +69,7 @@ def kv_copy_kernel(
     VEC: tl.constexpr,  # alignment of every row start and token boundary, in units
     GATHER: tl.constexpr,  # True: paged -> chunk; False: chunk -> paged
     TABLE: tl.constexpr,  # True: block i of the chunk side starts at chunk_off[i] (several chunks)
+    CHECK: tl.constexpr,  # 0: ids checked by the host; 1: range checked here; 2: range and claims
 ):
     SEG: tl.constexpr = BS * I
     NCT: tl.constexpr = (SEG + COLS - 1) // COLS  # row slices per segment
@@ -79,6 +90,18 @@ def kv_copy_kernel(
         i = (s // O) // lk_count
         layer = layer0 + lk // KV
         blk = tl.load(block_ids + i, mask=row_ok, other=0).to(tl.int64)
+        if CHECK > 0:
+            id_ok = (blk >= 0) & (blk < num_blocks)
+            if CHECK == 2:  # named once in this call (the claim kernel ran before, in stream order)
+                mark = tl.load(claim + blk, mask=row_ok & id_ok, other=0)
+                id_ok = id_ok & (mark == stamp)
+            else:  # count each bad id once: at the first row of its block
+                first = row_ok & (ct == 0) & (s % (O * lk_count) == 0)
+                n_bad = tl.sum((first & ~id_ok).to(tl.int32))
+                if n_bad > 0:
+                    tl.atomic_add(err, n_bad)
+            row_ok = row_ok & id_ok
+            blk = tl.where(id_ok, blk, 0)
         loff = tl.load(layer_off + layer, mask=row_ok, other=0)
         src_row = (loff + (lk % KV).to(tl.int64) * kv_stride + blk * block_stride) * VEC
         src_row += o.to(tl.int64) * SEG
@@ -100,3 +123,31 @@ def kv_copy_kernel(
             x = tl.load(chunk + c_off, mask=valid)
             tl.store(paged + p_off, x, mask=valid)
         tile += tl.num_programs(0)
+
+
+@triton.jit(do_not_specialize=["n_blocks", "stamp"])
+def block_id_claim_kernel(
+    block_ids,  # *int32 or *int64 [n_blocks]: the ids of one scatter, not checked by the host
+    claim,  # *int32 [num_blocks]: marks; earlier calls left smaller stamps
+    err,  # *int32 [2]: bad ids counted here: out of range, repeated
+    n_blocks,
+    num_blocks,
+    stamp,  # even, larger than every earlier call's: block b ends as stamp (named once) or stamp + 1
+    BLOCK: tl.constexpr,
+):
+    """Before a lazily checked scatter (CHECK 2): mark every in-range id in `claim` and count the
+    bad ones. An id named twice ends as stamp + 1, so the copy skips every copy of it."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < n_blocks
+    blk = tl.load(block_ids + i, mask=live, other=0).to(tl.int64)
+    ok = live & (blk >= 0) & (blk < num_blocks)
+    blk = tl.where(ok, blk, 0)
+    prev = tl.atomic_max(claim + blk, stamp, mask=ok)
+    again = ok & (prev >= stamp)  # someone in this call named it first
+    tl.atomic_max(claim + blk, stamp + 1, mask=again)
+    n_out = tl.sum((live & ~ok).to(tl.int32))
+    n_again = tl.sum(again.to(tl.int32))
+    if n_out > 0:
+        tl.atomic_add(err, n_out)
+    if n_again > 0:
+        tl.atomic_add(err + 1, n_again)

@@ -15,6 +15,8 @@ work has completed (record an event after the call).
     load_staged(kv, ids, src, ...)      one pinned DMA per chunk + GPU scatters,     engine (staged)
                                         pipelined; -> event after the last scatter
     block_ids(kv, ids)                  ids checked once, reusable (`BlockIds`)      callers reusing ids
+    check(kv)                           raise `BlockIdError` for bad ids that calls  callers of GPU ids
+                                        checked on the device met (waits for the GPU)
     slots.slot_sources(kv, ids, chunks) several chunks (pool slots) checked once;    engine.load_slots
                                         ids and a block table put on the device
     slots.scatter_slots(kv, src, ...)   every chunk of `src` into its blocks, one    engine.load_slots
@@ -29,13 +31,26 @@ buffers, `num_tokens`, `layers`, `max_ctas`) and a bad one raises `ValueError` n
 past `num_tokens` in the last block are zeros in a chunk and left untouched in the cache. A
 write (scatter, load) never targets a block twice in one call.
 
-Block ids are checked eagerly, at the call: `gather`, `scatter`, `save_staged`, `load_staged` and
-`slot_sources` check a list, tuple or tensor of ids on every call (in range; distinct for
-writes). CPU ids cost no synchronization; ids in a GPU tensor are read back to be checked, which
-waits for the current stream. A `BlockIds` from `block_ids` was checked when made and is only
-matched to the cache (and to `unique` for writes) after that: build it once for ids reused
-across calls (the engine checks its ids once at its own entry and passes them on this way).
-`scatter_slots` checks nothing more: `slot_sources` did.
+Block ids are checked once per call, eagerly or lazily (`check=` of every op and of `block_ids`):
+
+    ids                                  "auto" (default)                 "eager"            "lazy"
+    list, tuple, CPU tensor [n]          on the host, at the call         the same           on the device
+    GPU tensor [n] (int32/int64)         on the device, by the kernel     read back: waits   on the device
+    BlockIds                             when it was made (its own `check`)
+
+Eager: the call raises ValueError naming the first bad id (out of range; repeated, for writes)
+before anything is launched. Host ids then reach the GPU through a pinned slot of the cache's
+(`ops/id_ring.py`), without making the host wait. Lazy: the ids are never read back, so the host
+never waits for the GPU; the kernel skips every copy of a bad id (an id out of range, or named
+twice in one write, is neither read nor written) and counts it in the cache's error flag, which
+`check(kv)` -- or the next eager check of GPU ids, which waits anyway -- turns into a
+`BlockIdError` (a ValueError) with the counts. A `BlockIds` from `block_ids` is matched to the
+cache (and to `unique` for writes) after that: build it once for ids reused across calls (the
+engine checks its ids once at its own entry and passes them on this way). `scatter_slots` checks
+nothing more: `slot_sources` did (lazily for lazy ids: each call then checks on the device).
+
+Host cost: a launch plan is kept per cache, chunk alignment and block count, and after the first
+call of a kind the compiled kernel's own launcher is called directly (`ops/launch.py`).
 
 Without CUDA the kernel runs in Triton's interpreter (`TRITON_INTERPRET=1`, set before kvtier
 is imported) on CPU tensors: there a host chunk is a plain CPU tensor and the staged paths take
@@ -43,13 +58,16 @@ no streams. Chunk format and layouts: `kvtier.layout`. PyTorch references: `kvti
 """
 
 from kvtier.ops.checks import INTERPRETING, BlockIds, block_ids
+from kvtier.ops.device_ids import BlockIdError, check
 from kvtier.ops.kv_copy import gather, scatter
 from kvtier.ops.staged import load_staged, make_staging, save_staged
 
 __all__ = [
     "INTERPRETING",
+    "BlockIdError",
     "BlockIds",
     "block_ids",
+    "check",
     "gather",
     "load_staged",
     "make_staging",

@@ -3,8 +3,8 @@ naming it, before anything is launched; nothing out of range ever reaches a kern
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -12,65 +12,120 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from kvtier.kernels.kv_copy import kv_copy_kernel
 from kvtier.layout import PagedKV
+from kvtier.ops.device_ids import flagged
 
 # Kernels defined under TRITON_INTERPRET=1 run in Triton's interpreter, on CPU tensors.
 INTERPRETING = isinstance(kv_copy_kernel, InterpretedFunction)
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class BlockIds:
-    """Block ids checked against one cache (in range; distinct when `unique`), with the number of
-    valid tokens in the last block. Build once with `block_ids`, reuse for many copies.
+CHECKS = ("auto", "eager", "lazy")
 
-    cpu: int64 [n]; dev: int32 [n] on the cache's device; ready: event after `dev` landed (CUDA).
+
+class BlockIds:
+    """Block ids for one cache (in range and distinct when `unique`, or `lazy`: checked by the
+    kernel on each use), with the number of valid tokens in the last block. Build once with
+    `block_ids`, reuse for many copies.
+
+    cpu: int64 [n] (None for ids that stayed on the GPU); dev: int32 or int64 [n] on the cache's
+    device; ready: event after `dev` landed (CUDA), on the stream `stream` (a raw handle) that made
+    it, where a copy needs no wait; lazy: not checked by the host.
     """
 
-    kv: PagedKV
-    cpu: torch.Tensor
-    dev: torch.Tensor
-    unique: bool
-    last_valid: int
-    ready: torch.cuda.Event | None
+    __slots__ = ("kv", "cpu", "dev", "unique", "last_valid", "ready", "lazy", "stream")
+
+    def __init__(self, kv, cpu, dev, unique, last_valid, ready, lazy=False, stream=None):
+        self.kv, self.cpu, self.dev, self.unique = kv, cpu, dev, unique
+        self.last_valid, self.ready, self.lazy, self.stream = last_valid, ready, lazy, stream
 
     def __len__(self) -> int:
-        return len(self.cpu)
+        return self.dev.shape[0]
 
 
 def block_ids(
-    kv: PagedKV, ids: torch.Tensor | Sequence[int], *, unique: bool = True, num_tokens: int | None = None
+    kv: PagedKV,
+    ids: torch.Tensor | Sequence[int],
+    *,
+    unique: bool = True,
+    num_tokens: int | None = None,
+    check: str = "auto",
 ) -> BlockIds:
     """Check `ids` (a 1-D int tensor on the CPU or the cache's device, or a sequence of ints)
-    against `kv`. CPU ids are checked for free; GPU ids are read back to be checked, which waits
-    for the current stream. `unique` is required for writes (scatter, load)."""
+    against `kv`. `unique` is required for writes (scatter, load).
+
+    check: "auto" (default): ids on the host are checked now, ids on the GPU lazily; "eager":
+    checked now, also GPU ids, which are read back (the host waits for the current stream);
+    "lazy": checked by the kernel on every copy that uses them (`ops.device_ids`).
+    """
     check_cache(kv)
+    check = check_mode(check)
     name = "block_ids"
     if isinstance(ids, BlockIds):
         raise ValueError(f"{name}: already a BlockIds; pass it to the op directly")
+    if isinstance(ids, torch.Tensor) and ids.device.type != "cpu":
+        dev = device_ids(kv, ids)
+        if check != "eager":
+            last_valid = check_num_tokens(kv, len(dev), num_tokens)
+            return BlockIds(kv, None, dev, unique, last_valid, None, True)
+        cpu = torch.from_numpy(host_ids(kv, dev.cpu(), unique, True))  # waits for the current stream
+        flagged(kv)  # the host waited anyway: report what lazily checked calls found
+        return _landed(kv, cpu, dev.to(torch.int32), unique, check_num_tokens(kv, len(cpu), num_tokens))
+    cpu = torch.from_numpy(host_ids(kv, ids, unique, check != "lazy")).to(torch.int64)
+    last_valid = check_num_tokens(kv, len(cpu), num_tokens)
+    return _landed(kv, cpu, None, unique, last_valid, lazy=check == "lazy")
+
+
+def check_mode(check) -> str:
+    if check not in CHECKS:
+        raise ValueError(f"check: expected one of {CHECKS}, got {check!r}")
+    return check
+
+
+def device_ids(kv: PagedKV, ids: torch.Tensor) -> torch.Tensor:
+    """GPU ids as the kernel takes them (int32 or int64, 1-D, on the cache's device)."""
+    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_ids: expected a 1-D int32/int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
+    if ids.device != kv.device:
+        raise ValueError(f"block_ids: on {ids.device}, expected the CPU or the cache's {kv.device}")
+    return ids if ids.is_contiguous() else ids.contiguous()
+
+
+def host_ids(kv: PagedKV, ids, unique: bool, checked: bool) -> np.ndarray:
+    """Ids on the host (a list/tuple/range of ints, a CPU tensor or a numpy array) as a 1-D int32
+    or int64 numpy array, checked (in range; distinct when `unique`) when `checked`. A copy of a
+    list; a view of a tensor or array."""
+    name = "block_ids"
     if isinstance(ids, torch.Tensor):
         if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name}: expected a 1-D int32/int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
-        if ids.device.type != "cpu" and ids.device != kv.device:
-            raise ValueError(f"{name}: on {ids.device}, expected the CPU or the cache's {kv.device}")
-        cpu = ids.to("cpu", torch.int64)  # GPU ids: waits for the current stream, to read them
+        a = ids.numpy()
+    elif isinstance(ids, np.ndarray) and ids.dtype in (np.int32, np.int64) and ids.ndim == 1:
+        a = ids
     else:
         try:
-            cpu = torch.as_tensor(list(ids), dtype=torch.int64)
-        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
-            raise ValueError(f"{name}: expected a sequence of ints ({e})") from None
-        if cpu.dim() != 1:
-            raise ValueError(f"{name}: expected a flat sequence of ints")
-    if len(cpu):
-        bad = ((cpu < 0) | (cpu >= kv.num_blocks)).nonzero()
-        if len(bad):
-            j = int(bad[0])
-            raise ValueError(
-                f"{name}[{j}] = {int(cpu[j])} out of range: the cache has {kv.num_blocks} blocks"
-            )
-        if unique and len(torch.unique(cpu)) != len(cpu):
-            raise ValueError(f"{name}: duplicate block ids; a block cannot be written twice in one copy")
-    on_device = isinstance(ids, torch.Tensor) and ids.device == kv.device and kv.device.type != "cpu"
-    last_valid = check_num_tokens(kv, len(cpu), num_tokens)
-    return _landed(kv, cpu, ids.to(torch.int32) if on_device else None, unique, last_valid)
+            a = np.frombuffer(array.array("q", ids), dtype=np.int64)  # ints only: no float, no str
+        except (TypeError, ValueError, OverflowError):
+            a = _slow_ids(ids)
+    if checked and a.shape[0]:
+        if a.view(np.uint64 if a.dtype == np.int64 else np.uint32).max() >= kv.num_blocks:  # negative: huge
+            j = int(np.flatnonzero((a < 0) | (a >= kv.num_blocks))[0])
+            raise ValueError(f"{name}[{j}] = {int(a[j])} out of range: the cache has {kv.num_blocks} blocks")
+        if unique and a.shape[0] > 1:
+            s = np.sort(a)
+            if (s[1:] == s[:-1]).any():
+                raise ValueError(f"{name}: duplicate block ids; a block cannot be written twice in one copy")
+    return a
+
+
+def _slow_ids(ids) -> np.ndarray:
+    """What a sequence that is no flat sequence of ints is: the error names the argument."""
+    name = "block_ids"
+    try:
+        cpu = torch.as_tensor(list(ids), dtype=torch.int64)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise ValueError(f"{name}: expected a sequence of ints ({e})") from None
+    if cpu.dim() != 1:
+        raise ValueError(f"{name}: expected a flat sequence of ints")
+    return cpu.numpy()
 
 
 def trusted_block_ids(kv: PagedKV, ids, unique: bool, last_valid: int) -> BlockIds:
@@ -89,22 +144,33 @@ def checked_block_ids(kv: PagedKV, cpu: torch.Tensor, unique: bool, num_tokens: 
     return trusted_block_ids(kv, cpu, unique, check_num_tokens(kv, len(cpu), num_tokens))
 
 
-def _landed(kv: PagedKV, cpu: torch.Tensor, dev, unique: bool, last_valid: int) -> BlockIds:
+def _landed(
+    kv: PagedKV, cpu: torch.Tensor, dev, unique: bool, last_valid: int, lazy: bool = False
+) -> BlockIds:
     """The BlockIds, with `dev` (int32 ids on the cache's device) copied from `cpu` if not given."""
     if dev is None:
+        if lazy:  # unchecked: an id int32 cannot hold must still read as out of range
+            cpu = torch.where((cpu < 0) | (cpu >= 2**31), -1, cpu)
         dev = cpu.to(torch.int32).to(kv.device, non_blocking=True)  # pageable source: staged at once
-    ready = None
+    ready = stream = None
     if dev.is_cuda:
         ready = torch.cuda.Event()
+        current = torch.cuda.current_stream(kv.device)
         # Marks the ids landed on the GPU: an op on another stream waits for it before reading them.
-        ready.record(torch.cuda.current_stream(kv.device))
-    return BlockIds(kv, cpu, dev, unique, last_valid, ready)
+        ready.record(current)
+        stream = current.cuda_stream
+    return BlockIds(kv, cpu, dev, unique, last_valid, ready, lazy, stream)
 
 
 def as_block_ids(kv: PagedKV, ids, unique: bool, num_tokens: int | None) -> BlockIds:
     """`ids` as BlockIds for this op: checked now, or checked before (then for this cache)."""
     if not isinstance(ids, BlockIds):
         return block_ids(kv, ids, unique=unique, num_tokens=num_tokens)
+    return matched(kv, ids, unique, num_tokens)
+
+
+def matched(kv: PagedKV, ids: BlockIds, unique: bool, num_tokens: int | None) -> BlockIds:
+    """A BlockIds given to an op: made for this cache, for writes when the op writes."""
     if ids.kv is not kv:
         raise ValueError("block_ids: a BlockIds made for another cache")
     if unique and not ids.unique:
@@ -175,6 +241,13 @@ def check_chunk(kv: PagedKV, t: torch.Tensor, n: int, name: str, host_only: bool
         raise ValueError(f"{name}: expected pinned host memory, got {t.device}")
     elif t.device != kv.device:
         raise ValueError(f"{name}: on {t.device}, expected the cache's {kv.device} or pinned host memory")
+
+
+def known_cache(kv: PagedKV) -> None:
+    """`check_cache`, once per cache (what it checks does not change)."""
+    if not (isinstance(kv, PagedKV) and "checked" in kv.plans):
+        check_cache(kv)
+        kv.plans["checked"] = True
 
 
 def check_cache(kv: PagedKV) -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.layout import PagedKV, gcd_bytes
+from kvtier.ops.call_ids import use_ids
 from kvtier.ops.checks import (
     BlockIds,
     as_block_ids,
@@ -27,7 +28,7 @@ from kvtier.ops.checks import (
     check_layers,
     check_max_ctas,
 )
-from kvtier.ops.kv_copy import plan_for, prepare, use_ids
+from kvtier.ops.launch import claim, plan_for, prepare
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -136,10 +137,20 @@ def scatter_slots(
         raise ValueError("src: scatter_slots must run on the stream slot_sources ran on")
     check_max_ctas(max_ctas)
     first, count = check_layers(kv, layers) or (0, kv.num_layers)
+    check = 2 if src.ids.lazy else 0
     run = src.runs.get((count, max_ctas))
     if run is None:
         table = (src.off, src.align)
-        run = prepare(kv, src.ids.dev, src.base, src.ids.last_valid, gather=False, max_ctas=max_ctas,
-                      n_layers=count, table=table)  # fmt: skip
+        run = prepare(
+            kv,
+            src.ids.dev,
+            src.base,
+            src.ids.last_valid,
+            gather=False,
+            max_ctas=max_ctas,
+            n_layers=count,
+            table=table,
+            check=check,
+        )
         src.runs[count, max_ctas] = run
-    run(first)
+    run(first, claim(kv, src.ids.dev) if check else 0)

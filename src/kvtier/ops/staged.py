@@ -28,8 +28,9 @@ from contextlib import nullcontext
 import torch
 
 from kvtier.layout import PagedKV
-from kvtier.ops.checks import INTERPRETING, BlockIds, as_block_ids, check_cache, check_chunk, check_max_ctas
-from kvtier.ops.kv_copy import launch, use_ids
+from kvtier.ops.call_ids import call_ids, finish
+from kvtier.ops.checks import INTERPRETING, BlockIds, check_chunk, check_max_ctas, known_cache
+from kvtier.ops.launch import claim, launch
 
 
 def make_staging(kv: PagedKV, chunk_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,7 +49,7 @@ def make_staging(kv: PagedKV, chunk_blocks: int) -> tuple[torch.Tensor, torch.Te
     """
     if isinstance(chunk_blocks, bool) or not isinstance(chunk_blocks, int) or chunk_blocks < 1:
         raise ValueError(f"chunk_blocks: expected a positive int, got {chunk_blocks!r}")
-    check_cache(kv)
+    known_cache(kv)
     return tuple(
         torch.empty(kv.chunk_nbytes(chunk_blocks), dtype=torch.uint8, device=kv.device) for _ in range(2)
     )
@@ -65,6 +66,7 @@ def save_staged(
     wait_event: torch.cuda.Event | None = None,
     num_tokens: int | None = None,
     max_ctas: int | None = None,
+    check: str = "auto",
 ) -> torch.cuda.Event | None:
     """Save blocks `block_ids` (n) of every layer into the pinned host chunk `dst`.
 
@@ -78,7 +80,8 @@ def save_staged(
     gather_stream, copy_stream: torch.cuda.Streams of the cache's device (None without CUDA);
          the gathers run on the first, the DMAs on the second.
     wait_event: recorded after the KV of these blocks was written; the first gather waits for it.
-    num_tokens, max_ctas: as in `gather`.
+    num_tokens, max_ctas, check: as in `gather`; a bad id checked lazily (on the device) leaves its
+         block of `dst` holding whatever the staging buffer held (never bytes outside the cache).
     Returns the event recorded after the last DMA (None without CUDA): then `dst` holds the
     blocks, and the blocks and the staging buffers are free.
 
@@ -93,23 +96,26 @@ def save_staged(
     ...                        copy_stream=torch.cuda.Stream(), wait_event=written)
     >>> done.synchronize()
     """
-    check_cache(kv)
+    known_cache(kv)
     _check_streams(kv, gather_stream, copy_stream, wait_event)
     with _on(gather_stream):  # ids live on the stream that reads them
-        ids = as_block_ids(kv, block_ids, False, num_tokens)
-        ids_dev = use_ids(ids)
-    n, last_valid = len(ids), ids.last_valid
-    check_chunk(kv, dst, n, "dst", host_only=True)
-    check_max_ctas(max_ctas)
-    bufs, per = _check_staging(kv, staging)
-    host = dst.view(-1).view(torch.uint8)
-    if not INTERPRETING:
-        # Staging buffers may still be under DMA from the previous save on these streams.
-        gather_stream.wait_stream(copy_stream)
-        if wait_event is not None:
-            # The KV of these blocks must be written before we read it (else stale KV is saved).
-            gather_stream.wait_event(wait_event)
-    return _save_loop(kv, ids_dev, last_valid, host, bufs, per, gather_stream, copy_stream, max_ctas)
+        ids = call_ids(kv, block_ids, False, num_tokens, check)
+        try:
+            check_chunk(kv, dst, ids.n, "dst", host_only=True)
+            check_max_ctas(max_ctas)
+            bufs, per = _check_staging(kv, staging)
+            host = dst.view(-1).view(torch.uint8)
+            if not INTERPRETING:
+                # Staging buffers may still be under DMA from the previous save on these streams.
+                gather_stream.wait_stream(copy_stream)
+                if wait_event is not None:
+                    # The KV of these blocks must be written before we read it (else stale KV is saved).
+                    gather_stream.wait_event(wait_event)
+            return _save_loop(
+                kv, ids.dev, ids.last_valid, host, bufs, per, gather_stream, copy_stream, max_ctas, ids.check
+            )
+        finally:
+            finish(ids)  # on the gather stream: after its last gather, which read the ids
 
 
 def load_staged(
@@ -123,6 +129,7 @@ def load_staged(
     wait_event: torch.cuda.Event | None = None,
     num_tokens: int | None = None,
     max_ctas: int | None = None,
+    check: str = "auto",
 ) -> torch.cuda.Event | None:
     """Load the pinned host chunk `src` into blocks `block_ids` (n distinct ids) of every layer.
 
@@ -136,7 +143,7 @@ def load_staged(
     copy_stream, scatter_stream: torch.cuda.Streams of the cache's device (None without CUDA);
          the DMAs run on the first, the scatters on the second.
     wait_event: recorded after the last reader of the destination blocks; the first scatter waits.
-    num_tokens, max_ctas: as in `scatter`.
+    num_tokens, max_ctas, check: as in `scatter`.
     Returns the event recorded after the last scatter (None without CUDA): then the blocks hold
     the data, and `src` and the staging buffers are free.
 
@@ -148,23 +155,37 @@ def load_staged(
     ...                        copy_stream=torch.cuda.Stream(), scatter_stream=torch.cuda.Stream())
     >>> torch.cuda.current_stream().wait_event(done)  # attention reads the blocks only after it
     """
-    check_cache(kv)
+    known_cache(kv)
     _check_streams(kv, scatter_stream, copy_stream, wait_event)
     with _on(scatter_stream):  # ids live on the stream that reads them
-        ids = as_block_ids(kv, block_ids, True, num_tokens)
-        ids_dev = use_ids(ids)
-    n, last_valid = len(ids), ids.last_valid
-    check_chunk(kv, src, n, "src", host_only=True)
-    check_max_ctas(max_ctas)
-    bufs, per = _check_staging(kv, staging)
-    host = src.view(-1).view(torch.uint8)
-    if not INTERPRETING:
-        # Staging buffers may still be read by the previous load's scatter on these streams.
-        copy_stream.wait_stream(scatter_stream)
-        if wait_event is not None:
-            # Pending readers of the destination blocks finish before we overwrite them.
-            scatter_stream.wait_event(wait_event)
-    return _load_loop(kv, ids_dev, last_valid, host, bufs, per, copy_stream, scatter_stream, max_ctas)
+        ids = call_ids(kv, block_ids, True, num_tokens, check)
+        try:
+            check_chunk(kv, src, ids.n, "src", host_only=True)
+            check_max_ctas(max_ctas)
+            bufs, per = _check_staging(kv, staging)
+            host = src.view(-1).view(torch.uint8)
+            if not INTERPRETING:
+                # Staging buffers may still be read by the previous load's scatter on these streams.
+                copy_stream.wait_stream(scatter_stream)
+                if wait_event is not None:
+                    # Pending readers of the destination blocks finish before we overwrite them.
+                    scatter_stream.wait_event(wait_event)
+            stamp = claim(kv, ids.dev) if ids.check == 2 else 0  # one mark for every chunk's scatter
+            return _load_loop(
+                kv,
+                ids.dev,
+                ids.last_valid,
+                host,
+                bufs,
+                per,
+                copy_stream,
+                scatter_stream,
+                max_ctas,
+                ids.check,
+                stamp,
+            )
+        finally:
+            finish(ids)  # on the scatter stream: after its last scatter, which read the ids
 
 
 def save_chunks(kv: PagedKV, ids_dev, last_valid: int, dst, *, staging, gather_stream, copy_stream) -> None:
@@ -200,7 +221,7 @@ def load_chunks(kv: PagedKV, ids_dev, last_valid: int, src, *, staging, copy_str
     copy_stream.wait_stream(scatter_stream)
 
 
-def _save_loop(kv, ids_dev, last_valid, host, bufs, per, gather_stream, copy_stream, max_ctas):
+def _save_loop(kv, ids_dev, last_valid, host, bufs, per, gather_stream, copy_stream, max_ctas, check=0):
     """Gathers on `gather_stream`, DMAs on `copy_stream`; returns the event after the last DMA."""
     n = ids_dev.numel()
     dma_done: list[torch.cuda.Event | None] = [None, None]
@@ -212,7 +233,7 @@ def _save_loop(kv, ids_dev, last_valid, host, bufs, per, gather_stream, copy_str
                 # Reuse a staging buffer only after its DMA has completed (else that DMA reads new data).
                 gather_stream.wait_event(dma_done[c % 2])
             valid = last_valid if start + m == n else kv.block_size  # only the last block is partial
-            launch(kv, ids_dev[start : start + m], buf, valid, gather=True, max_ctas=max_ctas)
+            launch(kv, ids_dev[start : start + m], buf, valid, gather=True, max_ctas=max_ctas, check=check)
             gathered = _record(gather_stream)  # marks: staging buffer filled
         with _on(copy_stream):
             if gathered is not None:
@@ -223,7 +244,9 @@ def _save_loop(kv, ids_dev, last_valid, host, bufs, per, gather_stream, copy_str
     return dma_done[(n - 1) // per % 2] if n else _record(copy_stream)
 
 
-def _load_loop(kv, ids_dev, last_valid, host, bufs, per, copy_stream, scatter_stream, max_ctas):
+def _load_loop(
+    kv, ids_dev, last_valid, host, bufs, per, copy_stream, scatter_stream, max_ctas, check=0, stamp=0
+):
     """DMAs on `copy_stream`, scatters on `scatter_stream`; returns the event after the last scatter."""
     n = ids_dev.numel()
     freed: list[torch.cuda.Event | None] = [None, None]
@@ -241,7 +264,16 @@ def _load_loop(kv, ids_dev, last_valid, host, bufs, per, copy_stream, scatter_st
                 # The scatter must not read the staging buffer before the H2D copy has landed.
                 scatter_stream.wait_event(arrived)
             valid = last_valid if start + m == n else kv.block_size  # only the last block is partial
-            launch(kv, ids_dev[start : start + m], buf, valid, gather=False, max_ctas=max_ctas)
+            launch(
+                kv,
+                ids_dev[start : start + m],
+                buf,
+                valid,
+                gather=False,
+                max_ctas=max_ctas,
+                check=check,
+                stamp=stamp,
+            )
             freed[c % 2] = _record(scatter_stream)  # marks: blocks written, buffer free again
     return freed[(n - 1) // per % 2] if n else _record(scatter_stream)
 
