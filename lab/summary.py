@@ -1,7 +1,8 @@
 """A result file judged against kvtier's targets: kvtier's summary table (headline, worst and best
 row per suite and path) with how many rows meet the target that applies (`lab.targets`), then every
 row of the engine and store suites with the figure its target speaks of and the verdict the suite
-recorded, and one line on the submit target over the 1 GiB rows.
+recorded, one line on the submit target over the 1 GiB rows, and every `ttft` row judged here
+against P8 / P9 / P10 / P12 from the figures the suite measured (`ttft_verdicts`).
 
 Everything is read from the file: nothing here measures or rounds a figure before printing it.
 """
@@ -9,7 +10,18 @@ Everything is read from the file: nothing here measures or rounds a figure befor
 from __future__ import annotations
 
 from kvtier.bench.summary import group_cells, header_lines, summarize
-from lab.targets import P6_US, ratio_target
+from lab.targets import (
+    P6_US,
+    P8_MIN_PREFIX,
+    P8_SPEEDUP,
+    P9_FACTOR,
+    P9_WITHIN,
+    P10_CALIBRATED_PCT,
+    P10_PCT,
+    P12_FACTOR,
+    TTFT_CASE,
+    ratio_target,
+)
 
 ENGINE_SUITES = ("bidir", "save_beside_matmul", "submit_overhead", "store")
 
@@ -37,7 +49,9 @@ def markdown(doc: dict) -> str:
         tgt = f"{t[0]} ≥ {t[1]:.0%}: {s['rows_meeting_target']}/{s['rows']}" if t else "-"
         lines.append(f"| {group_cells(s)} | {tgt} |")
     engine = engine_markdown(doc)
-    return "\n".join(lines) + ("\n\nEngine and store suites, every row:\n\n" + engine if engine else "")
+    out = "\n".join(lines) + ("\n\nEngine and store suites, every row:\n\n" + engine if engine else "")
+    ttft = ttft_markdown(doc)
+    return out + ("\n\nTime to first token, every row:\n\n" + ttft if ttft else "")
 
 
 def engine_figure(r: dict) -> str:
@@ -147,3 +161,80 @@ def p6_summary(rows: list[dict]) -> str:
         f"of {len(hot)} rows, {min(hot):,.0f}-{max(hot):,.0f} us; largest over smallest median: "
         f"{', '.join(flat)}."
     )
+
+
+def ttft_verdicts(p: dict) -> dict[str, tuple[str, str]]:
+    """A ttft row's params judged: target -> (pass | miss | n/a, why), for the targets that speak of
+    this row (P8: host load rows; P9: split rows; P10: every row with a prediction; P12: the
+    planner's choice, on choice rows and on lean split rows, which carry the lean choice's regret).
+    Files from before the suite reported neutral figures are read through their old names."""
+    out: dict[str, tuple[str, str]] = {}
+    mode, case = p.get("mode", ""), (p.get("model"), p.get("device"))
+    dry = None if case == TTFT_CASE else f"dry run ({p.get('model')} on {p.get('device')})"
+    speedup = p.get("speedup_vs_recompute", p.get("p8_speedup", p.get("p8_lean_speedup")))
+    if mode in ("load", "lean load") and p.get("tier") == "host" and speedup is not None:
+        status = "pass" if speedup >= P8_SPEEDUP else "miss"
+        why = f"{speedup:.1f}x faster than recompute (target >= {P8_SPEEDUP:g}x)"
+        why += f"; {p['load_why']}" if "load_why" in p else ""
+        if dry or p["prefix_tokens"] < P8_MIN_PREFIX:
+            status, why = "n/a", f"{dry or 'a prefix under 8K'}, not P8's case: would be {status}: {why}"
+        out["P8"] = (status, why)
+    vs_best = p.get("split_vs_best", p.get("p9_vs_best", p.get("p9_lean_vs_best")))
+    ratio = p.get("load_vs_recompute", p.get("p9_ratio", p.get("p9_lean_ratio")))
+    if mode in ("split", "lean split") and vs_best is not None:
+        if ratio > P9_WITHIN:
+            status = "n/a"
+            why = f"load and recompute are not within {P9_WITHIN:g}x ({ratio:.1f}x): P9 does not apply"
+        else:
+            status = "pass" if vs_best <= P9_FACTOR else "miss"
+            why = f"split {vs_best:.2f} x min(load, recompute) (target <= {P9_FACTOR:g})"
+            why += f"; {p['split_why']}" if "split_why" in p else ""
+            if dry:
+                status, why = "n/a", f"{dry}, not P9's case: would be {status}: {why}"
+        out["P9"] = (status, why)
+    calibrated = calibration_used(p)
+    if "error_pct" in p:
+        limit = P10_CALIBRATED_PCT if calibrated else P10_PCT
+        status = "pass" if abs(p["error_pct"]) <= limit else "miss"
+        kind = "calibrated" if calibrated else "uncalibrated"
+        out["P10"] = (status, f"predicted {p['error_pct']:+.0f}% ({kind}: within {limit:g}%)")
+    if "regret_pct" in p and (mode == "choice" or mode == "lean split"):
+        factor = 1 + p["regret_pct"] / 100
+        status = "pass" if factor <= P12_FACTOR else "miss"
+        why = (
+            f"the choice took {factor:.2f}x the fastest ({p.get('best_measured')}; target <= {P12_FACTOR:g}x)"
+        )
+        if calibrated:
+            status, why = "n/a", f"a calibration was in use, not P12's case: would be {status}: {why}"
+        out["P12"] = (status, why)
+    return out
+
+
+def calibration_used(p: dict) -> bool:
+    """Whether a calibration fed the row's prediction (older files: their `calibration` text)."""
+    if "calibrated" in p:
+        return bool(p["calibrated"])
+    c = str(p.get("calibration", "none"))
+    return c != "none" and not c.startswith(("not used", "unreadable"))
+
+
+def ttft_markdown(doc: dict) -> str:
+    """Every ttft row with its verdicts, then each verdict's why ("" without ttft rows)."""
+    targets = ("P8", "P9", "P10", "P12")
+    lines = [
+        "| case | TTFT ms | predicted ms | calibrated | " + " | ".join(targets) + " |",
+        "|" + " --- |" * (4 + len(targets)),
+    ]
+    whys = []
+    for r in doc["rows"]:
+        if r["suite"] != "ttft":
+            continue
+        p = r["params"]
+        v = ttft_verdicts(p)
+        cells = " | ".join(v[t][0] if t in v else "" for t in targets)
+        pred = f"{p['predicted_ms']:,.1f}" if "predicted_ms" in p else "-"
+        lines.append(f"| {r['case']} | {r['median_ms']:,.1f} | {pred} | {calibration_used(p)} | {cells} |")
+        whys += [f"- {r['case']} {t}: {v[t][1]}" for t in targets if t in v and t != "P10"]
+    if len(lines) == 2:
+        return ""
+    return "\n".join(lines + [""] + whys)

@@ -8,6 +8,10 @@ or a figure's limit). The product measures; only the lab says whether a figure i
     P5  save beside a bf16 matmul              the matmul loses <= 3%
     P6  hot submit of a 1 GiB job              <= 100 us, flat in block count
     P7  shapes (head_dim x dtype)              P1's line GPU <-> GPU, P2 / P3's to and from the host
+    P8  ttft host load, 8K-32K prefix          >= 8x faster than recompute (8B shape, on the GPU)
+    P9  ttft split                             <= 0.9 x min(load, recompute) where those are within 3x
+    P10 ttft predictions                       within 25% of the measurement, 10% with a calibration
+    P12 ttft choice without a calibration      <= 1.1 x the fastest option measured in the same run
 """
 
 # suite -> (target name, minimum ratio) for kvtier's own copy paths (baselines have none)
@@ -19,6 +23,11 @@ RATIO_TARGETS: dict[str, tuple[str, float]] = {
 P4 = 0.95
 P5_PCT = 3.0
 P6_US = 100.0
+P8_SPEEDUP, P8_MIN_PREFIX = 8.0, 8192
+P9_FACTOR, P9_WITHIN = 0.9, 3.0
+P10_PCT, P10_CALIBRATED_PCT = 25.0, 10.0
+P12_FACTOR = 1.1
+TTFT_CASE = ("llama-3-8b", "CudaDevice")  # (model, device) of the rows P8 / P9 / P12 speak of
 
 
 def ratio_target(suite: str, path: str, ceiling: str) -> tuple[str, float] | None:

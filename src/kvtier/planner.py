@@ -1,30 +1,33 @@
 """Load, recompute or both: the time to first token of a request whose first `matched_tokens`
-tokens have KV in tier T, for each way of getting that KV, and the fastest. Pure Python.
+tokens have KV in tier T, for each way of getting that KV, and the one to choose. Pure Python.
 
 n = matched tokens (whole store chunks), m = new tokens (the rest of the prompt; at least one:
 the first output token needs a forward), L = layers. All times are roofline lower bounds
 (`roofline.prefill`: max(bytes / HBM bandwidth, FLOPs / peak x efficiency)) and pipelined
-transfer times (`path`: bytes / slowest hop + hop latencies), with probed ceilings when given.
+transfer times (`path`: bytes / slowest hop + hop latencies), with probed ceilings when given;
+each forward is at least the forward floor (the fixed host cost of launching one; measured by
+`kvtier calibrate`, or on first use by `integrations.hf_split.plan_request`).
 
 - recompute: one prefill of n + m tokens.
 - load: the KV of [0, n) moves through the tier's path while the m new tokens are prefilled;
   layer i of that prefill waits for layer i of the load (per-layer events), so the two overlap
   as a two-stage pipeline: ``overlap(X, C) = max(X + C / L, X / L + C)``.
-- split at s (a chunk boundary, 0 < s < n): the compute stream prefills [0, s) while the copy
-  stream loads [s, n); then the m new tokens run, layer i after layer i of the load:
-  ``max(R_s + C, overlap(X_s, C))``. This is exact, not an approximation: attention of a token
-  < s reads only keys < s, so computing [0, s) never needs the loaded KV of [s, n), and the KV
-  computed for [0, s) is the KV a full recompute would produce. From a lower tier X_s is its
-  read, then the copies: the store reads every chunk before the layer-major copies start, so
-  the new tokens' layers pipeline with the copies only: ``max(R_s + C, read_s + overlap(copy_s,
-  C))``, and so for load (`transfer_parts`).
+- split at s (a chunk boundary, 0 < s < n): the compute stream prefills [0, s) while [s, n) is
+  read from the tier on a thread; the device copies of [s, n) then pipeline under the m new
+  tokens: ``max(R_s, read_s) + overlap(copy_s, C)``. The front's KV is exact (attention of a
+  token < s reads only keys < s). Only the tier's read (disk, network: no GPU, no host launches)
+  is counted beside the front: the device copies and the front's forward are not assumed to
+  overlap (the per-layer copies share the SMs and the host's launches with it), so on the host
+  tier, whose load is all copies, a split is its two halves one after the other.
 
-The best split is found among the chunk boundaries in O(log(n / chunk)) evaluations: the
-recompute side R_s + C only grows with s and the load side only shrinks, so their maximum falls
-until the two cross and rises after; a bisection finds the crossing (`_best_split`).
+The choice: the fastest of load and recompute, or the split when it is predicted at least
+SPLIT_MARGIN faster than both: a split's halves slow each other in ways a roofline does not see
+(the host launching both, a reader thread beside the forward), so a close call goes to the option
+with one forward.
 
-The load is assumed not to slow the compute running beside it (copy-engine path; the staged
-path's short gathers do cost some): calibrate before trusting a close call.
+The best split is found among the chunk boundaries in O(log(n / chunk)) evaluations: the split's
+time is convex in s (a convex prefill, a linear read, a convex pipeline of a linear copy), so a
+bisection on its slope finds the least one (`_best_split`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ from kvtier.specs import GPU, Link, get_gpu, get_link, measured_host_link
 
 MAX_TOKENS = 1 << 40  # the most tokens a request's prefix or new part may hold: beyond any context
 CHOICES = ("load", "recompute", "split")  # in order of preference when two predict the same time
+# A split is chosen only when predicted this much faster than both load and recompute: its halves
+# slow each other in ways the model does not see (see the module docstring).
+SPLIT_MARGIN = 0.2
 TIER_ALIASES = {"host": "host", "disk": "disk", "remote": "remote", "redis": "remote"}
 
 
@@ -54,6 +60,7 @@ class Option:
     load_ms: float  # transfer of [s, n)
     new_ms: float  # prefill of the new tokens after the prefix (0 for recompute: included above)
     ms: float  # predicted time to first token
+    bound: str = ""  # what bounds `ms`, in words (e.g. "PCIe Gen5 x16-bound 21.5 + the last layer 0.1")
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -80,6 +87,23 @@ class Plan:
     def ms(self) -> float:
         return self.options[self.choice].ms
 
+    @property
+    def why(self) -> str:
+        """One line: the choice, then each option's predicted ms and what bounds it."""
+        parts = []
+        for name in CHOICES:
+            o = self.options.get(name)
+            if o is None:
+                parts.append(
+                    f"{name}: {'nothing to load' if not self.matched_tokens else 'no chunk boundary'}"
+                )
+                continue
+            note = ""
+            if name == "split" and self.choice != "split":
+                note = f", chosen only when {SPLIT_MARGIN:.0%} faster than load and recompute"
+            parts.append(f"{name}: {o.ms:.1f} ms ({o.bound}{note})")
+        return f"chosen: {self.choice} | " + " | ".join(parts)
+
     def to_json(self) -> dict:
         load_bytes = (self.matched_tokens - self.split_tokens) * self.kv_bytes_per_token
         return {
@@ -95,6 +119,7 @@ class Plan:
             "bottleneck": self.path.bottleneck.name,
             "bottleneck_gbps": self.path.bottleneck.gbps,
             "reasons": list(self.reasons),
+            "why": self.why,
         }
 
 
@@ -191,30 +216,53 @@ def plan(
         if isinstance(v, bool) or not isinstance(v, int | float) or not (0 <= v < float("inf")):
             raise ValueError(f"{name}: must be a number >= 0, got {v!r}")
     p = tier_path(g, tier, ceilings, link, nic, gpudirect, shared_by)
-    layers, m = model.layers, new_tokens
+    layers, m, per_token = model.layers, new_tokens, model.kv_bytes_per_token(kv_dtype)
+    # the copies' own bottleneck (after a lower tier's read: the hops past the first), short name
+    copy_hops = p.hops if p.tier == "host" or p.gpudirect or len(p.hops) < 2 else p.hops[1:]
+    bottleneck = min(copy_hops, key=lambda h: h.gbps).name.split(" (")[0]
 
-    def pre(tokens: int, prefix: int = 0) -> float:
+    def pre(tokens: int, prefix: int = 0) -> tuple[float, str]:
+        """(ms, what bounds it) of one forward over `tokens` after `prefix` cached ones."""
         if not tokens:
-            return 0.0
-        ms = prefill(model, g, tokens, prefix, dtype, kv_dtype, efficiency).ms + prefill_overhead_ms
-        return max(ms, forward_floor_ms)
+            return 0.0, "nothing"
+        b = prefill(model, g, tokens, prefix, dtype, kv_dtype, efficiency)
+        ms = b.ms + prefill_overhead_ms
+        if forward_floor_ms > ms:
+            return forward_floor_ms, f"forward floor {forward_floor_ms:.1f}"
+        fixed = f" + fixed {prefill_overhead_ms:.1f}" if prefill_overhead_ms else ""
+        return ms, f"{b.bound}-bound {b.ms:.1f}{fixed}"
 
-    new_ms = pre(m, n)
+    new_ms, new_bound = pre(m, n)
+
+    def pipelined(read: float, copy: float) -> tuple[float, str]:
+        """The copies of a load under the new tokens' forward, after the tier's read."""
+        t = overlap(copy, new_ms, layers)
+        head = f"read {read:.1f} + " if read else ""
+        if copy + new_ms / layers >= copy / layers + new_ms:
+            return read + t, f"{head}{bottleneck}-bound {copy:.1f} + the last layer {new_ms / layers:.1f}"
+        return read + t, f"{head}the first layer {copy / layers:.1f} + new tokens {new_bound}"
 
     def split_at(s: int, name: str) -> Option:
-        r, (read, copy) = pre(s), transfer_parts(p, n - s, model.kv_bytes_per_token(kv_dtype))
-        return Option(
-            name, s, n - s, r, read + copy, new_ms, max(r + new_ms, read + overlap(copy, new_ms, layers))
-        )
+        (r, r_bound), (read, copy) = pre(s), transfer_parts(p, n - s, per_token)
+        tail, tail_bound = pipelined(0.0, copy)
+        if not s:  # a load
+            ms, bound = pipelined(read, copy)
+            return Option(name, 0, n, 0.0, read + copy, new_ms, ms, bound)
+        front = max(r, read)
+        side = f"front [0, {s}) {r_bound}" if r >= read else f"read of [{s}, {n}) {read:.1f}"
+        return Option(name, s, n - s, r, read + copy, new_ms, front + tail, f"{side}, then {tail_bound}")
 
-    options = {"recompute": Option("recompute", n, 0, pre(n + m), 0.0, 0.0, pre(n + m))}
+    full, full_bound = pre(n + m)
+    options = {"recompute": Option("recompute", n, 0, full, 0.0, 0.0, full, full_bound)}
     if n:
         options["load"] = split_at(0, "load")
     if n > chunk_tokens:  # a boundary inside the hit
         options["split"] = _best_split(lambda k: split_at(k * chunk_tokens, "split"), n // chunk_tokens)
-    choice = min((c for c in CHOICES if c in options), key=lambda c: options[c].ms)  # ties: CHOICES order
+    choice = min((c for c in ("load", "recompute") if c in options), key=lambda c: options[c].ms)
+    if "split" in options and options["split"].ms <= (1 - SPLIT_MARGIN) * options[choice].ms:
+        choice = "split"
     best = options[choice]
-    reasons = _reasons(options, choice, p, model.kv_bytes_per_token(kv_dtype), n, m, chunk_tokens)
+    reasons = _reasons(options, choice, p, per_token, n, m, chunk_tokens)
     return Plan(
         choice=choice,
         split_tokens=best.recompute_tokens if choice != "recompute" else n,
@@ -224,7 +272,7 @@ def plan(
         predicted_ms={c: options[c].ms if c in options else None for c in CHOICES},
         options=options,
         path=p,
-        kv_bytes_per_token=model.kv_bytes_per_token(kv_dtype),
+        kv_bytes_per_token=per_token,
         reasons=tuple(reasons),
     )
 
@@ -233,33 +281,17 @@ def _best_split(at, chunks: int) -> Option:
     """The split with the least predicted time over boundaries k = 1 .. chunks - 1 (``at(k)``: the
     split after k chunks), the smallest k among equals: what trying every boundary would pick.
 
-    Its time is max(rise(k), fall(k)): the recompute side never shrinks as k grows and the load
-    side never grows (float rounding keeps both monotone), so the maximum falls to the crossing
-    and rises after it. Two bisections, O(log chunks) calls of ``at``."""
-
-    def rise(o: Option) -> float:
-        return o.recompute_ms + o.new_ms
-
-    def fall(o: Option) -> float:
-        return o.ms if o.ms > rise(o) else -1.0  # the load side, where it is the larger one
-
-    def first(lo: int, hi: int, pred) -> int:
-        """The least k in [lo, hi) with pred(at(k)) (pred turns True once and stays); hi if none."""
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if pred(at(mid)):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
-
-    cross = first(1, chunks, lambda o: fall(o) < 0)  # the recompute side is the larger from here on
-    best = at(cross) if cross < chunks else None
-    if cross > 1:  # the load side just before the crossing, and the earliest boundary as fast as it
-        before = at(cross - 1)
-        if best is None or before.ms <= best.ms:
-            best = at(first(1, cross - 1, lambda o: o.ms <= before.ms))
-    return best
+    Its time is convex in k (module docstring), so its slope at k, ``at(k + 1) - at(k)``, never
+    falls as k grows: the least k whose next boundary is no faster is the best. One bisection,
+    O(log chunks) calls of ``at``."""
+    lo, hi = 1, chunks - 1  # the answer lies in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if at(mid + 1).ms >= at(mid).ms:
+            hi = mid
+        else:
+            lo = mid + 1
+    return at(lo)
 
 
 def transfer_parts(p: Path, tokens: int, per_token: float) -> tuple[float, float]:
@@ -290,8 +322,10 @@ def _reasons(options: dict[str, Option], choice: str, p: Path, per_token: float,
     if "split" in options:
         o = options["split"]
         out.append(
-            f"split: recompute [0, {o.recompute_tokens}) ({o.recompute_ms:.3f} ms) while loading "
-            f"[{o.recompute_tokens}, {n}) ({o.load_ms:.3f} ms), then {m} new tokens = {o.ms:.3f} ms"
+            f"split: recompute [0, {o.recompute_tokens}) ({o.recompute_ms:.3f} ms) while reading "
+            f"[{o.recompute_tokens}, {n}) from the tier, then its copies ({o.load_ms:.3f} ms with the read) "
+            f"under {m} new tokens = {o.ms:.3f} ms; chosen only when {SPLIT_MARGIN:.0%} faster than "
+            "load and recompute"
         )
     elif n:
         out.append(f"split: none, a hit of {n // chunk} chunk has no chunk boundary inside it")

@@ -44,18 +44,19 @@ def test_split_is_the_best_chunk_boundary_and_its_formula():
     assert p.choice == "split" and p.split_tokens % 256 == 0 and 0 < p.split_tokens < 8192
     c, path = pre(64, 8192), tier_path(G, "disk")
 
-    def at(s):  # the disk read of [s, n), then its copies, layer by layer under the new tokens
+    def at(s):  # [0, s) beside the disk read of [s, n), then its copies layer by layer under the tail
         nbytes = (8192 - s) * KV
         read = nbytes / (path.hops[0].gbps * 1e9) * 1e3 + path.hops[0].latency_us / 1e3
         copy = (
             nbytes / (min(h.gbps for h in path.hops[1:]) * 1e9) * 1e3
             + sum(h.latency_us for h in path.hops[1:]) / 1e3
         )
-        return max(pre(s) + c, read + overlap(copy, c, 32))
+        return max(pre(s), read) + overlap(copy, c, 32)
 
     assert p.predicted_ms["split"] == pytest.approx(at(p.split_tokens))
     assert all(at(s) >= p.predicted_ms["split"] - 1e-9 for s in range(256, 8192, 256))
     assert p.ms == min(v for v in p.predicted_ms.values() if v is not None)
+    assert p.ms <= 0.8 * min(p.predicted_ms["load"], p.predicted_ms["recompute"])  # the split's margin
     # both sides are busy: neither a chunk more nor a chunk less of recompute helps
     assert at(p.split_tokens - 256) > p.ms and at(p.split_tokens + 256) > p.ms
 
@@ -227,7 +228,7 @@ def test_plan_cli_takes_a_calibration(tmp_path):
     assert missing.exit_code == 2 and "calibration" in missing.output
 
 
-def test_forward_floor_bounds_every_forward_and_turns_a_host_split_into_a_load():
+def test_forward_floor_bounds_every_forward_and_a_split_pays_it_twice():
     """Each forward takes at least the floor: the short tail of a load is host-bound, a split pays
     it twice — so on the host, where the copy is short, the split loses to the load."""
     a = plan("llama-3-8b", "h200", "host", 8192, 64)
@@ -236,7 +237,8 @@ def test_forward_floor_bounds_every_forward_and_turns_a_host_split_into_a_load()
     assert b.options["recompute"].ms == pytest.approx(a.options["recompute"].ms)  # long: above the floor
     s = b.options["split"]
     assert s.recompute_ms >= 40.0 and s.ms >= 80.0 and b.options["load"].ms < s.ms
-    assert a.choice == "split" and b.choice == "load"
+    assert "forward floor 40.0" in b.options["load"].bound and "forward floor 40.0" in s.bound
+    assert a.choice == "load" and b.choice == "load"
     for bad in (-1.0, float("inf"), False):
         with pytest.raises(ValueError, match="forward_floor_ms"):
             plan("llama-3-8b", "h200", "host", 8192, 64, forward_floor_ms=bad)

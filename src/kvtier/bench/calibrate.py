@@ -85,9 +85,20 @@ def machine_gpu(device: torch.device, ceilings):
             return apply_ceilings(base, ceilings)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (no GPU)"
     bw, tf = ceilings.get("d2d_copy_gbps"), ceilings.get("bf16_tflops")
-    return GPU("measured", f"{name}, measured here", os.cpu_count() or 1, 0, 0, bw, tf, tf, None,
-               5 if device.type == "cuda" else 4, "measured here (no datasheet entry)",
-               measured=("mem_bw_gbps", "bf16_tflops"))  # fmt: skip
+    return GPU(
+        "measured",
+        f"{name}, measured here",
+        os.cpu_count() or 1,
+        0,
+        0,
+        bw,
+        tf,
+        tf,
+        None,
+        5 if device.type == "cuda" else 4,
+        "measured here (no datasheet entry)",
+        measured=("mem_bw_gbps", "bf16_tflops"),
+    )
 
 
 def machine_ceilings(device: torch.device, quick: bool, ceilings=None):
@@ -120,12 +131,14 @@ def model_spec(model):
 
 # (copy sizes in MiB, decode (batch, context) shapes, prefill lengths) per kind of run
 PLANS = {
-    "gpu": ((1, 4, 16, 64, 256, 1024),
-            ((1, 1024), (1, 8192), (1, 32768), (8, 2048), (8, 8192), (32, 1024), (32, 4096), (64, 2048)),
-            (1024, 2048, 4096, 8192, 16384)),
+    "gpu": (
+        (1, 4, 16, 64, 256, 1024),
+        ((1, 1024), (1, 8192), (1, 32768), (8, 2048), (8, 8192), (32, 1024), (32, 4096), (64, 2048)),
+        (1024, 2048, 4096, 8192, 16384),
+    ),
     "quick": ((1, 4, 16), ((1, 128), (4, 256), (16, 128), (1, 1024)), (64, 128, 256)),
     "cpu": ((1, 4, 16, 64), ((1, 256), (1, 2048), (4, 512), (16, 256), (16, 1024)), (128, 256, 512, 1024)),
-}  # fmt: skip
+}
 
 
 def run(device: str = "auto", quick: bool = False, ceilings=None, reps: int | None = None) -> dict:
@@ -163,18 +176,32 @@ def run(device: str = "auto", quick: bool = False, ceilings=None, reps: int | No
     fits = calibrate(points)
     kv_bytes = spec.kv_bytes_per_token(roofline_dtypes(model)[1])
     doc = {
-        "kvtier_calibration": FORMAT_VERSION, "device": dev.type, "gpu": cei.gpu or gpu.name,
-        "gpu_key": cei.gpu_key, "quick": quick, "measured_at": utc_now().isoformat(timespec="seconds"),
-        "model": {"shape": shape, "dtype": str(dtype).removeprefix("torch."), "layers": spec.layers,
-                  "hidden": spec.hidden, "kv_bytes_per_token": kv_bytes},
-        "ceilings": dict(cei.figures), "ceilings_source": "file" if given else "measured in this run",
-        "gpu_spec": {"name": gpu.name, "mem_bw_gbps": gpu.mem_bw_gbps, "bf16_tflops": gpu.bf16_tflops,
-                     "pcie_gen": gpu.pcie_gen},
+        "kvtier_calibration": FORMAT_VERSION,
+        "device": dev.type,
+        "gpu": cei.gpu or gpu.name,
+        "gpu_key": cei.gpu_key,
+        "quick": quick,
+        "measured_at": utc_now().isoformat(timespec="seconds"),
+        "model": {
+            "shape": shape,
+            "dtype": str(dtype).removeprefix("torch."),
+            "layers": spec.layers,
+            "hidden": spec.hidden,
+            "kv_bytes_per_token": kv_bytes,
+        },
+        "ceilings": dict(cei.figures),
+        "ceilings_source": "file" if given else "measured in this run",
+        "gpu_spec": {
+            "name": gpu.name,
+            "mem_bw_gbps": gpu.mem_bw_gbps,
+            "bf16_tflops": gpu.bf16_tflops,
+            "pcie_gen": gpu.pcie_gen,
+        },
         "fits": {q: asdict(f) for q, f in fits.items()},
         "forward_floor_ms": floor,
         "forward_floor": {"tail_tokens": floor_tail, "cached_tokens": FLOOR_PREFIX},
         "points": [p.to_json() for p in points],
-    }  # fmt: skip
+    }
     doc["effective"] = effective_rates(doc)
     doc["p10"] = p10(points, dev.type)
     return doc

@@ -132,11 +132,17 @@ def why(p: Point, f: Fit, lo: float, hi: float) -> str:
 
 def p10(points: list[Point], device: str) -> dict:
     before = sum(abs(p.error_pct) <= TOLERANCE_PCT for p in points)
-    misses = [{"case": p.case, "calibrated_error_pct": p.calibrated_error_pct, "why": p.why}
-              for p in points if p.why is not None]  # fmt: skip
+    misses = [
+        {"case": p.case, "calibrated_error_pct": p.calibrated_error_pct, "why": p.why}
+        for p in points
+        if p.why is not None
+    ]
     return {
         "target": f"within {TOLERANCE_PCT:g}% after calibration",
-        "points": len(points), "within_before": before, "within_after": len(points) - len(misses),
-        "status": "pass" if not misses else "miss", "misses": misses,
+        "points": len(points),
+        "within_before": before,
+        "within_after": len(points) - len(misses),
+        "status": "pass" if not misses else "miss",
+        "misses": misses,
         "scope": "figures" if device == "cuda" else "CPU dry run of the method, not figures",
-    }  # fmt: skip
+    }

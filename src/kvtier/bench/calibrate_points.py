@@ -22,8 +22,16 @@ def roofline_dtypes(model) -> tuple[str, str]:
 
 
 def _point(q: str, case: str, predicted_ms: float, t, **params) -> Point:
-    return Point(q, case, predicted_ms, t.median_ms, t.min_ms, t.max_ms, t.spread * 100,
-                 params | {"clock": t.clock, "runs": t.count})  # fmt: skip
+    return Point(
+        q,
+        case,
+        predicted_ms,
+        t.median_ms,
+        t.min_ms,
+        t.max_ms,
+        t.spread * 100,
+        params | {"clock": t.clock, "runs": t.count},
+    )
 
 
 def transfer_points(device: torch.device, gpu, ceilings, sizes_mib, timer) -> list[Point]:
@@ -66,8 +74,10 @@ def decode_step_fn(model, batch: int, context: int):
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     dev, dt, group = model.device, model.dtype, heads // kv_heads
     gen = torch.Generator(device=dev).manual_seed(0)
-    kv = [torch.randn((2, batch, kv_heads, context, d), generator=gen, device=dev, dtype=dt)
-          for _ in inner.layers]  # fmt: skip
+    kv = [
+        torch.randn((2, batch, kv_heads, context, d), generator=gen, device=dev, dtype=dt)
+        for _ in inner.layers
+    ]
     ids = torch.randint(0, cfg.vocab_size, (batch,), generator=gen, device=dev)
 
     @torch.no_grad()

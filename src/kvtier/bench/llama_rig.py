@@ -10,8 +10,14 @@ seeded normal(0, 0.02): no download, and greedy decoding is reproducible within 
 
 from __future__ import annotations
 
-TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=1024)  # fmt: skip
+TINY = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+)
 
 
 def llama_config(shape: str = "llama-3-8b", max_positions: int = 32768 + 1024, **override):
@@ -28,9 +34,15 @@ def llama_config(shape: str = "llama-3-8b", max_positions: int = 32768 + 1024, *
         m = get_model(shape)  # raises naming the known presets
         if m.mla or m.moe:
             raise ValueError(f"shape: {shape!r} is not a dense Llama-architecture model")
-        kw = dict(hidden_size=m.hidden, intermediate_size=m.intermediate, num_hidden_layers=m.layers,
-                  num_attention_heads=m.heads, num_key_value_heads=m.kv_heads, vocab_size=m.vocab,
-                  head_dim=m.head_dim)  # fmt: skip
+        kw = dict(
+            hidden_size=m.hidden,
+            intermediate_size=m.intermediate,
+            num_hidden_layers=m.layers,
+            num_attention_heads=m.heads,
+            num_key_value_heads=m.kv_heads,
+            vocab_size=m.vocab,
+            head_dim=m.head_dim,
+        )
     return LlamaConfig(max_position_embeddings=max_positions, **(kw | override))
 
 

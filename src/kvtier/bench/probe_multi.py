@@ -146,16 +146,28 @@ def run_multi(
             return default
 
     for d in ("h2d", "d2h"):
-        r.alone[d] = [guarded(f"{d} gpu{i} alone", lambda i=i, d=d: m.host_device([i], nbytes, d)[0], None)
-                      for i in range(n)]  # fmt: skip
+        r.alone[d] = [
+            guarded(f"{d} gpu{i} alone", lambda i=i, d=d: m.host_device([i], nbytes, d)[0], None)
+            for i in range(n)
+        ]
         if n >= 2:
             r.together[d] = guarded(
                 f"{d} all gpus", lambda d=d: m.host_device(list(range(n)), nbytes, d), [None] * n
             )
-    r.peer_access = [[None if i == j else guarded(f"access {i}->{j}", lambda i=i, j=j: m.access(i, j), None)
-                      for j in range(n)] for i in range(n)]  # fmt: skip
-    r.peer_gbps = [[None if i == j else guarded(f"peer {i}->{j}", lambda i=i, j=j: m.peer(i, j, nbytes), None)
-                    for j in range(n)] for i in range(n)]  # fmt: skip
+    r.peer_access = [
+        [
+            None if i == j else guarded(f"access {i}->{j}", lambda i=i, j=j: m.access(i, j), None)
+            for j in range(n)
+        ]
+        for i in range(n)
+    ]
+    r.peer_gbps = [
+        [
+            None if i == j else guarded(f"peer {i}->{j}", lambda i=i, j=j: m.peer(i, j, nbytes), None)
+            for j in range(n)
+        ]
+        for i in range(n)
+    ]
     if n:
         r.topology, r.numa_nodes, err = topology(n, read)
         if err:
@@ -172,8 +184,12 @@ def cuda_measure(reps: int = 5) -> Measure:
     def count() -> int:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
-    return Measure(count, lambda g, n, d: host_device(g, n, d, reps), lambda i, j, n: peer(i, j, n, reps),
-                   torch.cuda.can_device_access_peer)  # fmt: skip
+    return Measure(
+        count,
+        lambda g, n, d: host_device(g, n, d, reps),
+        lambda i, j, n: peer(i, j, n, reps),
+        torch.cuda.can_device_access_peer,
+    )
 
 
 def host_device(gpus: list[int], nbytes: int, direction: str, reps: int = 5) -> list[float]:

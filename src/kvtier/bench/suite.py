@@ -189,8 +189,12 @@ class Context:
         ceiling_gbps = self.ceiling(ceiling)
         gbps = timing.gbps(nbytes)
         params = {k: _jsonable(v) for k, v in params.items()} | {"traffic_factor": float(traffic_factor)}
-        params["timing"] = {"p10_ms": timing.p10_ms, "p90_ms": timing.p90_ms, "count": timing.count,
-                            "clock": timing.clock}  # fmt: skip
+        params["timing"] = {
+            "p10_ms": timing.p10_ms,
+            "p90_ms": timing.p90_ms,
+            "count": timing.count,
+            "clock": timing.clock,
+        }
         return Row(
             suite=self.suite or "unnamed",
             case=case,

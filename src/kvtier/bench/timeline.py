@@ -176,9 +176,14 @@ def _timeline(device, kv, tokens, path, job, lj, ev, pre, start, end) -> Trace:
     t0 = min(e.time_s() for e in (ev["w0"], ev["s0"], ev["l0"], pre[0]))
     ms = lambda e: (e.time_s() - t0) * 1e3
     params = dict(
-        layers=kv.num_layers, tokens=tokens, block_size=kv.block_size, bytes=job.nbytes, path=path,
-        save_path=job.path, load_path=lj.path,
-    )  # fmt: skip
+        layers=kv.num_layers,
+        tokens=tokens,
+        block_size=kv.block_size,
+        bytes=job.nbytes,
+        path=path,
+        save_path=job.path,
+        load_path=lj.path,
+    )
     tr = Trace(device.name, params)
     add = lambda s, lab, kind, a, b: tr.spans.append(Span(s, lab, kind, a, b)) if b > a else None
     add("compute", "write KV", "compute", ms(ev["w0"]), ms(ev["e_write"]))
@@ -239,15 +244,27 @@ def draw(tr: Trace, out: str) -> None:
     fig, ax = plt.subplots(figsize=(12, 3.6), dpi=110)
     for s in tr.spans:
         hatch = "//" if s.kind == "wait" else None
-        ax.barh(y[s.stream], s.end_ms - s.start_ms, left=s.start_ms, height=0.5, color=COLORS[s.kind],
-                edgecolor="black", linewidth=0.4, hatch=hatch)  # fmt: skip
+        ax.barh(
+            y[s.stream],
+            s.end_ms - s.start_ms,
+            left=s.start_ms,
+            height=0.5,
+            color=COLORS[s.kind],
+            edgecolor="black",
+            linewidth=0.4,
+            hatch=hatch,
+        )
         if s.kind != "wait" and s.end_ms - s.start_ms > end / 40:
             ax.text((s.start_ms + s.end_ms) / 2, y[s.stream], s.label, ha="center", va="center", fontsize=7)
     for m in tr.marks:
         ax.plot([m.t_ms, m.t_ms], [y[m.stream] - 0.32, y[m.stream] + 0.32], color="black", linewidth=1)
     for link, ok in zip(tr.links, tr.facts.get("per_layer", []), strict=False):
-        ax.annotate("", xy=(link["to_ms"], y["compute"] - 0.27), xytext=(link["from_ms"], y["load"] + 0.32),
-                    arrowprops=dict(arrowstyle="->", color="green" if ok else "red", lw=0.8))  # fmt: skip
+        ax.annotate(
+            "",
+            xy=(link["to_ms"], y["compute"] - 0.27),
+            xytext=(link["from_ms"], y["load"] + 0.32),
+            arrowprops=dict(arrowstyle="->", color="green" if ok else "red", lw=0.8),
+        )
     from matplotlib.patches import Patch
 
     legend = [Patch(color=COLORS[k], label=k) for k in ("compute", "copy")]

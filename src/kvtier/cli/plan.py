@@ -81,7 +81,10 @@ def plan_cmd(
     calibration,
     as_json,
 ):
-    """Predict time to first token when the prefix is recomputed, loaded, or split between the two."""
+    """Predict time to first token when the prefix is recomputed, loaded, or split between the two.
+
+    The last line says why, in one line: the choice, then each option's predicted ms and what
+    bounds it (--json: "why", and each option's "bound")."""
     import dataclasses
 
     from kvtier.bench.calibration_file import planner_inputs
@@ -190,3 +193,4 @@ def _print(d: dict) -> None:
         f"predicted TTFT {d['predicted_ms'][d['choice']]:.3f} ms"
         + (f"; GPU figures measured: {', '.join(d['gpu_measured'])}" if d["gpu_measured"] else "")
     )
+    con.print(d["why"], soft_wrap=True, markup=False, highlight=False)  # one line, never wrapped

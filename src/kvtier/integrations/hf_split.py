@@ -135,14 +135,20 @@ def split_cache(kvt: KVTier, model, input_ids: torch.Tensor, split_tokens: int, 
     return cache
 
 
-def plan_request(kvt: KVTier, model, input_ids: torch.Tensor, gpu, ceilings=None, **options):
+def plan_request(
+    kvt: KVTier, model, input_ids: torch.Tensor, gpu, ceilings=None, *, first_use: bool = True, **options
+):
     """`planner.plan` for this request: the model's shape from ``model.config``, the hit's length
     from a lookup, its tier the slowest one holding part of it (the store lists tiers fastest
-    first). gpu: a key or `specs.GPU`; options: `plan`'s (efficiency, link, kv_dtype, ...)."""
+    first). gpu: a key or `specs.GPU`; options: `plan`'s (efficiency, link, kv_dtype, ...).
+    first_use: where options give no efficiency or forward_floor_ms (no calibration), take them
+    from this model's costs on this machine (`hf_costs.model_costs`: measured on first use, then
+    read from a file), so the first plan already knows the fixed cost of a forward."""
     import tempfile
 
     from kvtier.hfconfig import from_hf_config
     from kvtier.planner import plan
+    from kvtier.specs import get_gpu
 
     hit = kvt.store.lookup(_tokens(input_ids)[:-1])
     order = ["host", *(t.name for t in kvt.store.tiers)]
@@ -155,5 +161,11 @@ def plan_request(kvt: KVTier, model, input_ids: torch.Tensor, gpu, ceilings=None
     with tempfile.TemporaryDirectory() as d:  # the config as transformers writes it: one parser
         cfg.to_json_file(f"{d}/config.json")
         spec = from_hf_config(d)
+    if first_use and not {"efficiency", "forward_floor_ms"} <= options.keys():
+        from kvtier.integrations.hf_costs import planner_options
+
+        g = get_gpu(gpu, ceilings) if isinstance(gpu, str) else gpu
+        dtypes = {k: options[k] for k in ("dtype", "kv_dtype") if k in options}
+        options = planner_options(model, spec, g, **dtypes) | options  # given options win
     n_new = len(_tokens(input_ids)) - hit.tokens
     return plan(spec, gpu, tier, hit.tokens, n_new, ceilings, chunk_tokens=kvt.chunk_tokens, **options)

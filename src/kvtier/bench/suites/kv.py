@@ -3,7 +3,7 @@
   gather_d2d  paged GPU <-> contiguous GPU, one kernel for all layers      vs d2d_copy (x2: read + write)
   save_d2h    paged GPU -> pinned host: UVA kernel (full / capped grid), staged gather + DMA  vs d2h_pinned
   load_h2d    pinned host -> paged GPU: UVA kernel, staged DMA + scatter                      vs h2d_pinned
-  shapes      head_dim x dtype at 16-token blocks, every direction (target P7)
+  shapes      head_dim x dtype at 16-token blocks, every direction
 
 Shape: Llama-3-8B KV (32 layers, 8 KV heads, head_dim 128, bf16), vLLM flash layout per layer,
 random block ids from a pool 4x larger than the request. Headline rows: 16-token blocks, 1 GiB;

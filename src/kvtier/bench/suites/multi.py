@@ -88,8 +88,14 @@ def handoff_suite(ctx: Context):
     topo = _topology()
     link, spec = link_spec(topo)
     peer = ctx.ceiling("peer_copy", nbytes=GiB)
-    common = dict(topology=topo, link=link, link_spec_gbps=spec, peer_copy_gbps=peer,
-                  peer_vs_spec=peer / spec, peer_access=torch.cuda.can_device_access_peer(0, 1))  # fmt: skip
+    common = dict(
+        topology=topo,
+        link=link,
+        link_spec_gbps=spec,
+        peer_copy_gbps=peer,
+        peer_vs_spec=peer / spec,
+        peer_access=torch.cuda.can_device_access_peer(0, 1),
+    )
     da, db = CudaDevice(0), CudaDevice(1)
     tokens_list = TOKENS[:1] if ctx.quick else TOKENS
     for tokens in tokens_list:
@@ -113,9 +119,20 @@ def handoff_suite(ctx: Context):
             h.send(src, dst, after=None).wait()
             ok = bits_equal(gather_ref(kb, dst).cpu(), gather_ref(ka, src).cpu())
             h.close()
-            yield ctx.row(f"{tokens // 1024}K tokens {name}", ka.chunk_nbytes(n), t, "peer_copy", correct=ok,
-                          tokens=tokens, blocks=n, piece_bytes=piece, per_layer=per_layer, route=h.route,
-                          layer_group=h.layer_group, **common)  # fmt: skip
+            yield ctx.row(
+                f"{tokens // 1024}K tokens {name}",
+                ka.chunk_nbytes(n),
+                t,
+                "peer_copy",
+                correct=ok,
+                tokens=tokens,
+                blocks=n,
+                piece_bytes=piece,
+                per_layer=per_layer,
+                route=h.route,
+                layer_group=h.layer_group,
+                **common,
+            )
         del ka, kb
         for i in (0, 1):
             with torch.cuda.device(i):
@@ -138,6 +155,15 @@ def contention_suite(ctx: Context):
         together = host_device(list(range(n)), size, d, reps)
         for i in range(n):
             t = summarize([reps * size / (together[i] * 1e9) * 1e3], "cuda_events")
-            yield ctx.row(f"{d} gpu{i} all at once", reps * size, t, ceiling, gpus=n, alone_gbps=alone[i],
-                          together_gbps=together[i], vs_alone=together[i] / alone[i],
-                          total_together_gbps=sum(together), total_alone_gbps=sum(alone))  # fmt: skip
+            yield ctx.row(
+                f"{d} gpu{i} all at once",
+                reps * size,
+                t,
+                ceiling,
+                gpus=n,
+                alone_gbps=alone[i],
+                together_gbps=together[i],
+                vs_alone=together[i] / alone[i],
+                total_together_gbps=sum(together),
+                total_alone_gbps=sum(alone),
+            )

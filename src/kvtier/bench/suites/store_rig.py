@@ -31,8 +31,17 @@ class Rig:
     load into (`dst`); an engine and a pool with room for the whole request plus the host tier's
     headroom. Everything is closed by `stack`."""
 
-    def __init__(self, ctx: Context, stack: ExitStack, *, layers: int, tokens: int, heads: int, head_dim: int,
-                 seed: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ctx: Context,
+        stack: ExitStack,
+        *,
+        layers: int,
+        tokens: int,
+        heads: int,
+        head_dim: int,
+        seed: int,
+    ) -> None:
         from kvtier.device import CudaDevice, SimDevice
         from kvtier.engine import EngineConfig, TransferEngine
         from kvtier.pool import PinnedPool
@@ -42,8 +51,9 @@ class Rig:
         stack.callback(self.dev.close)
         nb = tokens // BLOCK_SIZE
         dtype = torch.bfloat16
-        self.kv = random_cache("vllm_flash", layers, 2 * nb + 16, BLOCK_SIZE, heads, head_dim, dtype,
-                               ctx.device, seed=seed)  # fmt: skip
+        self.kv = random_cache(
+            "vllm_flash", layers, 2 * nb + 16, BLOCK_SIZE, heads, head_dim, dtype, ctx.device, seed=seed
+        )
         if ctx.on_gpu:  # the engine's streams do not know of the kernels that filled the cache
             torch.cuda.synchronize(ctx.device)
         g = torch.Generator().manual_seed(seed)
@@ -67,9 +77,16 @@ class Rig:
 
     def params(self) -> dict:
         dev = "CudaDevice" if self.ctx.on_gpu else "SimDevice (copy delay 0; 'GPU' memory is host RAM)"
-        return self.shape | dict(block_size=BLOCK_SIZE, chunk_tokens=CHUNK_TOKENS, tokens=len(self.tokens),
-                                 chunks=self.chunks, chunk_bytes=self.span, device=dev, engine_path="auto",
-                                 write_policy="write_through")  # fmt: skip
+        return self.shape | dict(
+            block_size=BLOCK_SIZE,
+            chunk_tokens=CHUNK_TOKENS,
+            tokens=len(self.tokens),
+            chunks=self.chunks,
+            chunk_bytes=self.span,
+            device=dev,
+            engine_path="auto",
+            write_policy="write_through",
+        )
 
     def check_load(self, st, tier: str) -> tuple[bool, str]:
         """Poison the destination blocks, load the request, compare every byte with the source
@@ -127,8 +144,13 @@ def path_model(ctx: Context, tier: str, direction: str, nbytes: int) -> tuple[st
         for h in p.hops
     )
     ceiling = min(measured, key=measured.get)
-    model = dict(path_hops=text, path_bottleneck=p.bottleneck.name, path_bottleneck_gbps=p.bottleneck.gbps,
-                 path_predicted_ms=ms, path_predicted_gbps=nbytes / ms / 1e6)  # fmt: skip
+    model = dict(
+        path_hops=text,
+        path_bottleneck=p.bottleneck.name,
+        path_bottleneck_gbps=p.bottleneck.gbps,
+        path_predicted_ms=ms,
+        path_predicted_gbps=nbytes / ms / 1e6,
+    )
     return ceiling, model
 
 

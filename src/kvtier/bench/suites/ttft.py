@@ -12,9 +12,9 @@ without --quick: 512, 1024). Per n and tier, after one cold request saved the pr
   choice     `plan_request` (timed too), then the option it chose
 
 plus the lean rows (`ttft_lean.py`: kvtier's own first-token forward — recompute once per n, load
-and split per tier — like against like without transformers' per-forward host cost), and, for the P8 check
-of the host load row, the floor: the same generate over a DynamicCache that
-already holds the prefix (no transfer; params forward_floor_ms, p8_bound = recompute / floor).
+and split per tier — like against like without transformers' per-forward host cost), and, beside
+the host load row, the floor: the same generate over a DynamicCache that already holds the prefix
+(no transfer; params forward_floor_ms, floor_bound_speedup = recompute / floor).
 
 Tiers: host (the pinned pool); disk (`DiskTier` in a temp dir under $KVTIER_BENCH_DIR, O_DIRECT
 where the filesystem allows, else its files dropped from the page cache before each run); remote
@@ -27,11 +27,15 @@ of generate (a streamer; torch.cuda.synchronize first); one warm-up and 3 timed 
 median. Rows: bytes = KV bytes of the prefix; ceiling h2d_pinned (GPU) or host_memcpy (CPU),
 disk_read for disk rows (gbps = prefix KV bytes / TTFT). Params: predicted_ms (the planner with
 this run's ceilings: device copy, bf16 matmul, pinned H2D, disk read, throttle rate as the remote's
-GET hop), error_pct = predicted / measured - 1, the plan's choice and split. `correct`: every run's
-tokens equal the recompute run's and every loaded chunk came from the tier. P8 (host load >= 8x
-faster than recompute, n >= 8K) and P9 (split <= 0.9 x min(load, recompute) where those are within
-3x) are params p8 / p9 = pass | miss | n/a with a why. $KVTIER_CALIBRATION=FILE (from `kvtier
-calibrate --save`) gives the planner the fitted prefill TFLOP/s and H2D GB/s.
+GET hop), error_pct = predicted / measured - 1, calibrated (whether a calibration file fed the
+planner) and planner_costs (where its per-model costs came from), the plan's choice and split, and
+plan_why (the plan's one line). `correct`: every run's tokens equal the recompute run's and every
+loaded chunk came from the tier. Figures derived across a prefix's rows (`ttft_checks.derived`):
+speedup_vs_recompute on load rows (with the floor's bound on the host), split_vs_best and
+load_vs_recompute on split rows, best_measured and regret_pct on choice rows.
+$KVTIER_CALIBRATION=FILE (from `kvtier calibrate --save`) gives the planner the fitted prefill
+TFLOP/s, fixed cost of a forward, forward floor and H2D GB/s; without one, `plan_request` measures
+the model's forward floor and prefill rate on first use (`integrations.hf_costs`).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import torch
 from kvtier.bench.profile import stage
 from kvtier.bench.stats import summarize
 from kvtier.bench.suite import Context, register
-from kvtier.bench.suites.ttft_rig import Rig, checks, first_token
+from kvtier.bench.suites.ttft_rig import Rig, derived, first_token
 
 MODES = ("load", "split", "choice")
 
@@ -147,21 +151,29 @@ def _tier_rows(rig: Rig, kvt, tier: str, n: int):
             continue
         pred = plan.ms if mode == "choice" else plan.options[mode].ms
         s = plan.options["split"].recompute_tokens if mode == "split" else 0
-        t, outs, infos = _runs(rig, case, lambda ids, m=mode, s=s: _request(rig, kvt, ids, m, s), ids,
-                               before=rig.cold_host(kvt, tier))  # fmt: skip
+        t, outs, infos = _runs(
+            rig,
+            case,
+            lambda ids, m=mode, s=s: _request(rig, kvt, ids, m, s),
+            ids,
+            before=rig.cold_host(kvt, tier),
+        )
         measured[mode] = t.median_ms
         tokens_ok, ref = all(torch.equal(o, rig.reference[n]) for o in outs), rig.reference_logits[n]
         source_ok = all(list(i["tiers"]) == _expected(i, mode, tier, n, rig.chunk) for i in infos)
         p = rig.params(n, tier, mode, pred, t.median_ms) | {
-            "path": f"{mode} from {tier}", "plan_choice": plan.choice, "plan_split_tokens": plan.split_tokens,
+            "path": f"{mode} from {tier}",
+            "plan_choice": plan.choice,
+            "plan_split_tokens": plan.split_tokens,
             "split_tokens": infos[-1].get("split_tokens", s) if mode != "load" else 0,
-            "tokens_identical": tokens_ok, "source_ok": source_ok,
+            "tokens_identical": tokens_ok,
+            "source_ok": source_ok,
             "logits_max_abs_diff": max(float((i["logits"] - ref).abs().max()) for i in infos),
             "chunks_by_source": ",".join(sorted({x for i in infos for x in i["tiers"]})) or "-",
-        }  # fmt: skip
+        }
         ceiling = "disk_read" if tier == "disk" else rig.link
         rows[mode] = rig.ctx.row(case, rig.kv_bytes(n), t, ceiling, correct=tokens_ok and source_ok, **p)
-    checks(rig, n, tier, rows, measured)
+    derived(tier, rows, measured)
     yield from rows.values()
     from kvtier.bench.suites.ttft_lean import lean_rows
 
@@ -194,28 +206,41 @@ def _expected(info: dict, mode: str, tier: str, n: int, chunk: int) -> list[str]
 
 
 def markdown(doc: dict) -> str:
-    """The ttft rows of a result file as a table: measured vs predicted TTFT and the checks.
+    """The ttft rows of a result file as a table: measured vs predicted TTFT, whether a calibration
+    fed the prediction, and the figures derived across a prefix's rows.
 
     python -c "import sys; from kvtier.bench import result; from kvtier.bench.suites.ttft import markdown;
     print(markdown(result.load(sys.argv[1])))" kvtier-results/<file>.json"""
     lines = [
-        "| case | TTFT ms | predicted ms | error | s (recomputed) | plan | P8 / P9 / regret | correct |",
-        "|" + " --- |" * 8,
+        "| case | TTFT ms | predicted ms | error | calibrated | s (recomputed) | plan | vs others "
+        "| correct |",
+        "|" + " --- |" * 9,
     ]
     for r in (r for r in doc["rows"] if r["suite"] == "ttft"):
         p = r["params"]
-        check = (
-            p.get("p8")
-            or p.get("p8_lean")
-            or p.get("p9")
-            or p.get("p9_lean")
-            or (f"regret {p['regret_pct']:+.0f}%" if "regret_pct" in p else "")
-        )
         plan = f"{p['plan_choice']} (s={p['plan_split_tokens']})" if "plan_choice" in p else "-"
         ms = f"{r['median_ms']:,.1f} | {p['predicted_ms']:,.1f} | {p['error_pct']:+.0f}%"
         s = p.get("split_tokens", p["prefix_tokens"])
-        lines.append(f"| {r['case']} | {ms} | {s} | {plan} | {check} | {r['correct']} |")
-    keys = ("p8_why", "p8_lean_why", "p9_why", "p9_lean_why")
-    whys = [f"- {r['case']}: {next(r['params'][k] for k in keys if k in r['params'])}" for r in doc["rows"]
-            if r["suite"] == "ttft" and any(k in r["params"] for k in keys)]  # fmt: skip
+        cal = p.get("calibrated", "-")
+        lines.append(f"| {r['case']} | {ms} | {cal} | {s} | {plan} | {compared(p)} | {r['correct']} |")
+    keys = ("load_why", "split_why")
+    whys = [
+        f"- {r['case']}: {r['params'][k]}"
+        for r in doc["rows"]
+        if r["suite"] == "ttft"
+        for k in keys
+        if k in r["params"]
+    ]
     return "\n".join(lines + [""] + whys)
+
+
+def compared(p: dict) -> str:
+    """A row's figure against the prefix's other rows: speedup, split vs the best, or regret."""
+    out = []
+    if "speedup_vs_recompute" in p:
+        out.append(f"{p['speedup_vs_recompute']:.1f}x recompute")
+    if "split_vs_best" in p:
+        out.append(f"{p['split_vs_best']:.2f}x min(load, recompute)")
+    if "regret_pct" in p:
+        out.append(f"regret {p['regret_pct']:+.0f}% ({p['best_measured']} fastest)")
+    return "; ".join(out)

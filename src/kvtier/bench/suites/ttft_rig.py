@@ -1,6 +1,6 @@
 """What the `ttft` suite measures on: the model, the prompts, one `KVTier` per tier, the planner's
-inputs (this run's ceilings, an optional calibration), and the P8 / P9 checks of its rows (those,
-with the first-token helpers, live in `ttft_checks` and are re-exported here).
+inputs (this run's ceilings, an optional calibration), and the figures its rows derive from each
+other (those, with the first-token helpers, live in `ttft_checks` and are re-exported here).
 
 Not a suite (it registers nothing); `ttft.py` is.
 """
@@ -18,14 +18,12 @@ import torch
 from kvtier.bench import calibrate
 from kvtier.bench.calibration_file import planner_inputs
 from kvtier.bench.suite import Context
-from kvtier.bench.suites.ttft_checks import (  # noqa: F401 - checks, P8_/P9_ limits: re-exported
+from kvtier.bench.suites.ttft_checks import (  # noqa: F401 - derived, regret: re-exported
     MARGIN,
-    P8_SPEEDUP,
-    P9_FACTOR,
-    P9_WITHIN,
-    checks,
+    derived,
     first_token,
     margin,
+    regret,
     tiers_asked,
 )
 
@@ -56,11 +54,26 @@ class Rig:
         self.remote_gbps = float(os.environ.get("KVTIER_TTFT_REMOTE_GBPS") or (2.0 if self.on_gpu else 0.05))
         figures = self._figures()
         efficiency, overhead, floor, self.calibration = self._calibration(figures)
+        self.calibrated = self.calibration not in ("none",) and not self.calibration.startswith(
+            ("not used", "unreadable")
+        )
         name = torch.cuda.get_device_name(ctx.device) if self.on_gpu else None
         self.ceilings = Ceilings(figures, gpu=name, source="kvtier bench ttft (this run)")
         self.gpu = calibrate.machine_gpu(ctx.device, self.ceilings)
-        self.plan_opts = dict(efficiency=efficiency, dtype=wdt, kv_dtype=self.kv_dtype,
-                              prefill_overhead_ms=overhead, forward_floor_ms=floor)  # fmt: skip
+        self.planner_costs = f"calibration {self.calibration}"
+        if not self.calibrated:  # what a user's first plan_request uses: measured on first use, cached
+            from kvtier.integrations.hf_costs import cache_path, planner_options
+
+            got = planner_options(self.model, self.spec, self.gpu, wdt, self.kv_dtype)
+            efficiency, floor = got["efficiency"], got["forward_floor_ms"]
+            self.planner_costs = f"measured on first use ({cache_path(self.model)})"
+        self.plan_opts = dict(
+            efficiency=efficiency,
+            dtype=wdt,
+            kv_dtype=self.kv_dtype,
+            prefill_overhead_ms=overhead,
+            forward_floor_ms=floor,
+        )
         self.disk_io = None
         self.recompute: dict[int, tuple] = {}  # n -> (Timing, outputs, infos)
         self.lean_ms: dict[int, dict[str, float]] = {}  # n -> lean row -> median ms (ttft_lean)
@@ -78,13 +91,21 @@ class Rig:
         ctx, link = self.ctx, self.ctx.ceiling(self.link)
         if self.on_gpu:
             timer = Timer(ctx.device, min_reps=3, budget_s=0.5)
-            f = {"h2d_pinned_gbps": link, "d2h_pinned_gbps": ctx.ceiling("d2h_pinned"),
-                 "d2d_copy_gbps": ctx.ceiling("d2d_copy"),
-                 "bf16_tflops": probes.bf16_tflops(timer, 4096 if ctx.quick else 8192)}  # fmt: skip
+            f = {
+                "h2d_pinned_gbps": link,
+                "d2h_pinned_gbps": ctx.ceiling("d2h_pinned"),
+                "d2d_copy_gbps": ctx.ceiling("d2d_copy"),
+                "bf16_tflops": probes.bf16_tflops(timer, 4096 if ctx.quick else 8192),
+            }
         else:
             tf = calibrate.cpu_matmul_tflops(ctx.host_timer, 256 if ctx.quick else 512)
-            f = {"host_memcpy_gbps": link, "h2d_pinned_gbps": link, "d2h_pinned_gbps": link,
-                 "d2d_copy_gbps": 2 * link, "bf16_tflops": tf}  # fmt: skip
+            f = {
+                "host_memcpy_gbps": link,
+                "h2d_pinned_gbps": link,
+                "d2h_pinned_gbps": link,
+                "d2d_copy_gbps": 2 * link,
+                "bf16_tflops": tf,
+            }
         f["disk_read_gbps"] = ctx.ceiling("disk_read", root=self.workdir)
         f["redis_loopback_get_gbps"] = self.remote_gbps  # the planner's remote GET hop: the throttle
         return f
@@ -140,8 +161,9 @@ class Rig:
     def plan(self, n: int):
         from kvtier.planner import plan
 
-        return plan(self.spec, self.gpu, "host", n, self.new, self.ceilings, chunk_tokens=self.chunk,
-                    **self.plan_opts)  # fmt: skip
+        return plan(
+            self.spec, self.gpu, "host", n, self.new, self.ceilings, chunk_tokens=self.chunk, **self.plan_opts
+        )
 
     def kvtier(self, tier: str, stack: ExitStack):
         """A KVTier whose only lower tier is `tier` (None, with the cases skipped, if it cannot be)."""
@@ -173,9 +195,17 @@ class Rig:
             stack.callback(device.close)
         blocks = -(-(max(self.prefixes) + self.new + self.new_out) // self.block) + 8
         pool = int(1.25 * self.kv_bytes(max(self.prefixes))) + 8 * self.kv_bytes(self.chunk)
-        kvt = KVTier.for_model(self.model, device=device, num_blocks=blocks, block_size=self.block,
-                               pool_bytes=pool, tiers=tiers, model_id=f"kvtier-bench-ttft/{self.shape}",
-                               chunk_tokens=self.chunk, salt=os.urandom(8))  # fmt: skip
+        kvt = KVTier.for_model(
+            self.model,
+            device=device,
+            num_blocks=blocks,
+            block_size=self.block,
+            pool_bytes=pool,
+            tiers=tiers,
+            model_id=f"kvtier-bench-ttft/{self.shape}",
+            chunk_tokens=self.chunk,
+            salt=os.urandom(8),
+        )
         stack.callback(kvt.close)
         return kvt
 
@@ -228,13 +258,30 @@ class Rig:
         return before
 
     def params(self, n: int, tier: str, mode: str, predicted: float, measured: float) -> dict:
-        p = dict(model=self.shape, dtype=str(self.model.dtype).removeprefix("torch."), prefix_tokens=n,
-                 new_tokens=self.new, chunk_tokens=self.chunk, block_size=self.block, tier=tier, mode=mode,
-                 predicted_ms=predicted, measured_ms=measured, error_pct=(predicted / measured - 1) * 100,
-                 planner_efficiency=self.plan_opts["efficiency"], calibration=self.calibration,
-                 device="CudaDevice" if self.on_gpu else "SimDevice (CPU; copies are memcpys)",
-                 runs=self.reps, warmup_runs=self.warmup, generated_tokens=self.new_out,
-                 first_token_margin_std=self.margins[n][0], prompts_drawn=self.margins[n][1])  # fmt: skip
+        p = dict(
+            model=self.shape,
+            dtype=str(self.model.dtype).removeprefix("torch."),
+            prefix_tokens=n,
+            new_tokens=self.new,
+            chunk_tokens=self.chunk,
+            block_size=self.block,
+            tier=tier,
+            mode=mode,
+            predicted_ms=predicted,
+            measured_ms=measured,
+            error_pct=(predicted / measured - 1) * 100,
+            planner_efficiency=self.plan_opts["efficiency"],
+            planner_forward_floor_ms=self.plan_opts["forward_floor_ms"],
+            calibration=self.calibration,
+            calibrated=self.calibrated,
+            planner_costs=self.planner_costs,
+            device="CudaDevice" if self.on_gpu else "SimDevice (CPU; copies are memcpys)",
+            runs=self.reps,
+            warmup_runs=self.warmup,
+            generated_tokens=self.new_out,
+            first_token_margin_std=self.margins[n][0],
+            prompts_drawn=self.margins[n][1],
+        )
         if tier == "remote":
             p["remote_gbps"] = self.remote_gbps
         if tier == "disk":

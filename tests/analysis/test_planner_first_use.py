@@ -1,0 +1,79 @@
+"""`plan_request` without a calibration: the model's forward floor and prefill rate are measured on
+first use, said once on stderr, kept per machine and model, and read back after (CPU, tiny model)."""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from kvtier.bench.llama_rig import build_llama  # noqa: E402
+from kvtier.ceilings import Ceilings  # noqa: E402
+from kvtier.device import SimDevice  # noqa: E402
+from kvtier.integrations import hf_costs  # noqa: E402
+from kvtier.integrations.hf import KVTier  # noqa: E402
+from kvtier.integrations.hf_split import plan_request  # noqa: E402
+from kvtier.specs import GPU  # noqa: E402
+
+CPU = GPU(
+    "measured", "CPU", 2, 0, 0, 20.0, 0.2, 0.2, None, 4, "test", measured=("mem_bw_gbps", "bf16_tflops")
+)
+FIGURES = Ceilings(figures={"h2d_pinned_gbps": 10.0})
+
+
+@pytest.fixture
+def kvt_model(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
+    model = build_llama("tiny", "cpu", torch.float32, attn_implementation="sdpa")
+    dev = SimDevice()
+    kvt = KVTier.for_model(model, device=dev, num_blocks=64, block_size=16, model_id="t", chunk_tokens=64)
+    yield kvt, model, tmp_path / "cache"
+    kvt.close()
+    dev.close()
+
+
+def test_first_use_measures_once_says_so_and_plans_with_it(kvt_model, capsys):
+    kvt, model, cache = kvt_model
+    ids = torch.randint(1, 1000, (1, 300))
+    p = plan_request(kvt, model, ids, CPU, FIGURES)
+    err = capsys.readouterr().err
+    assert "on first use" in err and "forward floor" in err
+    files = list(cache.glob("model-costs-*.json"))
+    assert len(files) == 1 and files[0] == hf_costs.cache_path(model)
+    doc = json.loads(files[0].read_text())
+    assert (
+        doc["forward_floor_ms"] > 0
+        and doc["prefill_ms"] > 0
+        and doc["machine"]["shape"]["hidden_size"] == 128
+    )
+    assert p.options["recompute"].ms >= doc["forward_floor_ms"]  # every forward: at least the floor
+    again = plan_request(kvt, model, ids, CPU, FIGURES)
+    assert capsys.readouterr().err == ""  # said once: read back from the file now
+    assert again.predicted_ms == p.predicted_ms
+
+
+def test_given_options_win_and_first_use_can_be_off(kvt_model, capsys):
+    kvt, model, cache = kvt_model
+    ids = torch.randint(1, 1000, (1, 300))
+    p = plan_request(kvt, model, ids, CPU, FIGURES, efficiency=1.0, forward_floor_ms=0.0)
+    assert not cache.exists() and capsys.readouterr().err == ""
+    q = plan_request(kvt, model, ids, CPU, FIGURES, first_use=False)
+    assert not cache.exists() and q.predicted_ms == p.predicted_ms
+
+
+def test_a_stale_or_broken_file_is_measured_again(kvt_model, capsys):
+    kvt, model, cache = kvt_model
+    path = hf_costs.cache_path(model)
+    path.parent.mkdir(parents=True)
+    path.write_text("{")
+    got = hf_costs.model_costs(model)
+    assert "on first use" in capsys.readouterr().err and json.loads(path.read_text()) == got
+    opts = hf_costs.planner_options(model, hf_costs_spec(model), CPU, costs=got)
+    assert 0 < opts["efficiency"] <= 1 and opts["forward_floor_ms"] == got["forward_floor_ms"]
+
+
+def hf_costs_spec(model):
+    from kvtier.bench.calibrate import model_spec
+
+    return model_spec(model)
