@@ -4,6 +4,19 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 TRITON  ?= triton==3.6.0
+VLLM    ?= vllm==0.33.0
+SGLANG  ?= sglang==0.5.23
+# What the modules of vLLM and SGLang that kvtier's integrations and their tests import need, pinned.
+# Both engines and these are installed with --no-deps: their own requirements would replace the CPU
+# torch above with a CUDA build of several GB.
+ENGINE_DEPS := aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 apache-tvm-ffi==0.1.11 \
+	attrs==26.1.0 cachetools==8.0.2 cbor2==6.3.0 certifi==2026.10.19.post1 cloudpickle==3.1.3 \
+	compressed-tensors==0.18.0 dill==0.4.1 einops==0.8.2 fastapi==0.165.0 frozenlist==1.8.0 \
+	gguf==0.19.0 ipython==9.18.1 llguidance==1.9.1 loguru==0.7.3 msgspec==0.23.0 multidict==7.2.1 \
+	openai==3.57.0 openai-harmony==0.0.8 opentelemetry-api==1.45.2 orjson==3.13.0 \
+	partial-json-parser==0.2.1.1.post7 propcache==0.5.4 psutil==7.2.2 py-cpuinfo==9.0.0 \
+	pybase64==1.5.1 pyzmq==27.3.0 requests==2.34.2 sentencepiece==0.2.1 sniffio==1.3.1 \
+	starlette==1.10.0 traitlets==5.16.1 urllib3==2.8.0 uvloop==0.23.0 xgrammar==0.2.9 yarl==1.25.1
 STAMP   := $(VENV)/.installed
 FAST    := $(VENV)/.fast-built
 
@@ -18,6 +31,8 @@ $(STAMP): pyproject.toml setup.py Makefile
 	# on the CPU through its interpreter (TRITON_INTERPRET=1).
 	$(BIN)/pip install -q "$(TORCH)" "$(TRITON)"
 	$(BIN)/pip install -q -e ".[gpu,dev,hf]"
+	# kvtier.integrations.vllm / .sglang are tested against the real engines (their Python parts).
+	$(BIN)/pip install -q --no-deps "$(VLLM)" "$(SGLANG)" $(ENGINE_DEPS)
 	touch $(STAMP)
 
 # The submit path's optional C helpers (src/kvtier/engine/fastpath/_fast.c, see engine/fastpath/fast.py, and
