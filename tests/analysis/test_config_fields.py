@@ -76,7 +76,8 @@ def test_params_in_closed_form_equal_the_sum_over_layers():
     m = ModelSpec(
         "x", "x", 64, 5, 4, 2, 16, 128, 100, moe=MoE(8, 2, 32, shared_experts=1, first_dense_layers=2)
     )
-    attn = m._attn_params() + 2 * m.hidden
+    q, kv = 4 * 16, 2 * 16  # heads and kv heads of head_dim 16
+    attn = 64 * (q + 2 * kv) + q * 64 + 2 * 64  # q, k, v and o projections; two norms
     dense, moe = 3 * 64 * 128, (8 + 1) * 3 * 64 * 32 + 64 * 8
     assert m.params() == 5 * attn + 2 * dense + 3 * moe + 100 * 64 * 2 + 64
 

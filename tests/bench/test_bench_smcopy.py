@@ -20,5 +20,5 @@ def test_copy_kernel_is_bit_exact(n):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     src = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, device=dev)
     dst = torch.zeros(n + 5, dtype=torch.int32, device=dev)  # the tail past n must stay untouched
-    smcopy._copy_kernel[(triton.cdiv(n, smcopy.BLOCK),)](src, dst, n, BLOCK=smcopy.BLOCK)
+    smcopy.copy_kernel[(triton.cdiv(n, smcopy.BLOCK),)](src, dst, n, BLOCK=smcopy.BLOCK)
     assert torch.equal(dst[:n], src) and not dst[n:].any()

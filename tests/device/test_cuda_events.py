@@ -24,6 +24,7 @@ class FakeRuntime:
         self.calls: list[tuple] = []
         self.fail: dict[str, int] = {}
         self.queries = 0
+        self.during_query = None  # run once inside the next query, after its answer is known
 
     def _rc(self, name, rc=0):
         rc = self.fail.get(name, rc)
@@ -48,7 +49,11 @@ class FakeRuntime:
             if h not in self.recorded:
                 return self._rc("query")
             stream, at = self.recorded[h]
-            return self._rc("query", 0 if self.done.get(stream, 0) >= at else NOT_READY)
+            rc = self._rc("query", 0 if self.done.get(stream, 0) >= at else NOT_READY)
+            if self.during_query is not None:
+                hook, self.during_query = self.during_query, None
+                hook()
+            return rc
 
         def wait(stream, h, flags):
             self.calls.append(("wait", stream, h, self.device))
@@ -76,16 +81,21 @@ class FakeRuntime:
 
 class FakeStream:
     def __init__(self, dev, handle):
-        self._dev, self.handle = dev, handle
+        self.dev, self.handle = dev, handle
+        self._dev = dev  # CudaEvent reads CudaStream's `_dev` (the default stream's device)
 
 
 class FakeDevice:
+    """What CudaEvent and CudaStream read of their device (CudaDevice's `_api`, `_handles`,
+    `_event_cls`, `_own`, `index`), over the fake runtime; `handles` for the tests to read."""
+
     def __init__(self, rt: FakeRuntime, index: int = 1):
         self._api, self.index = rt.api(), index
-        self._handles = EventHandles(self._api, index)
+        self.handles = self._handles = EventHandles(self._api, index)
+        self._event_cls = CudaEvent
 
     def _own(self, stream, name):
-        if not isinstance(stream, FakeStream) or stream._dev is not self:
+        if not isinstance(stream, FakeStream) or stream.dev is not self:
             raise ValueError(f"{name} must be a stream of this CudaDevice, got {stream!r}")
         return stream
 
@@ -144,17 +154,13 @@ def test_a_record_racing_a_query_is_not_taken_as_complete(rt):
     """Another thread records the event while a query of the old record is in the runtime: the
     old record's "complete" must not mark the new one complete."""
     dev, s, ev = recorded(rt)
-    rt.done[0x7] = 1
-    plain = dev._api.query
+    rt.done[0x7] = 1  # the old record: complete
 
-    def racing(h):
-        rc = plain(h)  # the old record: complete
+    def racing():
         rt.work[0x7] = 2
-        dev._api.query = plain
         ev.record(s)  # meanwhile, a new record of pending work
-        return rc
 
-    dev._api.query = racing
+    rt.during_query = racing
     assert ev.query()  # true of the record it asked about
     assert not ev.known_complete and not ev.query()  # the new record is asked about: pending
 
@@ -186,13 +192,13 @@ def test_handles_are_reused_once_their_event_dies(rt):
     ha = a2.handle
     del a2
     b = CudaEvent(dev, "b")
-    assert b.handle == ha and dev._handles.created == 1  # reused, not created again
+    assert b.handle == ha and dev.handles.created == 1  # reused, not created again
     assert b.query() and b.synchronize()  # unrecorded by b: complete, whatever the old record is
     n = len(rt.calls)
     b.wait_on(FakeStream(dev, 0x9))
     assert len(rt.calls) == n  # and nothing to wait for
     c = CudaEvent(dev, "c")
-    assert c.handle != b.handle and dev._handles.created == 2  # a live event's handle is never shared
+    assert c.handle != b.handle and dev.handles.created == 2  # a live event's handle is never shared
 
 
 def test_creation_and_the_default_stream_run_on_the_events_device(rt):
@@ -299,7 +305,6 @@ def test_a_cuda_stream_waits_for_a_recorded_event_only(rt):
     from kvtier.device.cuda import CudaStream
 
     dev = FakeDevice(rt)
-    dev._event_cls = CudaEvent
     stream = CudaStream(dev, SimpleNamespace(cuda_stream=0x9, device_index=1), "s")
     ev = CudaEvent(dev, "e")
     n = len(rt.calls)

@@ -264,7 +264,7 @@ def test_sim_close_releases_a_blocked_stream():
     t0 = time.monotonic()
     d.close()  # must not hang: the worker blocked in wait_event is released
     assert time.monotonic() - t0 < 2.0
-    assert not b._thread.is_alive()
+    assert not b.worker_alive
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the error raised without a GPU")
@@ -307,6 +307,6 @@ def test_raw_events_reuse_handles_and_leave_torch_no_error():
         assert ev.query() and y.sum().item() == 8
         for _ in range(100):  # a job's events die after it: their handles come back
             s.record().synchronize()
-        assert d._handles.created <= 4
+        assert d.events_created <= 4
     finally:
         d.close()

@@ -45,7 +45,7 @@ def test_close_cancels_queued_work_and_joins_the_workers():
     ev = s.record("tail")
     t0 = time.monotonic()
     d.close()
-    assert time.monotonic() - t0 < 2.0 and not s._thread.is_alive()
+    assert time.monotonic() - t0 < 2.0 and not s.worker_alive
     assert ran == []  # not started before close: cancelled
     assert not ev.query() and not ev.synchronize(timeout=0.1)  # cancelled work never completes
     d.synchronize()  # closed: nothing can run any more, so nothing to wait for

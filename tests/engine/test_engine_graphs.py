@@ -161,7 +161,7 @@ def test_id_check_duplicates_match_unique():
         ids[n - 1] = ids[0]
         assert check.has_duplicates(ids)
         assert check.has_duplicates(ids, int(ids.max()))  # the largest id given, as check() does
-    assert not check._seen.any()  # the scratch is clear between calls
+    assert check.scratch_clear  # the scratch is clear between calls
 
 
 def test_id_check_errors():

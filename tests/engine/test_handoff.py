@@ -56,9 +56,9 @@ def test_pieces_pipeline(devs, pieces, num_tokens, group):
     src, dst = [9, 0, 3, 3, 7, 1, 5], [2, 8, 6, 0, 4, 9, 1]
     h = Handoff(ka, kb, src_device=a, dst_device=b, sanitize=True, piece_bytes=pieces * ka.block_nbytes,
                 layer_group=group)  # fmt: skip
-    assert len(h._pieces(len(src), num_tokens)) == -(-len(src) // pieces)
-    assert {h.send_stream, h.copy_stream} <= set(a._streams) and {h.recv_stream, h.land_stream} <= set(
-        b._streams
+    assert len(h.pieces(len(src), num_tokens)) == -(-len(src) // pieces)
+    assert {h.send_stream, h.copy_stream} <= set(a.streams()) and {h.recv_stream, h.land_stream} <= set(
+        b.streams()
     )
     job = h.send(src, dst, after=None, num_tokens=num_tokens)
     for layer, ev in enumerate(job.layer_events):
@@ -169,7 +169,7 @@ def test_arguments(devs):
     h.close()
 
 
-def test_a_failed_send_lets_what_it_enqueued_land_before_it_raises(devs):
+def test_a_failed_send_lets_what_it_enqueued_land_before_it_raises(devs, monkeypatch):
     """A send whose scatter step raised after part of the job was enqueued: when the error reaches
     the caller nothing of it is in flight (no late write into b's blocks, no read of a's)."""
     import time
@@ -178,12 +178,13 @@ def test_a_failed_send_lets_what_it_enqueued_land_before_it_raises(devs):
     ka, kb = caches("vllm_flash", "vllm_flash")
     h = Handoff(ka, kb, src_device=a, dst_device=b, sanitize=True)
     landed = []
+    plain = b.launch  # on b only the scatter step launches work (its waits, then its scatters)
 
-    def broken(*args, **kw):
-        b.launch(lambda: (time.sleep(0.05), landed.append(True)), h.recv_stream)  # a late scatter
+    def broken(fn, stream):
+        plain(lambda: (time.sleep(0.05), landed.append(True)), stream)  # a late scatter
         raise RuntimeError("boom")
 
-    h._scatter = broken
+    monkeypatch.setattr(b, "launch", broken)
     with pytest.raises(RuntimeError, match="boom"):
         h.send([1, 2], [3, 4], after=None)
     assert landed == [True]

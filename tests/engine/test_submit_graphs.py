@@ -90,9 +90,9 @@ def setup(monkeypatch):
 
     def make(slot_execs=1, fail=(), n=5):
         kv = random_cache("vllm_flash", 2, 8, 4, 2, 8, torch.bfloat16, seed=0)
-        g = StagedGraphs(kv, max_graphs=4, slot_execs=slot_execs)
         log = []
-        g._launcher, g.enabled, g.fused = FakeLauncher(log, fail), True, False  # the ctypes replay
+        g = StagedGraphs(kv, max_graphs=4, slot_execs=slot_execs, launcher=FakeLauncher(log, fail))
+        g.fused = False  # the launcher's replay, not the C helper's
         nodes = FakeNodes(log, A, "main")
         main = Exec(0xE000, nodes)
         ring = HostRing(lambda: _buf(n), lambda: FakeEvent(log), depth=2, max_depth=4)

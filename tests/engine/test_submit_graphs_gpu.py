@@ -145,7 +145,7 @@ def test_spare_id_arrays_across_queued_rounds_bit_exact():
             torch.cuda.synchronize()
             assert bits_equal(gather_ref(kv, dst), w), r
             eng.release(job.slot)
-        made = len(eng._ids._spares[n])
+        made = eng.spare_arrays()[n]
         del saves, job, load
         eng.poll()
     print(f"\n{made} spare arrays for {4 * jobs * 2} jobs; {eng.graph_stats()}")

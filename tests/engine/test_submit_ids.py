@@ -151,7 +151,7 @@ def test_random_ids_as_numpy_would_check_them(dtype):
             else:
                 got = check(src, unique=unique)
                 assert got.dtype == torch.int64 and np.array_equal(got.numpy(), a)
-            assert not check._seen.any() and not check._bits.any()
+            assert check.scratch_clear
 
 
 @pytest.mark.parametrize("num_blocks", [64, 1 << 20])
@@ -162,13 +162,13 @@ def test_repeat_check_leaves_the_mask_clear(num_blocks):
     rng = np.random.default_rng(num_blocks)
     ids = rng.permutation(num_blocks)[:48].astype(np.int64)
     assert np.array_equal(check(ids, unique=True).numpy(), ids)
-    assert not check._bits.any()
+    assert check.scratch_clear
     for at in (47, 1):  # the repeat is the last id, then the second
         bad = ids.copy()
         bad[at] = bad[0]
         with pytest.raises(ValueError, match="duplicate"):
             check(bad, unique=True)
-        assert not check._bits.any()
+        assert check.scratch_clear
 
 
 def test_repeats_in_runs_of_neighbouring_ids():
@@ -193,7 +193,7 @@ def test_repeats_in_runs_of_neighbouring_ids():
         else:
             with pytest.raises(ValueError, match="duplicate"):
                 check(a, unique=True)
-        assert not check._bits.any(), ids
+        assert check.scratch_clear, ids
 
 
 def test_rising_ids_skip_the_mask_and_equal_neighbours_still_repeat():
@@ -207,7 +207,7 @@ def test_rising_ids_skip_the_mask_and_equal_neighbours_still_repeat():
             check(np.array(a, dtype=np.int64), unique=True)
         with pytest.raises(ValueError, match="duplicate"):
             check(torch.tensor(a, dtype=torch.int32), unique=True)  # the 32-bit source too
-        assert not check._bits.any(), a
+        assert check.scratch_clear, a
 
 
 def test_strided_and_foreign_inputs_take_the_numpy_path():
@@ -234,7 +234,7 @@ def test_repeats_in_a_big_cache(dtype):
             with pytest.raises(ValueError, match="duplicate"):
                 check(bad, unique=True)
             assert check(bad, unique=False).tolist() == bad.tolist()  # a save may name a block twice
-        assert not check._bits.any() and not check._seen.any()
+        assert check.scratch_clear
     top = np.array([(1 << 22) - 1, 0, (1 << 22) - 1], dtype=dtype)  # the largest id, repeated
     with pytest.raises(ValueError, match="duplicate"):
         check(top, unique=True)

@@ -117,7 +117,7 @@ def test_idcheck_reuses_a_job_array_once_nothing_holds_it():
     gc.collect()
     c = check.checked(src + 2, True).ids  # reuses the first array, never b's
     assert kept.tolist() == (src + 1).tolist() and c.tolist() == (src + 2).tolist()
-    assert len(check._spares[SPARE_MIN]) == 2  # no new array was needed
+    assert check.spare_arrays() == {SPARE_MIN: 2}  # no new array was needed
     assert check.checked(src, False).ids is not c
 
 
@@ -125,16 +125,18 @@ def test_idcheck_spares_are_bounded():
     check = IdCheck(num_blocks=1 << 16, block_size=1)
     n = SPARE_MIN * 4
     held = [check.checked(torch.arange(n), False).ids for _ in range(SPARE_BYTES // (4 * n) + 5)]
-    assert len(check._spares[n]) * n * 4 <= SPARE_BYTES and len(held) > len(check._spares[n])
+    kept = check.spare_arrays()[n]
+    assert kept * n * 4 <= SPARE_BYTES and len(held) > kept
     for k in range(SPARE_LENGTHS + 2):  # more lengths than kept: the oldest give theirs up
         check.checked(torch.arange(SPARE_MIN + k), False)
-    assert len(check._spares) == SPARE_LENGTHS and n not in check._spares
+    lengths = check.spare_arrays()
+    assert len(lengths) == SPARE_LENGTHS and n not in lengths
     small = IdCheck(num_blocks=64, block_size=1)
     small.checked(torch.arange(SPARE_MIN - 1 if SPARE_MIN <= 64 else 8), False)
-    assert small._spares == {}  # short jobs take a new array (malloc's bins are fast for them)
+    assert small.spare_arrays() == {}  # short jobs take a new array (malloc's bins are fast for them)
     off = IdCheck(num_blocks=1 << 16, block_size=1, spares=False)
     off.checked(torch.arange(n), False)
-    assert off._spares == {}
+    assert off.spare_arrays() == {}
 
 
 def test_engine_jobs_keep_their_ids_while_spares_are_reused():
@@ -167,7 +169,7 @@ def test_engine_jobs_keep_their_ids_while_spares_are_reused():
                 assert job.blocks.tolist() == ids.tolist()  # no spare was taken while its job lived
             rng.shuffle(live)
             del live[: int(rng.integers(0, len(live) + 1))]
-        assert len(eng._ids._spares[n]) < 30  # reused: 60+ jobs, fewer arrays
+        assert eng.spare_arrays()[n] < 30  # reused: 60+ jobs, fewer arrays
     finally:
         live.clear()
         eng.close()

@@ -85,7 +85,7 @@ def test_close_after_a_device_error_releases_everything_and_warns_once():
     said = [w for w in seen if issubclass(w.category, RuntimeWarning)]
     assert len(said) == 1 and "ZeroDivisionError" in str(said[0].message), [str(w.message) for w in seen]
     assert kvt.pool.closed
-    assert not any(s._thread.is_alive() for s in kvt.device._streams)  # the workers were joined
+    assert not any(s.worker_alive for s in kvt.device.streams())  # the workers were joined
 
 
 def test_close_twice_without_an_error_is_quiet():

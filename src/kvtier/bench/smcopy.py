@@ -17,7 +17,7 @@ BLOCK = 8192  # elements per program: 32 KiB of int32, enough bytes in flight pe
 
 
 @triton.jit
-def _copy_kernel(
+def copy_kernel(
     src,  # *int32, n elements (device memory, or pinned host memory through UVA)
     dst,  # *int32, n elements (same)
     n,  # number of elements
@@ -63,4 +63,4 @@ def sm_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         raise ValueError("src, dst: at least one must be on the GPU")
     s, d = _as_arg(src, "src"), _as_arg(dst, "dst")
     n = src.nbytes // 4
-    _copy_kernel[(triton.cdiv(n, BLOCK),)](s, d, n, BLOCK=BLOCK, num_warps=8)
+    copy_kernel[(triton.cdiv(n, BLOCK),)](s, d, n, BLOCK=BLOCK, num_warps=8)

@@ -100,6 +100,11 @@ class CudaDevice(Device):
         self._epoch = self._event_cls(self, "epoch")
         self._epoch.record(self._compute)  # time zero of every event's time_s()
 
+    @property
+    def events_created(self) -> int:
+        """cudaEvent_t handles created so far (0 with torch's events): a dead event's is reused."""
+        return 0 if self._handles is None else self._handles.created
+
     def _own(self, stream: Stream, name: str) -> CudaStream:
         if not isinstance(stream, CudaStream) or stream._dev is not self:
             raise ValueError(f"{name} must be a stream of this CudaDevice, got {stream!r}")

@@ -113,6 +113,11 @@ class SimStream(Stream):
         self._thread = threading.Thread(target=self._run, name=f"kvtier-sim-{name}", daemon=True)
         self._thread.start()
 
+    @property
+    def worker_alive(self) -> bool:
+        """Whether this stream's worker thread runs (False once its device's close() joined it)."""
+        return self._thread.is_alive()
+
     def _put(self, item: Callable[[], object]) -> None:
         if self._dev._closed:
             raise RuntimeError(f"stream {self.name}: device is closed")
@@ -215,6 +220,10 @@ class SimDevice(Device):
         s = SimStream(self, name or f"stream{next(self._names)}")
         self._streams.append(s)
         return s
+
+    def streams(self) -> list[SimStream]:
+        """Every stream of this device, the compute stream first, in order of creation."""
+        return list(self._streams)
 
     def new_event(self, label: str | None = None) -> SimEvent:
         return SimEvent(self, label or "event")

@@ -321,6 +321,10 @@ class TransferEngine:
         else:  # chosen once here: the plain submits carry no trace checks
             self.save, self.load = self._traced_save, self._traced_load
 
+    def spare_arrays(self) -> dict[int, int]:
+        """How many spare id arrays the id check keeps, by length (they are reused across jobs)."""
+        return self._ids.spare_arrays()
+
     def graph_stats(self):
         """Captures / replays / misses / evictions / failures of the staged CUDA graphs (None: off
         or not on CUDA)."""

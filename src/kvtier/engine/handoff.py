@@ -114,7 +114,7 @@ class Handoff:
         if len(src_ids) != len(dst_ids):
             raise ValueError(f"dst_blocks: {len(dst_ids)} ids for {len(src_ids)} source blocks")
         a, b, sa, sb = self.src, self.dst, self.send_stream, self.recv_stream
-        pieces = self._pieces(len(src_ids), num_tokens)
+        pieces = self.pieces(len(src_ids), num_tokens)
         with self._lock:
             k = next(self._seq)
             waits_a = a.blocks.waits_for(Access.SAVE, sset, stream=sa)
@@ -142,8 +142,9 @@ class Handoff:
         return HandoffJob(e_sent, e_done, layer_events, src_ids, dst_ids, nbytes, self.route, keep)
 
     # ---- the bytes -------------------------------------------------------------------------
-    def _pieces(self, n: int, num_tokens: int | None) -> list[tuple[int, int, int | None]]:
-        """(first block, end block, num_tokens of the piece) for pieces of ~piece_bytes."""
+    def pieces(self, n: int, num_tokens: int | None) -> list[tuple[int, int, int | None]]:
+        """How a send of `n` blocks is cut: (first block, end block, num_tokens of the piece) for
+        pieces of ~piece_bytes."""
         per = max(1, self.piece_bytes // self.src.kv.block_nbytes)
         bs, out = self.src.kv.block_size, []
         for s in range(0, n, per):

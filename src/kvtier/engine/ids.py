@@ -64,6 +64,17 @@ class IdCheck:
         self._bits = np.zeros((num_blocks + 63) // 64, dtype=np.uint64)  # the C check's: a bit per block
         self._spares: dict[int, list[np.ndarray]] = {}  # length -> arrays, in order of use (`_fast`)
 
+    @property
+    def scratch_clear(self) -> bool:
+        """True when the repeat checks' scratch masks are all clear, as every check leaves them."""
+        with self._lock:
+            return not self._seen.any() and not self._bits.any()
+
+    def spare_arrays(self) -> dict[int, int]:
+        """How many spare id arrays are kept, by length (at most SPARE_LENGTHS lengths)."""
+        with self._lock:
+            return {n: len(arrays) for n, arrays in self._spares.items()}
+
     def __call__(self, block_ids, unique: bool, num_tokens: int | None = None) -> torch.Tensor:
         """int64 [n] CPU block ids (a copy of the caller's), in range (distinct when `unique`),
         num_tokens fitting n blocks. Raises ValueError naming the argument."""

@@ -240,6 +240,12 @@ class BlockTracker:
             self._prune()
             return len(self._pending)
 
+    def debug_state(self) -> dict:
+        """The pending list as it stands (no prune): "kinds", the kind of each access in order, and
+        "counts", the per-kind counts a call reads to skip the list (always those of "kinds")."""
+        with self._lock:
+            return {"kinds": [p.kind for p in self._pending], "counts": dict(self._kinds)}
+
     # Named shorthands for the four accesses.
     def compute_read(self, blocks, event: Event, waited: Sequence[Event] = ()) -> None:
         self.register(A.READ, blocks, event, waited)

@@ -109,6 +109,11 @@ class SlotTracker:
         with self._lock:
             return {s: r.state for s, r in self._recs.items()}
 
+    def waiting(self) -> list[_SlotLike]:
+        """The slots `poll` visits: retired ones and those with abandoned reads, not yet settled."""
+        with self._lock:
+            return list(self._watch)
+
     def _fail(self, action: str, slot: _SlotLike, rec: _SlotRec | None, ev: Event | None, why: str):
         state = "FREE" if rec is None else rec.state.value + (" (retired)" if rec.retired else "")
         return LifecycleError(action, slot.name, state, ev, why)

@@ -65,10 +65,11 @@ class StagedGraphs:
     fused: replays are one call of the C helper (`graph_fused.py`); off without it, or after it
         failed (replays then go through the ctypes `Launcher`).
     trace: a `SubmitTrace` read by `replay_traced` (the mover calls that one only while tracing).
+    launcher: the runtime calls of an unfused replay (None: ctypes' `Launcher`); a test hook for a fake.
     Without the runtime calls a replay needs (`Launcher`), graphs stay off: jobs run eagerly.
     """
 
-    def __init__(self, kv, max_graphs: int = 64, slot_execs: int = 1):
+    def __init__(self, kv, max_graphs: int = 64, slot_execs: int = 1, launcher: Launcher | None = None):
         if isinstance(slot_execs, bool) or not isinstance(slot_execs, int) or slot_execs < 1:
             raise ValueError(f"slot_execs: expected a positive int, got {slot_execs!r}")
         self.kv = kv
@@ -82,7 +83,7 @@ class StagedGraphs:
         self._device = kv.device
         self._dead: list[tuple[torch.cuda.Event, _Entry]] = []  # evicted, maybe still queued
         try:
-            self._launcher: Launcher | None = Launcher()
+            self._launcher: Launcher | None = Launcher() if launcher is None else launcher
         except NodeError:
             self._launcher = None
         self.enabled = self._launcher is not None  # no runtime calls: every job runs eagerly
