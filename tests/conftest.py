@@ -1,5 +1,7 @@
 """Markers: `gpu` tests are skipped without CUDA; `redis` tests without a reachable server."""
 
+import os
+
 import pytest
 
 
@@ -10,6 +12,13 @@ def _cuda() -> bool:
         return torch.cuda.is_available()
     except ImportError:
         return False
+
+
+# vLLM picks its platform once, at the first import of any of its modules (SGLang's import some):
+# without an accelerator it must be told to take its CPU platform before that, whichever test
+# imports it first.
+if not _cuda():
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
 def pytest_collection_modifyitems(config, items):

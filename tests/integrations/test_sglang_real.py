@@ -54,6 +54,8 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
 )
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
+pytestmark = pytest.mark.sglang
+
 L, HEADS, DIM, PAGE, TOKENS = 3, 2, 64, 16, 256
 
 

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import pytest
-from vllm_rig import _BLOCKS, Worker, make_request, make_scheduler, run_step  # sets vLLM's CPU platform
+from vllm_rig import _BLOCKS, Worker, drain, make_request, make_scheduler, run_step
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
+
+pytestmark = pytest.mark.vllm
 TOKENS = list(range(1, 101))  # 100 tokens: 3 full chunks of 32
 
 
-def _finish(sched, workers, reqs, steps=8):
-    for _ in range(steps):
-        if not sched.has_requests():
-            break
-        run_step(sched, workers, reqs)
-    for _ in range(2):  # empty steps: the workers report the finished saves, vLLM frees the blocks
-        run_step(sched, workers, reqs)
+def _finish(sched, workers, reqs):
+    drain(sched, workers, reqs)  # the saves completed and were reported: vLLM freed the blocks
 
 
 def _second_request(sched, workers, reqs, rid="b"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -222,3 +223,23 @@ def run_step(sched, workers: list, requests: dict, sample: int = 7):
     )
     sched.update_from_output(so, mro)
     return so, kv
+
+
+def free_blocks(sched) -> int:
+    """Blocks vLLM's pool can hand out now (its cached-but-unused blocks count as free)."""
+    return sched.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def drain(sched, workers: list, requests: dict, timeout_s: float = 30.0) -> None:
+    """Empty steps until every request finished and vLLM got every block back: the workers'
+    saves have completed (vLLM frees a finished request's blocks only then) and were reported."""
+    total = sched.kv_cache_manager.block_pool.num_gpu_blocks - 1  # block 0 is vLLM's null block
+    deadline = time.monotonic() + timeout_s
+    while True:
+        run_step(sched, workers, requests)
+        if not sched.has_requests() and free_blocks(sched) == total:
+            run_step(sched, workers, requests)  # one more report: every settled chunk is now known
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not drained in {timeout_s}s: {free_blocks(sched)} of {total} blocks free")
+        time.sleep(0.002)  # copies land on the SimDevice's threads meanwhile

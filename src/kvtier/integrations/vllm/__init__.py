@@ -6,9 +6,18 @@
     VllmSettings      ``kv_connector_extra_config``, checked (`settings.py`)
 
 See README.md beside this file for the ``vllm serve`` line and what each setting costs.
+`KVTierConnector` is imported on first use: the worker side (`worker.py`) and its metadata import
+without vLLM, so ``kvtier bench --suite vllm`` replays the worker's hooks where vLLM is absent.
 """
 
-from .connector import KVTierConnector
 from .settings import VllmSettings
 
 __all__ = ["KVTierConnector", "VllmSettings"]
+
+
+def __getattr__(name: str):
+    if name == "KVTierConnector":  # vLLM's loader: getattr(module, kv_connector)
+        from .connector import KVTierConnector
+
+        return KVTierConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

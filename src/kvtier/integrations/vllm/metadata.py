@@ -4,17 +4,26 @@
     KVTierWorkerMetadata  workers -> scheduler: chunks each rank now holds or lost, finished
                           prefetches, the key fields (summed over ranks by ``aggregate``)
 
-Plain data (lists, bytes, ints): vLLM serialises both between processes.
+Plain data (lists, bytes, ints): vLLM serialises both between processes. Without vLLM (the
+`vllm` bench suite replaying the worker's hooks) the classes stand on plain bases.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
+    )
+except ImportError:  # no vLLM (a replay of the worker's hooks): the same data without its bases
+
+    class KVConnectorMetadata:  # noqa: D101 - stands in for vLLM's empty base
+        pass
+
+    class KVConnectorWorkerMetadata:  # noqa: D101
+        pass
 
 
 @dataclass

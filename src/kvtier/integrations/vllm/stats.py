@@ -1,7 +1,8 @@
 """KVTierStats: the workers' counters on vLLM's stats path (logged, and summed across ranks).
 
-Keys: ``hit_chunks_<tier>`` (host, disk, redis, ...), ``miss_chunks``, ``load_errors``,
-``save_errors``, ``loads`` / ``saves`` (settled transfers), ``load_bytes`` / ``save_bytes``,
+Keys: ``hit_chunks_<tier>`` (host, disk, redis, ...), ``miss_chunks``, ``load_errors`` (loads
+that raised), ``save_errors`` (chunks not saved: a save that raised, or a full pool),
+``loads`` / ``saves`` (settled transfers), ``load_bytes`` / ``save_bytes``,
 ``load_s`` / ``save_s`` (submit to observed completion: GB/s from these is a lower bound).
 """
 

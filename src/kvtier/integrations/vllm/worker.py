@@ -194,6 +194,8 @@ class WorkerSide:
                 log.warning("kvtier: save of %s failed: %s", run.req_id, exc)
                 self._counts["save_errors"] += 1
                 continue
+            if h.failed:  # the pool was full: those chunks are a later miss
+                self._counts["save_errors"] += h.failed
             self._saves.setdefault(run.req_id, []).append((h, run, time.perf_counter()))
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

@@ -1,0 +1,310 @@
+"""kvtier's vLLM connector, worker side, replayed in vLLM 0.33's per-step call order on this
+device's tensors (vLLM itself need not be installed: the hooks are `WorkerSide`'s, which
+`KVTierConnector` delegates to one for one).
+
+  vllm   per step: handle_preemptions -> bind metadata -> start_load_kv -> per layer
+         (wait_for_layer_load -> attention stand-in reading the layer -> save_kv_layer) ->
+         wait_for_save -> get_transfer_results (+ load errors, stats, worker metadata)
+
+Per vLLM 0.33 layout order (LBHNC ... BHLNC) at the Llama-3-8B shape (32 layers, 8 KV heads,
+head_size 128, bf16, 16-token blocks; 8K and 32K tokens), rows:
+
+- save: a step whose metadata saves the request's chunks, until the copies completed, vs the
+  same-run pinned D2H ceiling; load: a step that loads them into other blocks (poisoned before
+  each run), vs pinned H2D; the loaded KV checked bit for bit against the saved blocks.
+  Params: `submit_us` (host time of the step that starts the save / load) and `idle_step_us`
+  (host time of a step with nothing to move: every hook, every layer).
+- vllm_batch_save / vllm_batch_load: vLLM's own mechanism for the same bytes, one
+  `cudaMemcpyBatchAsync` descriptor per page (a page: one block's contiguous run of one layer,
+  or of every layer in a B-first order), with `submit_us` its CPU time to submit.
+
+On a CPU (`--quick`): a tiny shape on `SimDevice`, timed on the host clock; the batched copy is
+skipped.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvtier import layout
+from kvtier.bench.suite import Context, GiB, register
+
+LLAMA = dict(L=32, H=8, D=128, N=16, dtype=torch.bfloat16)  # Llama-3-8B's KV
+TINY = dict(L=2, H=2, D=16, N=16, dtype=torch.bfloat16)
+IDLE_REPS = 200
+
+
+class Replay:
+    """One worker over a vLLM 0.33 cache in `order`, holding `blocks` blocks (two requests)."""
+
+    def __init__(self, ctx: Context, order: str, shape: dict, tokens: int):
+        from kvtier.integrations.vllm.settings import VllmSettings
+        from kvtier.integrations.vllm.worker import WorkerSide
+
+        self.ctx, self.order = ctx, order
+        L, H, D, N = shape["L"], shape["H"], shape["D"], shape["N"]
+        self.n = n = tokens // N
+        sizes = dict(L=L, B=2 * n, H=H, N=N, C=2 * D)
+        buf = torch.empty([sizes[a] for a in order], dtype=shape["dtype"], device=ctx.device)
+        buf.view(torch.uint8).random_(0, 256)  # random bits: never time or check on zeros
+        self.cache = buf.permute(*[order.index(a) for a in "LBHNC"])  # logical [L, B, H, N, C]
+        self.names = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
+        g = torch.Generator().manual_seed(0)
+        perm = torch.randperm(2 * n, generator=g).tolist()  # random ids, as a serving engine's
+        self.src, self.dst = perm[:n], perm[n:]
+        chunk_blocks = 16 if n >= 16 else max(1, n // 2)
+        per_chunk = chunk_blocks * L * 2 * H * N * D * shape["dtype"].itemsize
+        self.chunks = n // chunk_blocks
+        s = VllmSettings(
+            chunk_tokens=chunk_blocks * N,
+            host_bytes=2 * self.chunks * per_chunk + (64 << 20),
+            staging_bytes=min(256 << 20, max(2 * per_chunk, 1 << 20)),
+        )
+        dev = None
+        if not ctx.on_gpu:
+            from kvtier.device import SimDevice
+
+            dev = SimDevice()
+        self.ws = WorkerSide(s, "replay", order=order, block_size=N, tiers=[], device=dev)
+        self.ws.register({name: self.cache[i] for i, name in enumerate(self.names)})
+        self.dev, self.kv = self.ws.dev, self.ws.kv
+        self.ids = [i.to_bytes(32, "little") for i in range(self.chunks)]  # stand-ins for block hashes
+        self.blocks = self.chunks * chunk_blocks
+        self.nbytes = self.kv.chunk_nbytes(self.blocks)
+        self.q = torch.randn(1, 2 * D, dtype=shape["dtype"], device=ctx.device)
+        self._step = 0
+
+    def close(self) -> None:
+        self.ws.shutdown()  # every copy in flight lands before its slot goes back
+        if not self.ctx.on_gpu:
+            self.dev.close()  # the SimDevice is ours, not the worker's
+
+    # -- one engine step, in vLLM 0.33's order --------------------------------------------------
+
+    def step(self, meta) -> float:
+        """One step's hooks; returns the host seconds they took (the attention stand-in excluded).
+        On the CPU the step ends once the compute stream drained (the host clock times it)."""
+        ws, rid = self.ws, f"r{self._step}"
+        self._step += 1
+        t0 = time.perf_counter()
+        ws.handle_preemptions(meta)
+        bound = meta  # bind_connector_metadata: the hooks below read it
+        ws.start_load(bound)
+        spent = time.perf_counter() - t0
+        for i, name in enumerate(self.names):
+            t1 = time.perf_counter()
+            ws.wait_layer(name)
+            spent += time.perf_counter() - t1
+            self._attention(i)
+            # save_kv_layer: kvtier saves a chunk whole after the forward (a no-op hook)
+        t2 = time.perf_counter()
+        ws.save(bound)
+        ws.finished({rid})  # get_transfer_results
+        ws.load_errors()
+        ws.stats()
+        ws.report()  # build_connector_worker_meta
+        spent += time.perf_counter() - t2
+        if not self.ctx.on_gpu:
+            self.dev.current_stream().synchronize()  # the host clock must see the waited copies land
+        return spent
+
+    def _attention(self, layer: int) -> None:
+        """A small matmul reading the layer's first loaded block (after its wait)."""
+        k = self.cache[layer, self.dst[0], 0]  # [N, C]
+        if self.ctx.on_gpu:
+            torch.matmul(self.q, k.transpose(0, 1))
+
+    def meta(self, *, save: bool = False, load: bool = False, wait_saves: bool = False):
+        from kvtier.integrations.vllm.metadata import ChunkRun, KVTierMetadata
+
+        m = KVTierMetadata()
+        if save:
+            m.saves.append(ChunkRun("save", self.ids, self.src[: self.blocks]))
+        if load:
+            m.loads.append(ChunkRun("load", self.ids, self.dst[: self.blocks]))
+        if wait_saves:
+            m.preempted.add("save")  # later compute waits for the request's pending saves
+        return m
+
+    def settle(self) -> None:
+        """Everything submitted has landed and been settled; the host holds no chunk."""
+        self.sync()
+        self.ws.finished({"save"})
+        self.ws.store.evict()
+
+    def sync(self) -> None:
+        if self.ctx.on_gpu:
+            torch.cuda.synchronize(self.ctx.device)
+        else:
+            self.dev.current_stream().synchronize()
+            self.ws.store.engine.save_stream.synchronize()
+            self.ws.store.engine.load_stream.synchronize()
+
+    def poison(self) -> None:
+        self.cache[:, self.dst[: self.blocks]] = torch.tensor(-7.0, dtype=self.cache.dtype)
+
+    def exact(self) -> bool:
+        a = self.cache[:, self.dst[: self.blocks]].contiguous().view(torch.uint8)
+        b = self.cache[:, self.src[: self.blocks]].contiguous().view(torch.uint8)
+        return torch.equal(a, b)
+
+
+def _save_rows(ctx: Context, r: Replay, label: str, params: dict):
+    ceiling = "d2h_pinned" if ctx.on_gpu else "host_memcpy"
+    stream_wait = r.meta(wait_saves=True)
+    submit = []
+
+    def save_step():
+        submit.append(r.step(r.meta(save=True)))
+        r.ws.handle_preemptions(stream_wait)  # the timer's end event follows the save's copies
+        if not ctx.on_gpu:
+            r.dev.current_stream().synchronize()  # the host clock: until the copies landed
+
+    t = ctx.time(save_step, setup=r.settle, name=f"vllm/save/{label}")
+    r.settle()
+    yield ctx.row(
+        f"save {label}", r.nbytes, t, ceiling, submit_us=_median_us(submit), direction="save", **params
+    )
+
+
+def _load_rows(ctx: Context, r: Replay, label: str, params: dict):
+    ceiling = "h2d_pinned" if ctx.on_gpu else "host_memcpy"
+    r.step(r.meta(save=True))  # the chunks the loads read, held by the host tier
+    r.sync()
+    r.ws.finished({"save"})
+    submit = []
+
+    def load_step():
+        submit.append(r.step(r.meta(load=True)))  # the stand-in waited for every layer
+
+    def before():
+        r.sync()
+        r.poison()
+
+    r.poison()
+    load_step()
+    r.sync()
+    ok = r.exact()
+    t = ctx.time(load_step, setup=before, name=f"vllm/load/{label}")
+    r.sync()
+    ok = ok and r.exact()
+    yield ctx.row(
+        f"load {label}",
+        r.nbytes,
+        t,
+        ceiling,
+        correct=ok,
+        submit_us=_median_us(submit),
+        direction="load",
+        **params,
+    )
+
+
+def _idle_us(r: Replay) -> float:
+    empty = r.meta()
+    samples = []
+    for _ in range(IDLE_REPS if r.ctx.on_gpu else 20):
+        samples.append(r.step(empty))
+    return _median_us(samples)
+
+
+def _median_us(samples: list[float]) -> float:
+    s = sorted(samples)
+    return round(s[len(s) // 2] * 1e6, 2) if s else 0.0
+
+
+def _pages(r: Replay, ids: list[int], host: torch.Tensor):
+    """(paged addresses, host addresses, sizes) of vLLM's mechanism: one descriptor per page (the
+    cache's pieces, merged where consecutive in both the cache and the chunk)."""
+    from kvtier.engine.fastpath import batch
+
+    paged, hostp, sizes = batch.pieces(r.kv, torch.tensor(ids), r.kv.block_size, host.data_ptr())
+    cut = torch.ones_like(paged, dtype=torch.bool)
+    cut[1:] = (paged[1:] != paged[:-1] + sizes[:-1]) | (hostp[1:] != hostp[:-1] + sizes[:-1])
+    group = torch.cumsum(cut.to(torch.int64), 0) - 1
+    n = int(group[-1]) + 1
+    merged = torch.zeros(n, dtype=torch.int64).index_add_(0, group, sizes)
+    return paged[cut], hostp[cut], merged
+
+
+def _batch_rows(ctx: Context, r: Replay, label: str, params: dict):
+    from kvtier.engine.fastpath import batch
+
+    case = f"vllm_batch {label}"
+    if not ctx.on_gpu or not batch.available():
+        ctx.skip(case, "cudaMemcpyBatchAsync needs a CUDA GPU and runtime >= 12.8")
+        return
+    host = torch.empty(r.nbytes, dtype=torch.uint8, pin_memory=True)
+    stream = torch.cuda.Stream(ctx.device)
+    paged, hostp, sizes = _pages(r, r.src[: r.blocks], host)
+    dpaged, dhost, dsizes = _pages(r, r.dst[: r.blocks], host)
+    cur = torch.cuda.current_stream(ctx.device)  # the timer's stream
+    for direction, (dsts, srcs, sz) in (("save", (hostp, paged, sizes)), ("load", (dpaged, dhost, dsizes))):
+        submit: list[float] = []
+
+        def run(dsts=dsts, srcs=srcs, sz=sz, submit=submit):
+            stream.wait_stream(cur)  # the copies start after the timer's start event
+            t0 = time.perf_counter()
+            batch.launch(dsts, srcs, sz, stream, ctx.device)
+            submit.append(time.perf_counter() - t0)
+            cur.wait_stream(stream)  # the timer's end event follows the copies
+
+        if direction == "load":
+            r.poison()
+        t = ctx.time(run, name=f"vllm/batch_{direction}/{label}")
+        torch.cuda.synchronize(ctx.device)
+        ok = r.exact() if direction == "load" else None
+        ceiling = "d2h_pinned" if direction == "save" else "h2d_pinned"
+        yield ctx.row(
+            f"vllm_batch_{direction} {label}",
+            r.nbytes,
+            t,
+            ceiling,
+            correct=ok,
+            submit_us=_median_us(submit),
+            descriptors=len(sz),
+            page_bytes=int(sz.max()),
+            direction=direction,
+            mechanism="vllm_batch",
+            **params,
+        )
+
+
+@register(
+    "vllm", needs_gpu=False, description="the vLLM connector's worker hooks replayed per step, per layout"
+)
+def vllm(ctx: Context):
+    """The vLLM connector's worker hooks replayed per step, per layout order."""
+    if ctx.on_gpu:
+        shape, token_counts = LLAMA, (8192, 32768)
+        ctx.ceiling("d2h_pinned", nbytes=GiB)
+        ctx.ceiling("h2d_pinned", nbytes=GiB)
+    else:
+        shape, token_counts = TINY, (128,)
+    for order in layout.VLLM_ORDERS:
+        for tokens in token_counts:
+            r = Replay(ctx, order, shape, tokens)
+            try:
+                run = layout.contiguous_block_run(r.kv)
+                label = f"{order} {tokens} tokens"
+                params = dict(
+                    order=order,
+                    tokens=r.blocks * shape["N"],
+                    layers=shape["L"],
+                    heads=shape["H"],
+                    head_size=shape["D"],
+                    block_size=shape["N"],
+                    dtype="bf16",
+                    block_run_bytes=run or 0,
+                    load_path=r.ws.store.engine.load_path(per_layer=True).value,
+                    idle_step_us=_idle_us(r),
+                )
+                yield from _save_rows(ctx, r, label, params)
+                yield from _load_rows(ctx, r, label, params)
+                yield from _batch_rows(ctx, r, label, params)
+            finally:
+                r.close()
+            if ctx.on_gpu:
+                torch.cuda.empty_cache()
