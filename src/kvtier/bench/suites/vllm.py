@@ -278,7 +278,7 @@ def _batch_rows(ctx: Context, r: Replay, label: str, params: dict):
 def vllm(ctx: Context):
     """The vLLM connector's worker hooks replayed per step, per layout order."""
     if ctx.on_gpu:
-        shape, token_counts = LLAMA, (8192, 32768)
+        shape, token_counts = LLAMA, (8192,) if ctx.quick else (8192, 32768)  # quick: 1 GiB only
         ctx.ceiling("d2h_pinned", nbytes=GiB)
         ctx.ceiling("h2d_pinned", nbytes=GiB)
     else:
