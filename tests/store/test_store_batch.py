@@ -1,9 +1,12 @@
 """put_many / contains_many: disk (one directory fsync per batch, O_DIRECT in place), Redis
 (pipelined round trips), failures in the middle of a batch (whole chunks or misses, never torn),
-the writer's batches and a KVStore lookup over Redis costing one round trip."""
+the writer's batches and a KVStore lookup over Redis costing one round trip; Redis payloads sent
+from the caller's memory."""
 
 import errno
 import mmap
+import os
+import tracemalloc
 
 import pytest
 
@@ -161,14 +164,14 @@ def redis_tier(url, cluster=False, **kw):
     return RedisTier(url=url, cluster=cluster, part_bytes=4096, timeout_s=1.0, failure_threshold=100, **kw)
 
 
-def redis_round_trips(tier):
+def redis_round_trips(tier, trips: int):
+    """``trips``: the round trips of one put_many (one server 1, a cluster 2)."""
     tier.client = Counting(tier.client)
     chunks = [chunk(i, 3000) for i in range(20)]
-    assert tier.put_many(chunks) == [True] * 20 and tier.client.trips == 1  # one pipeline
+    assert tier.put_many(chunks) == [True] * 20 and tier.client.trips == trips
     tier.client.trips = 0
     big = [chunk(100 + i, 4096 * 3 + 1 + i) for i in range(5)]  # 4 parts each
-    assert tier.put_many(big) == [True] * 5
-    assert tier.client.trips == 1 + -(-20 // tier.parts_per_batch) + 1  # exists, parts, manifests
+    assert tier.put_many(big) == [True] * 5 and tier.client.trips == trips
     tier.client.trips = 0
     keys = [k for k, _, _ in chunks + big] + [chunk(999)[0]]
     assert tier.contains_many(keys) == [True] * 25 + [False] and tier.client.trips == 1
@@ -176,29 +179,83 @@ def redis_round_trips(tier):
     assert tier.put_many(chunks[:2] + big[:1]) == [True] * 3 and tier.stats()["puts_present"] == 3
 
 
-def redis_failure_mid_batch(tier, stage: str):
-    """A connection lost at one ``stage`` of a batch of small and split chunks (5 parts each)."""
+def redis_failure_mid_batch(tier, fail_at: int):
+    """A connection lost at round trip ``fail_at`` of a batch of small and split chunks."""
     chunks = [chunk(200 + i, 3000 if i % 2 else 4096 * 4 + 11) for i in range(8)]
-    fail_at = {"first": 1, "parts": 2, "manifests": 2 + -(-20 // tier.parts_per_batch)}[stage]
     real = tier.client
     tier.client = Counting(real, fail_at=fail_at)
     ok = tier.put_many(chunks)
     tier.client = real
+    assert ok == [False] * 8  # no chunk is reported stored after a loss
     assert intact_or_miss(tier, chunks) == ok  # reported stored = stored whole; the rest misses
-    assert not ok[0] and (fail_at == 1 or all(ok[1::2]))  # split chunks never reported after a loss
     assert tier.stats()["errors_error"] > 0
     assert tier.put_many(chunks) == [True] * 8 and intact_or_miss(tier, chunks) == [True] * 8
 
 
+def keys_of(tier, chunks) -> int:
+    """The server keys ``chunks`` stored whole take: a manifest and its parts each."""
+    return sum(1 + -(-len(payload) // tier.part_bytes) for _, _, payload in chunks)
+
+
 @pytest.mark.redis
 def test_redis_put_many_and_contains_many_are_pipelined(redis_server):  # noqa: F811
-    redis_round_trips(redis_tier(redis_server.url))
+    redis_round_trips(redis_tier(redis_server.url), trips=1)
 
 
 @pytest.mark.redis
-@pytest.mark.parametrize("stage", ["first", "parts", "manifests"])  # SETs and EXISTS, parts, manifests
-def test_redis_failure_mid_batch_never_tears_a_chunk(redis_server, stage):  # noqa: F811
-    redis_failure_mid_batch(redis_tier(redis_server.url, parts_per_batch=4), stage)
+def test_redis_failure_mid_batch_never_tears_a_chunk(redis_server):  # noqa: F811
+    redis_failure_mid_batch(redis_tier(redis_server.url), fail_at=1)
+
+
+class LosingOnePart:
+    """A client whose pipelines send part 0 of ``victim`` under another name: the part is not
+    there when its chunk is to be published (as a server that evicted it at once)."""
+
+    def __init__(self, client, victim: bytes) -> None:
+        self._c, self.victim = client, victim.hex()
+
+    def pipeline(self, *a, **kw):
+        pipe, victim = self._c.pipeline(*a, **kw), self.victim
+        real_set = pipe.set
+
+        def set_(name, value, **skw):
+            lost = ":" in name and name.split(":")[1] == victim and name.endswith(":0")
+            return real_set(name + ":elsewhere" if lost else name, value, **skw)
+
+        pipe.set = set_
+        return pipe
+
+    def __getattr__(self, name):
+        return getattr(self._c, name)
+
+
+@pytest.mark.redis
+def test_redis_a_part_missing_at_publish_fails_only_its_chunk(redis_server):  # noqa: F811
+    tier = redis_tier(redis_server.url)
+    chunks = [chunk(400 + i, 4096 * 3 + 5) for i in range(4)]
+    tier.client = LosingOnePart(tier.client, chunks[2][0])
+    assert tier.put_many(chunks) == [True, True, False, True]
+    assert intact_or_miss(tier, chunks) == [True, True, False, True]
+    assert tier.stats()["errors_error"] == 1
+    stray = [k for k in tier.client.keys("*") if k.endswith(b":elsewhere")]
+    assert len(stray) == 1  # only the misrouted part: the chunk's other parts were removed
+    assert tier.client.dbsize() == keys_of(tier, chunks[:2] + chunks[3:]) + 1
+
+
+@pytest.mark.redis
+def test_redis_put_sends_the_payload_from_the_callers_memory(redis_server):  # noqa: F811
+    tier = RedisTier(url=redis_server.url, timeout_s=10.0)  # the default parts: one a chunk
+    payload = bytearray(os.urandom(8 * MIB))
+    key = (77).to_bytes(16, "little")
+    header = ChunkHeader.for_payload(key, payload, (len(payload),), "uint8", "flat")
+    tracemalloc.start()
+    try:
+        assert tier.put(key, header, payload)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < MIB  # no copy of the 8 MiB payload on its way to the socket
+    assert bytes(tier.get(key).payload) == payload
 
 
 @pytest.mark.redis
@@ -211,18 +268,20 @@ def test_redis_out_of_memory_mid_batch(redis_server):  # noqa: F811
     assert any(ok) and not all(ok) and tier.stats()["errors_full"] > 0
     assert intact_or_miss(tier, chunks) == ok
     assert tier.stats()["write_skipping"] == 0  # a full server is not a dead one
+    stored = [c for c, good in zip(chunks, ok, strict=True) if good]
+    assert tier.client.dbsize() == keys_of(tier, stored)  # a refused chunk left no part behind
 
 
 @pytest.mark.redis
 def test_cluster_put_many_contains_many_and_failure_mid_batch(redis_cluster):  # noqa: F811
     tier = redis_tier(redis_cluster.url, cluster=True)
-    redis_round_trips(tier)
+    redis_round_trips(tier, trips=2)  # parts, then manifests: a pipeline keeps no order between nodes
     sizes = [int(node.cli("DBSIZE")) for node in redis_cluster.nodes]
     assert all(n > 0 for n in sizes), sizes  # the batch's chunks and parts spread over every master
-    for stage in ("first", "parts", "manifests"):
+    for fail_at in (1, 2):  # the parts' round trip, the manifests'
         for node in redis_cluster.nodes:
             node.cli("FLUSHALL")
-        redis_failure_mid_batch(tier, stage)
+        redis_failure_mid_batch(tier, fail_at)
     tier.close()
 
 

@@ -153,6 +153,7 @@ class Staging:
 
 
 _STAGING = Staging()
+_HEADS = Staging(keep=8)  # header pages of in-place IO: apart, so they never evict a payload buffer
 
 
 def _write_direct(tmp: Path, head: bytes, view: memoryview, fsync: bool, align: int) -> None:
@@ -160,7 +161,7 @@ def _write_direct(tmp: Path, head: bytes, view: memoryview, fsync: bool, align: 
     in_place = n % PAGE == 0 and _address(view) % align == 0
     # O_DIRECT needs aligned memory and lengths: an aligned payload (a pool slot on a GPU host)
     # goes in place after a page of header; any other through a page-aligned copy.
-    with _STAGING.buffer(PAGE if in_place else PAGE + n) as buf:
+    with (_HEADS if in_place else _STAGING).buffer(PAGE if in_place else PAGE + n) as buf:
         buf[: len(head)] = head
         buf[len(head) : PAGE] = bytes(PAGE - len(head))  # a reused buffer: no stale bytes in padding
         if not in_place:
@@ -200,17 +201,25 @@ def read_header(key: bytes, head, size: int) -> ChunkHeader:
 
 
 def read_chunk_file(
-    path: Path, key: bytes, dest: memoryview | None, o_direct: bool
+    path: Path, key: bytes, dest: memoryview | None, o_direct: bool, align: int = PAGE
 ) -> tuple[ChunkHeader, memoryview]:
     """Read and verify a chunk; the payload lands in ``dest`` if given, else in a new buffer.
 
+    With O_DIRECT, a ``dest`` at an ``align``-aligned address (a pool slot, an SGLang host page)
+    takes the payload straight from the file, its page-multiple head in place and only a partial
+    last page through a copy; any other ``dest`` takes it through a page-aligned bounce buffer.
+    The checksum is verified over the payload where it landed. On any exception ``dest`` may
+    hold garbage (a torn file's bytes, another chunk's): the caller must not use them.
+
     Raises CorruptChunk for anything but ``key``'s intact chunk, OSError for IO failures,
-    DestTooSmall if ``dest`` cannot hold it.
+    DestTooSmall if ``dest`` cannot hold it (``dest`` untouched then).
     """
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if o_direct else 0))
     try:
         size = os.fstat(fd).st_size
-        if o_direct and dest is not None:  # the bounce copy: dest (a pool slot) need not be aligned
+        if o_direct and dest is not None and _address(dest) % align == 0:
+            header, payload = _read_direct_into(fd, dest, key, size)
+        elif o_direct and dest is not None:  # the bounce copy: dest (a SimDevice slot) is not aligned
             with _STAGING.buffer(size) as staged, memoryview(staged) as buf:
                 header, payload = _read_direct(fd, buf, key, size)
                 _check_dest(dest, header)
@@ -241,6 +250,25 @@ def _read_direct(fd: int, buf: memoryview, key: bytes, size: int) -> tuple[Chunk
     if got < PAGE + header.payload_len:
         raise CorruptChunk("file shorter than its header says")
     return header, buf[PAGE : PAGE + header.payload_len]
+
+
+def _read_direct_into(fd: int, dest: memoryview, key: bytes, size: int) -> tuple[ChunkHeader, memoryview]:
+    """O_DIRECT into an aligned ``dest``: the header page into a page of its own, the payload's
+    whole pages from file offset PAGE straight into ``dest``, and the rest of a payload that is
+    not a page multiple through that page (O_DIRECT moves whole pages only)."""
+    with _HEADS.buffer(PAGE) as page, memoryview(page) as buf:
+        header = read_header(key, buf[: _pread_into(fd, buf, 0)], size)
+        n = header.payload_len
+        _check_dest(dest, header)  # before the first byte lands in dest
+        whole = n // PAGE * PAGE
+        with dest[:whole] as pages:
+            got = _pread_into(fd, pages, PAGE)
+        if got == whole < n:  # the payload's last, partial page
+            got += min(_pread_into(fd, buf, PAGE + whole), n - whole)
+            dest[whole:n] = buf[: n - whole]  # buf's header bytes were parsed already
+    if got < n:
+        raise CorruptChunk("file shorter than its header says")
+    return header, dest[:n]
 
 
 def scan_chunk_files(root: Path) -> tuple[list[tuple[int, bytes, int]], list[tuple[Path, str]]]:

@@ -71,7 +71,8 @@ class DiskTier(TierReads):
         self.name = name
         self._policy = make_policy(policy, capacity_bytes)
         self._o_direct = bool(o_direct) and o_direct_supported(self.root)
-        self._align = o_direct_alignment(self.root) if self._o_direct else 0  # in-place O_DIRECT writes
+        # O_DIRECT's memory alignment: payloads at such addresses are written and read in place
+        self._align = o_direct_alignment(self.root) if self._o_direct else 0
         if o_direct and not self._o_direct:
             log.warning("disk tier %s: %s refuses O_DIRECT; using buffered IO", name, self.root)
         self._fsync = fsync
@@ -195,10 +196,12 @@ class DiskTier(TierReads):
             self._policy.pin(key)
         kind, caller_bug = None, None
         try:
-            header, payload = read_chunk_file(self.chunk_path(key), key, dest, self._o_direct)
+            header, payload = read_chunk_file(self.chunk_path(key), key, dest, self._o_direct, self._align)
         except (CorruptChunk, FileNotFoundError) as exc:  # a vanished file is as bad as a torn one
             kind = "corrupt"
-            log.warning("disk tier %s: chunk %s is corrupt (%s); dropped", self.name, key.hex(), exc)
+            # The message, not the exception: a kept log record would hold its traceback's
+            # frames, and their views of dest, and the caller could not unmap its buffer.
+            log.warning("disk tier %s: chunk %s is corrupt (%s); dropped", self.name, key.hex(), str(exc))
         except DestTooSmall as exc:
             kind, caller_bug = "dest", exc
         except Exception as exc:  # never into the serving loop: any failure is a miss
@@ -213,7 +216,10 @@ class DiskTier(TierReads):
             self._publish()
         if caller_bug is not None:
             self._read_health.record_success()
-            raise caller_bug
+            try:
+                raise caller_bug
+            finally:  # breaks the cycle exception -> traceback -> this frame that pins dest's memory
+                caller_bug = None
         if kind == "error":
             self._read_health.record_failure()
             self._m.miss(kind, time.perf_counter() - t0)

@@ -2,16 +2,18 @@
 
 Value formats under ``{prefix}{key hex}``:
 
-    b"S" + header + payload                       a chunk of at most ``part_bytes``
     b"M" + nonce(8) nparts(u32) part_bytes(u64) + header     a manifest; the payload is in
     ``{prefix}{key hex}:{nonce hex}:{i}`` for i < nparts      (spread over cluster slots)
+    b"S" + header + payload                       a chunk in one value (read; written by
+                                                  earlier versions, which copied it to send it)
 
-A manifest is written (SET NX) only after all its parts, so a reader never finds a manifest
-whose parts were not all written. Parts are never overwritten (each put has its own nonce),
-so a reader never mixes two writers' bytes; a part evicted by the server, or bytes that fail
-the header checksum, make a miss. Capacity and eviction are the server's (``maxmemory`` with
-``maxmemory-policy allkeys-lru``): several serving hosts share this tier, so no one client's
-bookkeeping could see what the others store — and the server evicts orphans of failed puts.
+A manifest is published only once all its parts are written (``redis_write``), so a reader
+never finds a manifest whose parts were not all written. Parts are never overwritten (each put
+has its own nonce), so a reader never mixes two writers' bytes; a part evicted by the server,
+or bytes that fail the header checksum, make a miss. Capacity and eviction are the server's
+(``maxmemory`` with ``maxmemory-policy allkeys-lru``): several serving hosts share this tier,
+so no one client's bookkeeping could see what the others store — and the server evicts
+orphans of failed puts.
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ _DEL_IF_SAME = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call(
 
 class RedisTier(TierReads):
     """client: a redis-py ``Redis`` or ``RedisCluster`` (or give ``url`` and ``cluster``).
-    part_bytes: chunks larger than this are split into parts of this size. ttl_s: optional
-    expiry of every key. timeout_s: per-command socket timeout when the client is made here.
+    part_bytes: payloads go out in parts of this size (one part for a payload that fits).
+    parts_per_batch: parts a read fetches a round trip. ttl_s: optional expiry of every key.
+    timeout_s: per-command socket timeout when the client is made here.
     A ``RedisCluster`` client reads the slot map when it is made, so an unreachable cluster
     raises here, at setup — never later from put / get.
     """
@@ -78,13 +81,16 @@ class RedisTier(TierReads):
             raise ValueError(f"parts_per_batch must be an int >= 1, got {parts_per_batch!r}")
         if not isinstance(prefix, str):
             raise ValueError(f"prefix must be a str, got {prefix!r}")
-        client = client if client is not None else make_client(url, cluster, timeout_s)
+        if client is None:
+            client = make_client(url, cluster, timeout_s)
+        else:  # a RedisCluster routes by slot; a plain Redis has no nodes to list
+            cluster = callable(getattr(client, "get_nodes", None))
         self.name = name
         self.prefix = prefix
         self.part_bytes = part_bytes
         self.ttl_s = ttl_s
         self.parts_per_batch = parts_per_batch
-        self._target = Target(client, prefix, part_bytes, ttl_s, parts_per_batch, name)
+        self._target = Target(client, prefix, part_bytes, ttl_s, parts_per_batch, name, cluster)
         self._m = (metrics if metrics is not None else StoreMetrics()).tier(name)
         self._m.occupancy(0, 0, 0, 0)  # the server owns capacity; these stay unknown (0)
         self._read_health = CircuitBreaker(failure_threshold, cooldown_s)
@@ -106,8 +112,9 @@ class RedisTier(TierReads):
         return self.put_many([(key, header, payload)])[0]
 
     def put_many(self, items) -> list[bool]:
-        """``put`` of each ``(key, header, payload)`` in a few pipelined round trips for the
-        whole batch (``redis_write``); each chunk is stored whole or not at all."""
+        """``put`` of each ``(key, header, payload)``, the payloads sent from the caller's memory
+        in one pipelined round trip for the whole batch (two on a cluster: ``redis_write``);
+        each chunk is stored whole or not at all."""
         checked = [(key, header, check_put_args(key, header, payload)) for key, header, payload in items]
         if not checked:
             return []

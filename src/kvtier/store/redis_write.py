@@ -1,16 +1,18 @@
-"""The Redis value layout's names, and its writes: several chunks in a few pipelined round trips.
+"""The Redis value layout's names, and its writes: a batch of chunks in one pipelined round trip.
 
-Round trips, for a batch of chunks (``put_chunks``, which ``RedisTier.put_many`` calls):
+Every chunk goes out as parts and a manifest (``redis_tier`` has the value formats): the payload
+in parts of ``part_bytes``, each a view of the caller's memory (redis-py sends a memoryview as
+it is, no copy), then the manifest, which holds the header and publishes the chunk.
 
-1. one pipeline: SET NX of every small chunk (``b"S" + header + payload``), EXISTS of every
-   large one (an upload of a chunk some host already shared is skipped);
-2. the parts of the large chunks not there yet, ``parts_per_batch`` SETs a pipeline;
-3. one pipeline: SET NX of the manifest of each large chunk whose every part was written.
+``put_chunks`` on one server: one pipeline for the batch; per chunk its part SETs, then
+``_PUBLISH``, a script that sets the manifest (NX: the first writer's stays) only if every part
+is there, and otherwise — a part refused by a full server, or another writer's manifest there
+first — deletes the parts. A pipeline's commands run in order and a script runs whole, so a
+reader finds no manifest or one whose parts are all written, and a failed chunk leaves nothing.
 
-Per chunk the order is the single put's: its manifest goes out only after all its parts were
-acknowledged, so a reader finds no manifest or a complete one; SET NX keeps the first writer's
-value. A pipeline is not a transaction (none is needed: each chunk is published by one SET), so
-a Redis Cluster runs it too — redis-py groups its commands by node, one round trip per node.
+On a Redis Cluster the parts spread over nodes and a pipeline keeps no order between nodes, so
+it takes two round trips: every part, then the manifest (SET NX) of each chunk whose parts were
+all acknowledged. Either way a chunk is stored whole or not at all.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import contextlib
 import logging
 import os
 import struct
-import threading
 from dataclasses import dataclass
 
 from .header import ChunkHeader
@@ -28,14 +29,31 @@ from .redis_client import classify
 log = logging.getLogger(__name__)
 MANIFEST = struct.Struct("<8sIQ")
 STORED, PRESENT = "stored", "present"
-PIPELINE_BYTES = 8 << 20  # small-chunk values per round trip: a bound on the staging memory
+
+# KEYS: the manifest, then the chunk's parts; ARGV: the manifest's value, its ttl ("" for none).
+# 1: published; 0: another writer's manifest was there; -1: a part is missing. The parts of a
+# chunk not published are deleted here: nobody else knows their (nonce'd) names.
+_PUBLISH = """
+local function drop() for i = 2, #KEYS do redis.call('DEL', KEYS[i]) end end
+for i = 2, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 0 then drop() return -1 end
+end
+local set = {'SET', KEYS[1], ARGV[1], 'NX'}
+if ARGV[2] ~= '' then set[5], set[6] = 'EX', ARGV[2] end
+local r = redis.pcall(unpack(set))
+if type(r) == 'table' and r.ok then return 1 end
+drop()
+if r then return r end
+return 0
+"""
 
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """Where a tier's values go: ``client`` (redis-py ``Redis`` or ``RedisCluster``), names under
-    ``prefix``, payloads split into parts of ``part_bytes``, ``parts_per_batch`` parts a round
-    trip, every key expiring after ``ttl_s`` (None: never). ``name``: the tier's, for logs."""
+    """Where a tier's values go: ``client`` (redis-py ``Redis`` or ``RedisCluster``: ``cluster``),
+    names under ``prefix``, payloads split into parts of ``part_bytes``, a read fetching
+    ``parts_per_batch`` parts a round trip, every key expiring after ``ttl_s`` (None: never).
+    ``name``: the tier's, for logs."""
 
     client: object
     prefix: str
@@ -43,13 +61,14 @@ class Target:
     ttl_s: int | None
     parts_per_batch: int
     name: str
+    cluster: bool = False
 
     def key(self, key: bytes) -> str:
-        """The name of ``key``'s value (a small chunk, or a manifest)."""
+        """The name of ``key``'s value (a manifest, or a one-value chunk of an older writer)."""
         return self.prefix + key.hex()
 
     def part_keys(self, key: bytes, nonce: bytes, nparts: int) -> list[str]:
-        """The names of the parts of one put (``nonce``) of a large chunk."""
+        """The names of the parts of one put (``nonce``) of a chunk."""
         base = f"{self.prefix}{key.hex()}:{nonce.hex()}:"
         return [base + str(i) for i in range(nparts)]
 
@@ -68,131 +87,104 @@ class Target:
             log.debug("redis tier %s: cleanup failed (the server evicts orphans): %s", self.name, exc)
 
 
+@dataclass(frozen=True, slots=True)
+class _Put:
+    """One chunk's writes: its parts' names and the manifest that publishes them."""
+
+    key: bytes
+    view: memoryview
+    names: list[str]
+    manifest: bytes
+
+
 def put_chunks(t: Target, items: list[tuple[bytes, ChunkHeader, memoryview]]) -> list[str]:
     """Store ``items`` (validated ``(key, header, payload view)``); per item "stored",
     "present" (some writer stored it first), or the failure kind ("error", "timeout", "full").
-    Never raises: a failed pipeline fails the chunks it had not decided yet."""
-    out: list[str | None] = [None] * len(items)
-    heads = [header.pack() for _, header, _ in items]
-    sizes = [1 + len(h) + view.nbytes for h, (_, _, view) in zip(heads, items, strict=True)]
-    small = [n <= t.part_bytes for n in sizes]
-    parts: dict[int, tuple[bytes, list[str]]] = {}  # large chunk -> (nonce, part names)
+    Never raises: a failed round trip fails the chunks it had not decided yet."""
+    puts = [_plan(t, key, header, view) for key, header, view in items]
+    out: list[str | None] = [None] * len(puts)
     try:
-        for group in _groups([n if one else 0 for n, one in zip(sizes, small, strict=True)]):
-            records = [sizes[i] if small[i] else 0 for i in group]
-            replies = _first_trip(t, [items[i] for i in group], [heads[i] for i in group], records)
-            for i, reply in zip(group, replies, strict=True):
-                if isinstance(reply, Exception):
-                    out[i] = _failed(t, items[i][0], reply)
-                elif small[i] or reply:
-                    out[i] = STORED if small[i] and reply else PRESENT
-                else:
-                    nonce, n = os.urandom(8), -(-items[i][2].nbytes // t.part_bytes)
-                    parts[i] = nonce, t.part_keys(items[i][0], nonce, n)
-        _put_parts(t, items, parts, out)
-        _put_manifests(t, items, heads, parts, out)
+        (_two_trips if t.cluster else _one_trip)(t, puts, out)
     except Exception as exc:  # the connection failed: every chunk not decided yet is not stored
-        for i in range(len(items)):
+        for i, p in enumerate(puts):
             if out[i] is None:
-                out[i] = _failed(t, items[i][0], exc)
-    full = [name for i, (_, names) in parts.items() if out[i] == "full" for name in names]
-    t.delete(full)  # the server is up, just out of memory: remove what these puts wrote
+                out[i] = _failed(t, p.key, exc)
     return out
 
 
-def _first_trip(t: Target, items, heads: list[bytes], sizes: list[int]) -> list:
-    """One pipeline: SET NX of each small chunk (``sizes[i]``: its record's bytes), EXISTS of
-    each large one (size 0): the upload of a chunk some host already shared is skipped."""
-    with _STAGING.values(sizes) as records:
-        pipe = t.client.pipeline(transaction=False)
-        for (key, _, view), head, rec in zip(items, heads, records, strict=True):
-            if rec.nbytes:
-                rec[:1], rec[1 : 1 + len(head)], rec[1 + len(head) :] = b"S", head, view
-                pipe.set(t.key(key), rec, nx=True, ex=t.ttl_s)
-            else:
-                pipe.exists(t.key(key))
-        try:
-            return pipe.execute(raise_on_error=False)
-        finally:
-            pipe.reset()  # the commands' views of the staging buffer go before it is reused
+def _plan(t: Target, key: bytes, header: ChunkHeader, view: memoryview) -> _Put:
+    nonce, nparts = os.urandom(8), -(-view.nbytes // t.part_bytes)
+    manifest = b"M" + MANIFEST.pack(nonce, nparts, t.part_bytes) + header.pack()
+    return _Put(key, view, t.part_keys(key, nonce, nparts), manifest)
 
 
-def _groups(sizes: list[int]) -> list[list[int]]:
-    """Indices of ``sizes`` in runs of at most PIPELINE_BYTES (a bigger item runs alone)."""
-    groups: list[list[int]] = [[]]
-    total = 0
-    for i, n in enumerate(sizes):
-        if groups[-1] and total + n > PIPELINE_BYTES:
-            groups.append([])
-            total = 0
-        groups[-1].append(i)
-        total += n
-    return groups
+def _one_trip(t: Target, puts: list[_Put], out: list) -> None:
+    """One server: each chunk's parts, then its ``_PUBLISH``, all in one pipeline."""
+    ttl = "" if t.ttl_s is None else str(t.ttl_s)
+    with _pipeline(t) as (pipe, part):
+        for p in puts:
+            for j, name in enumerate(p.names):
+                pipe.set(name, part(p, j), ex=t.ttl_s)
+            pipe.eval(_PUBLISH, 1 + len(p.names), t.key(p.key), *p.names, p.manifest, ttl)
+        replies = iter(pipe.execute(raise_on_error=False))
+    for i, p in enumerate(puts):
+        refused = [r for r in (next(replies) for _ in p.names) if isinstance(r, Exception)]
+        published = next(replies)
+        if published == -1:  # a part refused says why; else one was evicted before the script ran
+            out[i] = _failed(t, p.key, refused[0] if refused else _PartGone("a part was gone"))
+        elif isinstance(published, Exception):
+            out[i] = _failed(t, p.key, published)
+        else:
+            out[i] = STORED if published == 1 else PRESENT
 
 
-class _Staging:
-    """One reusable buffer for the small-chunk values of a pipeline (``b"S" + header +
-    payload`` each): fresh chunk-sized bytes per value cost their page faults, more than the
-    round trips pipelining saves. A second concurrent put gets a buffer of its own."""
-
-    def __init__(self) -> None:
-        self._buf, self._lock = bytearray(), threading.Lock()
-
-    @contextlib.contextmanager
-    def values(self, sizes: list[int]):
-        mine = self._lock.acquire(blocking=False)
-        try:
-            if mine and len(self._buf) < sum(sizes):
-                self._buf = bytearray(sum(sizes))  # a new one: the old may still be exported
-            buf = self._buf if mine else bytearray(sum(sizes))
-            with memoryview(buf) as whole:
-                offsets = [sum(sizes[:k]) for k in range(len(sizes))]
-                views = [whole[o : o + n] for o, n in zip(offsets, sizes, strict=True)]
-                try:
-                    yield views
-                finally:
-                    for v in views:
-                        with contextlib.suppress(BufferError):  # a failed pipeline may still hold it
-                            v.release()
-        finally:
-            if mine:
-                self._lock.release()  # the buffer is free for the next put_many
-
-
-_STAGING = _Staging()
-
-
-def _put_parts(t: Target, items, parts: dict[int, tuple[bytes, list[str]]], out: list) -> None:
-    flat = [(i, j, name) for i, (_, names) in parts.items() for j, name in enumerate(names)]
-    for start in range(0, len(flat), t.parts_per_batch):
-        pipe = t.client.pipeline(transaction=False)
-        batch = flat[start : start + t.parts_per_batch]
-        for i, j, name in batch:
-            pipe.set(name, items[i][2][j * t.part_bytes : (j + 1) * t.part_bytes], ex=t.ttl_s)
-        for (i, _, _), reply in zip(batch, pipe.execute(raise_on_error=False), strict=True):
+def _two_trips(t: Target, puts: list[_Put], out: list) -> None:
+    """A cluster: every part, then the manifest of each chunk whose parts were all acknowledged."""
+    with _pipeline(t) as (pipe, part):
+        owner = []
+        for i, p in enumerate(puts):
+            for j, name in enumerate(p.names):
+                pipe.set(name, part(p, j), ex=t.ttl_s)
+                owner.append(i)
+        for i, reply in zip(owner, pipe.execute(raise_on_error=False), strict=True):
             if isinstance(reply, Exception) and out[i] is None:  # no manifest for this chunk
-                out[i] = _failed(t, items[i][0], reply)
-
-
-def _put_manifests(t: Target, items, heads, parts: dict[int, tuple[bytes, list[str]]], out: list) -> None:
-    ready = [i for i in parts if out[i] is None]  # every part acknowledged
-    if not ready:
-        return
+                out[i] = _failed(t, puts[i].key, reply)
+    ready = [i for i, p in enumerate(puts) if out[i] is None]
     pipe = t.client.pipeline(transaction=False)
     for i in ready:
-        nonce, names = parts[i]
-        manifest = b"M" + MANIFEST.pack(nonce, len(names), t.part_bytes) + heads[i]
         # Published last, and only if no other writer got there first: readers see either no
         # manifest or one whose parts are all written.
-        pipe.set(t.key(items[i][0]), manifest, nx=True, ex=t.ttl_s)
-    lost = []
-    for i, reply in zip(ready, pipe.execute(raise_on_error=False), strict=True):
+        pipe.set(t.key(puts[i].key), puts[i].manifest, nx=True, ex=t.ttl_s)
+    for i, reply in zip(ready, pipe.execute(raise_on_error=False) if ready else (), strict=True):
         if isinstance(reply, Exception):
-            out[i] = _failed(t, items[i][0], reply)
+            out[i] = _failed(t, puts[i].key, reply)
         else:
             out[i] = STORED if reply else PRESENT
-            lost += [] if reply else parts[i][1]  # another writer's manifest won: ours are orphans
-    t.delete(lost)
+    # Not published (another writer's manifest won, or a full server refused a part): orphans.
+    t.delete([name for i, p in enumerate(puts) if out[i] in (PRESENT, "full") for name in p.names])
+
+
+@contextlib.contextmanager
+def _pipeline(t: Target):
+    """A pipeline, and ``part(put, j)``: the view of part ``j`` of a put's payload. The views
+    and the commands holding them go when the block ends, even on an exception."""
+    pipe, views = t.client.pipeline(transaction=False), []
+
+    def part(p: _Put, j: int) -> memoryview:
+        views.append(p.view[j * t.part_bytes : (j + 1) * t.part_bytes])
+        return views[-1]
+
+    try:
+        yield pipe, part
+    finally:
+        pipe.reset()  # its commands hold the views: dropped so none outlives the call
+        for v in views:  # released: a caller may unmap its buffer once put returns
+            with contextlib.suppress(BufferError):  # an export still alive: the GC releases it
+                v.release()
+
+
+class _PartGone(Exception):
+    """A part of a put was not on the server when its manifest was to be published."""
 
 
 def _failed(t: Target, key: bytes, exc: Exception) -> str:
