@@ -98,8 +98,12 @@ def plan_cmd(
     overhead = floor = 0.0
     doc = _calibration(calibration, gpu) if calibration is not None else None
     if doc is not None and measured is None:  # the file's ceilings stand in for --ceilings
-        measured = Ceilings(dict(doc["ceilings"]), gpu=doc.get("gpu"), gpu_key=doc.get("gpu_key"),
-                            source=f"the ceilings of {calibration}")  # fmt: skip
+        measured = Ceilings(
+            dict(doc["ceilings"]),
+            gpu=doc.get("gpu"),
+            gpu_key=doc.get("gpu_key"),
+            source=f"the ceilings of {calibration}",
+        )
     m, g = resolve_model(model), get_gpu(_gpu_key(gpu, measured), measured)
     if doc is not None:
         got = planner_inputs(doc, g.bf16_tflops)
