@@ -4,7 +4,7 @@ before that stream's next record), so an event recorded on that stream after `sa
 returns marks the whole job done.
 
     MoverContext  what a mover is given: the device, the cache, the engine's config
-                  (the engine picks the mover: `engine._make_mover`)
+                  (the engine picks the mover for its device when it is made)
     SimMover      SimDevice: `kvtier.reference` gather/scatter launched as "kernels", and
                   `dev.copy` as the DMA, so the bytes really land late on the CPU (sim_mover.py)
     CudaMover     CudaDevice: `kvtier.ops` (Triton) -- staged, kernel (UVA), batch (cuda_mover.py)
