@@ -37,6 +37,8 @@ from kvtier.layout import PagedKV
 from kvtier.lifecycle import Access, BlockTracker, LifecycleError, SlotState, SlotTracker, sanitize_enabled
 from kvtier.pool import PinnedPool, Slot
 
+_NOTES_MIN = 64  # a stream's wait notes kept before the completed ones are first dropped
+
 
 class TransferEngine:
     """Moves paged KV blocks between `kv` (GPU) and slots of `pool` (pinned host).
@@ -77,7 +79,10 @@ class TransferEngine:
         self.mover = _make_mover(MoverContext(device, kv, config))
         self._lock = threading.RLock()
         self._jobs: list[_Job] = []  # submitted, not settled
-        self._stream_waits: dict[Stream, list[Event]] = {}  # events a stream was made to wait for
+        # Sanitizer only: per stream, the events it was made to wait for (each once, by identity),
+        # and the size at which the completed ones are next dropped (amortized: no scan per note).
+        self._stream_waits: dict[Stream, dict[int, Event]] = {}
+        self._notes_cap: dict[Stream, int] = {}
         self._seq = itertools.count(1)
         self._closed = False
         self._ids = IdCheck(kv.num_blocks, kv.block_size)
@@ -509,14 +514,29 @@ class TransferEngine:
     def note_wait(self, stream: Stream, event: Event) -> None:
         """`stream` was made to wait for `event` (`job.wait_on`, `wait_layer`): a compute access
         registered on that stream later counts it as waited (the order the stream guarantees)."""
+        if self.sanitize:
+            self.note_waits(stream, (event,))
+
+    def note_waits(self, stream: Stream, events) -> None:
+        """`note_wait` for each of `events`. Only the sanitizer reads the notes: without it this
+        does nothing. With it each event is kept once and the completed ones are dropped only when
+        the notes doubled, so a note costs O(1), never a query of every pending event."""
+        if not self.sanitize:
+            return
         with self._lock:
-            evs = [e for e in self._stream_waits.get(stream, []) if not e.query()]
-            evs.append(event)
-            self._stream_waits[stream] = evs
+            notes = self._stream_waits.setdefault(stream, {})
+            for e in events:
+                notes[id(e)] = e  # the value keeps the event alive: its id is not reused meanwhile
+            if len(notes) > self._notes_cap.get(stream, _NOTES_MIN):
+                for k in [k for k, e in notes.items() if e.query()]:
+                    del notes[k]  # completed: it orders nothing any more
+                self._notes_cap[stream] = max(_NOTES_MIN, 2 * len(notes))
 
     def _waited(self, event: Event, waited) -> list[Event]:
+        if not self.sanitize:
+            return list(waited)  # only the sanitizer's check reads them
         with self._lock:
-            return [*waited, *self._stream_waits.get(event.stream, [])]
+            return [*waited, *self._stream_waits.get(event.stream, {}).values()]
 
     def _check_event(self, event) -> None:
         """`event` is an event of this engine's device: a later job's stream will wait for it."""

@@ -94,8 +94,9 @@ class LoadHandle:
     jobs: list = field(default_factory=list, repr=False)
     num_layers: int = field(default=0, repr=False)
     _on_done: Callable[[], object] | None = field(default=None, repr=False)
-    # Per layer: (jobs to wait, (job, event) to note), planned on the first wait_layer.
+    # Per layer: (jobs to wait, (engine, events) to note), planned on the first wait_layer.
     _layer_plan: list | None = field(default=None, repr=False)
+    _last_wait: tuple | None = field(default=None, repr=False)  # (stream, {id: event}) last waited for
 
     @property
     def events(self) -> list[Event]:
@@ -109,10 +110,16 @@ class LoadHandle:
         if self._layer_plan is None:
             self._layer_plan = [_plan_layer(self.jobs, i) for i in range(self.num_layers)]
         waits, notes = self._layer_plan[layer]
+        last = self._last_wait
+        if last is not None and last[0] == stream:
+            # Layers sharing one event (a whole-chunk copy): `stream` waits for it already.
+            waits = [j for j in waits if id(j.layer_events[layer]) not in last[1]]
         for j in waits:
             j.wait_layer(layer, stream)  # attention must not read a block before its bytes land
-        for j, ev in notes:
-            j.engine.note_wait(stream, ev)  # ordered before the waited event of its stream
+        if waits:  # the values keep the events alive: their ids are not reused meanwhile
+            self._last_wait = (stream, {id(j.layer_events[layer]): j.layer_events[layer] for j in waits})
+        for engine, events in notes:
+            engine.note_waits(stream, events)  # ordered before the waited event of its stream
 
     def done(self) -> bool:
         """True once every chunk has landed in its GPU blocks."""
@@ -130,20 +137,20 @@ class LoadHandle:
 
 
 def _plan_layer(jobs: list, layer: int) -> tuple[list, list]:
-    """(jobs whose layer event a reader waits for, (job, event) it only notes) for one layer.
+    """(jobs whose layer event a reader waits for, (engine, events) it only notes) for one layer.
 
     One wait per copy stream, on its last job: a stream runs in order, so that job's layer event
     follows every earlier job's on the same stream (one wait per chunk cost ~4,000 stream waits per
     32K-token request). The earlier events are noted for the sanitizer, each once (the jobs of one
-    `load_slots` share their events)."""
+    `load_slots` share their events), and only where it is on: nothing else reads the notes."""
     last: dict = {}
     for j in jobs:
         last[j.layer_events[layer].stream] = j
     waits = [j for s, j in last.items() if s is not None]
-    seen, notes = {id(j.layer_events[layer]) for j in waits}, []
+    seen, notes = {id(j.layer_events[layer]) for j in waits}, {}
     for j in jobs:
         ev = j.layer_events[layer]
-        if ev.stream is not None and id(ev) not in seen:
+        if ev.stream is not None and id(ev) not in seen and j.engine.sanitize:
             seen.add(id(ev))
-            notes.append((j, ev))
-    return waits, notes
+            notes.setdefault(j.engine, []).append(ev)
+    return waits, list(notes.items())
