@@ -135,6 +135,11 @@ def _prefix_kv(cache, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(lay.keys[:, :, :n], lay.values[:, :, :n]) for lay in cache.layers]
 
 
+def after_save(kvt) -> None:
+    """Called once the cold request's chunks sit in the host tier, before any hit reads them: a
+    test puts a fault here (through kvtier's public objects) to see the suite catch wrong KV."""
+
+
 def _checks(model, kvt, ids: torch.Tensor, prefix: int, gen, key: str) -> tuple[list[int], dict]:
     """Untimed: the reference tokens, and the kvtier checks (cold = reference, loaded KV = saved KV,
     hit tokens = a DynamicCache holding that KV). Also the warm-up of recompute and of the hit."""
@@ -150,6 +155,7 @@ def _checks(model, kvt, ids: torch.Tensor, prefix: int, gen, key: str) -> tuple[
     )
     handle = cold.cache.finish(cold.sequences)  # returns once the save's copies have landed
     saved = 0 if handle is None else handle.saved
+    after_save(kvt)  # a test's fault goes in here; a run changes nothing
     saved_kv = _prefix_kv(cold.cache, prefix)
     # The same computation as a hit (the tail prefilled over this KV), twice: the tokens a hit must
     # give, and how far the GPU's own run-to-run noise moves its logits.

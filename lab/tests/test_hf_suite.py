@@ -7,7 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from kvtier.bench import result, run_bench  # noqa: E402
+from kvtier.bench import Context, result, run_bench  # noqa: E402
 from kvtier.bench.llama_rig import build_llama, llama_config  # noqa: E402
 from kvtier.store.config import StoreConfig  # noqa: E402
 from lab.suites import hf as suite  # noqa: E402
@@ -148,3 +148,18 @@ def test_token_clock_synchronizes_the_gpu_before_each_token_is_timed(monkeypatch
     cpu = suite.TokenClock(cuda=False)
     cpu.put(torch.zeros(1, dtype=torch.long))
     assert calls == ["sync", "sync"] and len(cpu.times) == 1
+
+
+def test_a_corrupted_hit_makes_the_kvtier_rows_incorrect(monkeypatch):
+    def corrupt(kvt) -> None:  # one byte of every stored chunk flipped: the hit loads wrong KV
+        for entry in kvt.store.host.entries():
+            entry.slot.tensor.view(torch.uint8)[100] ^= 0x10
+
+    monkeypatch.setattr(suite, "after_save", corrupt)  # the lab's own hook, not kvtier
+    ctx = Context("cpu", quick=True)
+    ctx.suite = "hf"
+    rows = {r.case: r for r in suite.hf(ctx)}
+    n = QUICK.prefixes[0]
+    assert rows[f"ttft kvtier {n}"].params["kv_bit_exact"] is False
+    assert rows[f"ttft kvtier {n}"].correct is False
+    assert rows[f"ttft recompute {n}"].correct is True
