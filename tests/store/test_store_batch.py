@@ -105,7 +105,8 @@ def test_o_direct_writes_an_aligned_payload_in_place(tmp_path, monkeypatch, offs
     tier = DiskTier(tmp_path, 4 * MIB, o_direct=True)
     if not tier.stats()["o_direct"]:
         pytest.skip("this filesystem refuses O_DIRECT")
-    n = 64 * 1024
+    # a payload size no other test uses: a bounce buffer of it cannot come from the reuse pool
+    n = (61 + 6 * offset) * 4096
     src = mmap.mmap(-1, n + 4096)  # page-aligned, writable: like a pool slot
     view = memoryview(src)[offset : offset + n]
     view[:] = bytes((j * 7) % 251 for j in range(n))
@@ -115,8 +116,12 @@ def test_o_direct_writes_an_aligned_payload_in_place(tmp_path, monkeypatch, offs
     real = chunkfile.aligned_buffer
     monkeypatch.setattr(chunkfile, "aligned_buffer", lambda size: staged.append(size) or real(size))
     assert tier.put(key, header, view)
-    # The payload-sized bounce buffer only when the payload is not aligned.
-    assert staged == ([chunkfile.PAGE] if offset == 0 else [chunkfile.PAGE + n])
+    # A payload-sized bounce buffer only when the payload is not aligned (a page-sized one for
+    # the header may come from the buffers earlier puts kept, so it may or may not be made here).
+    if offset == 0:
+        assert set(staged) <= {chunkfile.PAGE}
+    else:
+        assert chunkfile.PAGE + n in staged
     assert bytes(tier.get(key).payload) == bytes(view)
     view.release()
     src.close()
