@@ -1,6 +1,7 @@
 """Markers: `gpu` tests are skipped without CUDA; `redis` tests without a reachable server."""
 
 import os
+import tempfile
 
 import pytest
 
@@ -13,6 +14,10 @@ def _cuda() -> bool:
     except ImportError:
         return False
 
+
+# The planner's first-use measurements are cached per machine and model: tests keep theirs apart
+# from the user's cache, and start without one.
+os.environ.setdefault("KVTIER_CACHE_DIR", tempfile.mkdtemp(prefix="kvtier-test-cache-"))
 
 # vLLM picks its platform once, at the first import of any of its modules (SGLang's import some):
 # without an accelerator it must be told to take its CPU platform before that, whichever test
