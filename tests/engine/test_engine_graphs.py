@@ -281,12 +281,11 @@ class _FakeRuntime:
 
 
 @pytest.mark.parametrize("pos_x", [0, 64])
-def test_slot_nodes_move_the_host_side_only(monkeypatch, pos_x):
+def test_slot_nodes_move_the_host_side_only(pos_x):
     from kvtier.engine.fastpath import graph_nodes
 
     rt = _FakeRuntime(_save_copies(), pos_x=pos_x)
-    monkeypatch.setattr(graph_nodes, "_api", lambda: rt)
-    nodes = graph_nodes.SlotNodes.find(_FakeGraph(), "dst", BASE, SLOT, STAGE, 3)
+    nodes = graph_nodes.SlotNodes.find(_FakeGraph(), "dst", BASE, SLOT, STAGE, 3, api=rt)
     assert nodes.base == BASE and rt.sets == []
     new = 0x7F00_0040_0000
     nodes.retarget(new)
@@ -302,16 +301,14 @@ def test_slot_nodes_move_the_host_side_only(monkeypatch, pos_x):
     assert [s[3] for s in rt.sets] == [c.dst for c in _save_copies()]
 
 
-def test_slot_nodes_refuse_or_fail_loudly(monkeypatch):
+def test_slot_nodes_refuse_or_fail_loudly():
     from kvtier.engine.fastpath import graph_nodes
 
     rt = _FakeRuntime(_save_copies()[:2])  # a chunk missing: not the expected graph
-    monkeypatch.setattr(graph_nodes, "_api", lambda: rt)
     with pytest.raises(NodeError, match="2 memcpy nodes"):
-        graph_nodes.SlotNodes.find(_FakeGraph(), "dst", BASE, SLOT, STAGE, 3)
+        graph_nodes.SlotNodes.find(_FakeGraph(), "dst", BASE, SLOT, STAGE, 3, api=rt)
     rt = _FakeRuntime(_save_copies(), fail_set=True)
-    monkeypatch.setattr(graph_nodes, "_api", lambda: rt)
-    nodes = graph_nodes.SlotNodes.find(_FakeGraph(), "dst", BASE, SLOT, STAGE, 3)
+    nodes = graph_nodes.SlotNodes.find(_FakeGraph(), "dst", BASE, SLOT, STAGE, 3, api=rt)
     with pytest.raises(NodeError, match="cudaGraphExecMemcpyNodeSetParams"):
         nodes.retarget(BASE + SLOT)
     assert nodes.base is None  # half-updated: the caller drops the graph, never replays it

@@ -8,7 +8,6 @@ import torch
 
 from kvtier.device import SimDevice
 from kvtier.engine import EngineConfig, TransferEngine
-from kvtier.engine import ids as ids_mod
 from kvtier.engine.fastpath import fast
 from kvtier.engine.ids import IdCheck
 from kvtier.lifecycle import Access
@@ -19,13 +18,20 @@ from kvtier.reference import bits_equal, gather_ref, random_cache
 FAST = fast.fast
 
 
+USE_C = [True]  # the checks this test makes: with the C helper, or the numpy passes
+
+
+def id_check(num_blocks: int, block_size: int, **kw) -> IdCheck:
+    return IdCheck(num_blocks, block_size, native=USE_C[0], **kw)
+
+
 @pytest.fixture(autouse=True, params=["c", "c-scalar", "numpy"])
-def native(request, monkeypatch):
+def native(request):
     """Every test three times: with the C helper's check (where built) -- its AVX2 pass where the
     CPU has one, then its scalar pass -- and with the numpy passes."""
     if request.param != "numpy" and FAST is None:
         pytest.skip(f"C helper: {fast.why}")
-    monkeypatch.setattr(ids_mod, "_fast", FAST if request.param != "numpy" else None)
+    USE_C[0] = request.param != "numpy"
     if request.param == "c-scalar":
         was = FAST.set_simd(False)
         yield request.param
@@ -41,7 +47,7 @@ def native(request, monkeypatch):
 )  # fmt: skip
 def test_accepted_forms(ids):
     ids = iter([3, 1, 2]) if isinstance(ids, str) else ids  # a fresh iterator for each run
-    check = IdCheck(num_blocks=10, block_size=4)
+    check = id_check(10, 4)
     want = [3, 1] if isinstance(ids, range) else [3, 1, 2]
     t, blocks = check.check(ids, unique=True, num_tokens=4 * len(want) - 3)
     assert t.dtype == torch.int64 and t.tolist() == want  # `check`'s tensor: int64, for its callers
@@ -72,13 +78,13 @@ def test_accepted_forms(ids):
     ],
 )
 def test_errors_name_the_argument(bad, match):
-    check = IdCheck(num_blocks=10, block_size=4)
+    check = id_check(10, 4)
     with pytest.raises(ValueError, match=match):
         check(bad, unique=False)
 
 
 def test_duplicates_and_num_tokens():
-    check = IdCheck(num_blocks=10, block_size=4)
+    check = id_check(10, 4)
     assert check([1, 2, 1], unique=False).tolist() == [1, 2, 1]  # a save may read a block twice
     for dup in ([1, 2, 1], np.array([9, 9]), torch.tensor([0, 5, 0], dtype=torch.int32)):
         with pytest.raises(ValueError, match="block_ids: duplicate ids"):
@@ -92,7 +98,7 @@ def test_duplicates_and_num_tokens():
 
 
 def test_duplicate_check_matches_unique_at_scale():
-    check = IdCheck(num_blocks=40_000, block_size=16)
+    check = id_check(40_000, 16)
     rng = np.random.default_rng(0)
     for n in (1, 2, 512, 8192, 32_768):
         ids = rng.permutation(40_000)[:n]
@@ -103,7 +109,7 @@ def test_duplicate_check_matches_unique_at_scale():
 
 
 def test_the_job_owns_its_ids():
-    check = IdCheck(num_blocks=10, block_size=4)
+    check = id_check(10, 4)
     for mine in (torch.tensor([1, 2, 3]), np.array([1, 2, 3]), [1, 2, 3]):
         t = check(mine, unique=True)
         mine[0] = 7  # the caller reuses its buffer
@@ -135,7 +141,7 @@ def test_engine_protects_the_submitted_blocks_when_the_caller_reuses_its_tensor(
 def test_random_ids_as_numpy_would_check_them(dtype):
     """Random ids, some sets with a repeat or one id out of range: the same verdict and copy as a
     plain numpy check (np.unique / bounds), and the duplicate scratch all clear after each."""
-    check = IdCheck(num_blocks=5000, block_size=16)
+    check = id_check(5000, 16)
     rng = np.random.default_rng(7)
     for trial in range(60):
         n = int(rng.integers(1, 3000))
@@ -158,7 +164,7 @@ def test_random_ids_as_numpy_would_check_them(dtype):
 def test_repeat_check_leaves_the_mask_clear(num_blocks):
     """The C check clears its mask by one sweep where the mask is small against the ids it marked,
     else id by id: either way all clear after a pass, a repeat found late and one found early."""
-    check = IdCheck(num_blocks=num_blocks, block_size=16)
+    check = id_check(num_blocks, 16)
     rng = np.random.default_rng(num_blocks)
     ids = rng.permutation(num_blocks)[:48].astype(np.int64)
     assert np.array_equal(check(ids, unique=True).numpy(), ids)
@@ -175,7 +181,7 @@ def test_repeats_in_runs_of_neighbouring_ids():
     """Runs of neighbouring ids (the C check gathers a run's marks before writing them): a repeat
     inside a run, in a later run of the same mask byte, in the last run, or none, over shuffled
     ranges -- the verdict of np.unique each time, and the mask all clear after."""
-    check = IdCheck(num_blocks=4096, block_size=16)
+    check = id_check(4096, 16)
     rng = np.random.default_rng(11)
     cases = [[0, 1, 0], [0, 1, 9, 0], [0, 9, 1, 0], [5, 6, 7, 5], [7, 8, 7], [3], [3, 3], list(range(64))]
     for _ in range(200):
@@ -199,7 +205,7 @@ def test_repeats_in_runs_of_neighbouring_ids():
 def test_rising_ids_skip_the_mask_and_equal_neighbours_still_repeat():
     """A strictly rising list cannot repeat: the C check skips its mask (a sorted request costs
     what a save's check does); equal neighbours are not rising and are caught, at either end."""
-    check = IdCheck(num_blocks=1 << 16, block_size=16)
+    check = id_check(1 << 16, 16)
     rising = np.arange(0, 3 * 8192, 3, dtype=np.int64)
     assert np.array_equal(check(rising, unique=True).numpy(), rising)
     for a in ([1, 2, 2], [4, 4, 5], [0, 1, 2, 3, 3, 4], [9, 8, 9], list(range(100)) + [99]):
@@ -211,7 +217,7 @@ def test_rising_ids_skip_the_mask_and_equal_neighbours_still_repeat():
 
 
 def test_strided_and_foreign_inputs_take_the_numpy_path():
-    check = IdCheck(num_blocks=10, block_size=4)
+    check = id_check(10, 4)
     t = torch.tensor([1, 9, 2, 9, 3, 9])[::2]  # not contiguous
     assert check(t, unique=True).tolist() == [1, 2, 3]
     big_endian = np.array([4, 5], dtype=">i8")
@@ -223,7 +229,7 @@ def test_strided_and_foreign_inputs_take_the_numpy_path():
 def test_repeats_in_a_big_cache(dtype):
     """A big cache (4M blocks: 512 KiB of mask): the verdict of np.unique for random ids of many
     lengths, a repeat first, last or in between, or none; the mask all clear after."""
-    check = IdCheck(num_blocks=1 << 22, block_size=1)
+    check = id_check(1 << 22, 1)
     rng = np.random.default_rng(17)
     for n in [1, 2, 3, 7, 64, 1000, 4097, 8192]:
         ids = rng.choice(1 << 22, size=n, replace=False).astype(dtype)
@@ -245,7 +251,7 @@ def test_lists_and_tuples_of_ints_check_as_arrays_do(n):
     """A caller's list of ints (vLLM's block ids) is checked in one C call where the helper is
     built: the same copy and errors as an array; an item that is no plain int (a numpy scalar, a
     bool, one past 64 bits) leaves the list to the numpy path, as without the helper."""
-    check = IdCheck(num_blocks=3 * n, block_size=4)
+    check = id_check(3 * n, 4)
     ids = np.random.default_rng(n).permutation(3 * n)[:n].tolist()
     for form in (ids, tuple(ids), sorted(ids)):
         for unique in (False, True):
@@ -267,7 +273,7 @@ def test_lists_and_tuples_of_ints_check_as_arrays_do(n):
 def test_list_ids_past_one_digit_check_as_small_ones():
     """Ints of 2**30 and up take two 30-bit digits in CPython: the C pass reads one-digit ints
     directly and converts the others; both give the same copy and errors."""
-    check = IdCheck(num_blocks=2**30 + 16, block_size=1)
+    check = id_check(2**30 + 16, 1)
     ids = [0, 5, 2**30 - 1, 2**30, 2**30 + 15]
     assert check.checked(ids, unique=True).ids.tolist() == ids
     for bad in (2**30 + 16, -1, -(2**40)):

@@ -54,7 +54,8 @@ class CheckedIds(CheckedBlocks):
 class IdCheck:
     """Checks ids against a cache of `num_blocks` blocks of `block_size` tokens. Thread-safe."""
 
-    def __init__(self, num_blocks: int, block_size: int, spares: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, spares: bool = True, native: bool = True):
+        """native: use the C helper where it is built (False: the numpy passes, e.g. to test them)."""
         if not 0 < num_blocks <= MAX_BLOCKS:
             raise ValueError(f"num_blocks: expected 1..{MAX_BLOCKS} (ids are int32), got {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -63,6 +64,7 @@ class IdCheck:
         self._seen = np.zeros(num_blocks, dtype=bool)  # scratch of the duplicate check, all False between
         self._bits = np.zeros((num_blocks + 63) // 64, dtype=np.uint64)  # the C check's: a bit per block
         self._spares: dict[int, list[np.ndarray]] = {}  # length -> arrays, in order of use (`_fast`)
+        self._fast = _fast if native else None
 
     @property
     def scratch_clear(self) -> bool:
@@ -88,7 +90,7 @@ class IdCheck:
     def checked(self, block_ids, unique: bool, num_tokens: int | None = None) -> CheckedIds:
         """The checked ids as `CheckedIds`: `.ids` is the job's own int32 numpy array (no torch
         view made: one call fewer on a submit, whose movers take numpy ids)."""
-        got = self._native(block_ids, unique) if _fast is not None else None
+        got = self._native(block_ids, unique) if self._fast is not None else None
         if got is None:
             a = self._array(block_ids)
             hi = int(a.view(np.uint64).max())  # one pass: negatives wrap to huge values
@@ -140,9 +142,9 @@ class IdCheck:
         if spares is not None:
             if unique:
                 with self._lock:  # the scratch mask is shared: one check at a time marks it
-                    got = _fast.check_ids(src, wide, n, self.num_blocks, bits, spares)
+                    got = self._fast.check_ids(src, wide, n, self.num_blocks, bits, spares)
             else:
-                got = _fast.check_ids(src, wide, n, self.num_blocks, None, spares)
+                got = self._fast.check_ids(src, wide, n, self.num_blocks, None, spares)
             if got is not None:  # a free spare held the copy: the array, or what was wrong
                 if type(got) is np.ndarray:
                     return got, 0
@@ -150,9 +152,9 @@ class IdCheck:
         a = np.empty(n, dtype=np.int32)  # the job's own copy
         if unique:
             with self._lock:  # the scratch mask is shared: one check at a time marks it
-                rc = _fast.check_ids(src, wide, n, self.num_blocks, bits, a)
+                rc = self._fast.check_ids(src, wide, n, self.num_blocks, bits, a)
         else:
-            rc = _fast.check_ids(src, wide, n, self.num_blocks, None, a)
+            rc = self._fast.check_ids(src, wide, n, self.num_blocks, None, a)
         if rc == NOT_INTS:
             return None  # an item of the list is no int: the numpy path says what is wrong
         if spares is not None and rc == 0 and len(spares) * n * 4 < SPARE_BYTES:

@@ -154,9 +154,12 @@ class SlotNodes:
         return out
 
     @classmethod
-    def find(cls, graph, host_side: str, base: int, nbytes: int, staging, expected: int) -> SlotNodes:
-        """`graph`: a torch CUDAGraph made with keep_graph=True, instantiated. Raises NodeError."""
-        api = _api()
+    def find(
+        cls, graph, host_side: str, base: int, nbytes: int, staging, expected: int, api=None
+    ) -> SlotNodes:
+        """`graph`: a torch CUDAGraph made with keep_graph=True, instantiated. Raises NodeError.
+        api: the runtime's graph calls (None: the CUDA runtime torch loaded; a test passes a fake)."""
+        api = api if api is not None else _api()
         g, ex = int(graph.raw_cuda_graph() or 0), int(graph.raw_cuda_graph_exec() or 0)
         if not g or not ex:
             raise NodeError("no cudaGraph_t / cudaGraphExec_t handle")
