@@ -133,19 +133,20 @@ def test_plan_picks_wide_units_where_aligned(kv):
     assert plan.unit == torch.int16 and plan.vec == 1
 
 
-def test_checked_block_ids_equal_the_checked_path():
+def test_trusted_block_ids_equal_the_checked_path():
     """The engine's shortcut (ids it checked itself) gives what the checking path gives."""
     import torch
 
-    from kvtier.ops.checks import block_ids, checked_block_ids
+    from kvtier.ops.checks import block_ids, check_num_tokens, trusted_block_ids
     from kvtier.reference import random_cache
 
     kv = random_cache("vllm_flash", 2, 10, 4, 2, 8, torch.float16, seed=0)
     ids = torch.tensor([7, 2, 9], dtype=torch.int64)
-    a, b = checked_block_ids(kv, ids, True, 10), block_ids(kv, ids, unique=True, num_tokens=10)
+    last = check_num_tokens(kv, len(ids), 10)  # what the engine's IdCheck hands the mover
+    a, b = trusted_block_ids(kv, ids, True, last), block_ids(kv, ids, unique=True, num_tokens=10)
     assert torch.equal(a.dev, b.dev) and a.last_valid == b.last_valid == 2 and a.unique
-    c = checked_block_ids(kv, ids.to(torch.int32), True, 10)  # the engine's int32 copy: the same BlockIds
+    c = trusted_block_ids(kv, ids.to(torch.int32), True, last)  # the engine's int32 copy: the same BlockIds
     assert c.dev.dtype == torch.int32 and torch.equal(c.dev, b.dev) and c.cpu.dtype == torch.int64
     assert torch.equal(c.cpu, b.cpu) and c.last_valid == 2
     with pytest.raises(ValueError, match="num_tokens"):
-        checked_block_ids(kv, ids, True, 13)  # 13 tokens do not fit 3 blocks of 4
+        check_num_tokens(kv, len(ids), 13)  # 13 tokens do not fit 3 blocks of 4

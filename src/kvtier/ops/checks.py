@@ -138,12 +138,6 @@ def trusted_block_ids(kv: PagedKV, ids, unique: bool, last_valid: int) -> BlockI
     return _landed(kv, cpu.to(torch.int64), dev, unique, last_valid)
 
 
-def checked_block_ids(kv: PagedKV, cpu: torch.Tensor, unique: bool, num_tokens: int | None) -> BlockIds:
-    """`trusted_block_ids` for ids whose caller checked the range (and repeats when `unique`) but
-    not `num_tokens`: that one is checked here."""
-    return trusted_block_ids(kv, cpu, unique, check_num_tokens(kv, len(cpu), num_tokens))
-
-
 def _landed(
     kv: PagedKV, cpu: torch.Tensor, dev, unique: bool, last_valid: int, lazy: bool = False
 ) -> BlockIds:
