@@ -53,7 +53,6 @@ class CudaMover:
         self.batch_available = batch.available()
         self.graphs = StagedGraphs(kv, cfg.max_graphs, cfg.graph_execs) if cfg.graphs else None
         self._staging_key: dict[str, tuple[int, ...]] = {}  # direction -> staging addresses (graph key)
-        self._block_size = kv.block_size  # a property of the layers' shapes: read once
         self.set_trace(None)
 
     def set_trace(self, trace) -> None:

@@ -66,9 +66,6 @@ class PageShape:
             return ["page[" + ",".join(map(str, self.sizes)) + "]"]
         return [f"piece{j}/{len(self.sizes)}:{n}" for j, n in enumerate(self.sizes)]
 
-    def chunk_sizes(self) -> list[int]:
-        return [self.nbytes] if self.gathered else list(self.sizes)
-
 
 def page_views(pool, host_indices, n_pages: int, shape: PageShape) -> list[tuple[memoryview, ...]]:
     """Each page's pieces at ``host_indices`` (``n_pages * pool.page_size`` token slots) as
