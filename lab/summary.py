@@ -19,6 +19,7 @@ from lab.targets import (
     P10_CALIBRATED_PCT,
     P10_PCT,
     P12_FACTOR,
+    SPLIT_OVERLAP,
     TTFT_CASE,
     ratio_target,
 )
@@ -192,6 +193,11 @@ def ttft_verdicts(p: dict) -> dict[str, tuple[str, str]]:
             if dry:
                 status, why = "n/a", f"{dry}, not P9's case: would be {status}: {why}"
         out["P9"] = (status, why)
+    if mode == "lean split" and "split_front_ms" in p and "split_vs_longer_half" in p:
+        over = p["split_vs_longer_half"]
+        status = "pass" if over <= SPLIT_OVERLAP else "miss"
+        why = f"split {over:.2f} x the longer half alone (target <= {SPLIT_OVERLAP:g})"
+        out["overlap"] = (status, why + (f"; {p['split_why']}" if "split_why" in p else ""))
     calibrated = calibration_used(p)
     if "error_pct" in p:
         limit = P10_CALIBRATED_PCT if calibrated else P10_PCT
@@ -220,7 +226,7 @@ def calibration_used(p: dict) -> bool:
 
 def ttft_markdown(doc: dict) -> str:
     """Every ttft row with its verdicts, then each verdict's why ("" without ttft rows)."""
-    targets = ("P8", "P9", "P10", "P12")
+    targets = ("P8", "P9", "P10", "P12", "overlap")
     lines = [
         "| case | TTFT ms | predicted ms | calibrated | " + " | ".join(targets) + " |",
         "|" + " --- |" * (4 + len(targets)),

@@ -12,6 +12,7 @@ or a figure's limit). The product measures; only the lab says whether a figure i
     P9  ttft split                             <= 0.9 x min(load, recompute) where those are within 3x
     P10 ttft predictions                       within 25% of the measurement, 10% with a calibration
     P12 ttft choice without a calibration      <= 1.1 x the fastest option measured in the same run
+    overlap  a lean split (#30)                <= 1.15 x the longer of its halves, each timed alone
 """
 
 # suite -> (target name, minimum ratio) for kvtier's own copy paths (baselines have none)
@@ -27,6 +28,7 @@ P8_SPEEDUP, P8_MIN_PREFIX = 8.0, 8192
 P9_FACTOR, P9_WITHIN = 0.9, 3.0
 P10_PCT, P10_CALIBRATED_PCT = 25.0, 10.0
 P12_FACTOR = 1.1
+SPLIT_OVERLAP = 1.15
 TTFT_CASE = ("llama-3-8b", "CudaDevice")  # (model, device) of the rows P8 / P9 / P12 speak of
 
 

@@ -60,3 +60,11 @@ def test_an_older_file_is_judged_through_its_old_names():
     assert "| pass |" in line  # P8 like against like, as the file recorded it
     r = CliRunner().invoke(main, ["results", str(OLD)])
     assert r.exit_code == 0 and "Time to first token, every row" in r.output
+
+
+def test_a_lean_split_is_judged_against_its_halves_alone():
+    row = {"mode": "lean split", "split_front_ms": 16.0, "split_back_ms": 27.0}
+    assert ttft_verdicts(row | {"split_vs_longer_half": 1.10})["overlap"][0] == "pass"
+    assert ttft_verdicts(row | {"split_vs_longer_half": 2.48})["overlap"][0] == "miss"
+    old = {"mode": "lean split", "split_vs_longer_half": 2.48}  # older files: halves estimated, not timed
+    assert "overlap" not in ttft_verdicts(old)

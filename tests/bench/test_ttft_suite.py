@@ -265,13 +265,15 @@ def test_tiers_asked_by_the_environment():
             tiers_asked(bad)
 
 
-def test_a_lean_split_says_which_half_bounds_it():
+def test_a_lean_split_is_held_against_its_halves_timed_alone():
+    from kvtier.bench.stats import summarize
     from kvtier.bench.suites.ttft_lean import _split
 
-    p = _split(8192, recompute_ms=260.0, load_ms=750.0, split_ms=308.0, s=6144)
+    front, back = summarize([195.0, 196.0, 194.0], "perf_counter"), summarize([150.0] * 3, "perf_counter")
+    p = _split(recompute_ms=260.0, load_ms=750.0, split_ms=308.0, front=front, back=back)
     assert p["load_vs_recompute"] == pytest.approx(750 / 260) and p["split_vs_best"] == pytest.approx(
         308 / 260
     )
-    assert "front ~195.0 ms" in p["split_why"] and "[s, n) ~187.5 ms" in p["split_why"]
-    assert "cannot beat 195.0 ms" in p["split_why"] and "113.0 ms above" in p["split_why"]
-    assert p["split_vs_longer_half"] == pytest.approx(308 / 195)
+    assert p["split_front_ms"] == 195.0 and p["split_back_ms"] == 150.0
+    assert "front 195.0 ms" in p["split_why"] and "the tail 150.0 ms" in p["split_why"]
+    assert p["split_vs_longer_half"] == pytest.approx(308 / 195) and "1.58x the longer" in p["split_why"]

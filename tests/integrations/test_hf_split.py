@@ -119,3 +119,33 @@ def test_plan_request_reads_the_hit_and_its_split_runs_exactly(tmp_path):
         cache = split_run(kvt, model, b, slow.split_tokens)
         assert cache.front == slow.split_tokens
     dev.close()
+
+
+@pytest.mark.parametrize("kind", ["host", "disk"])
+def test_the_split_load_is_staged_and_queued_before_the_front(kind, tmp_path):
+    """Beside the front's compute the copies take the staged path (no SM held), and a host hit's
+    are queued on the calling thread before the front starts: no reader thread competes with the
+    front's launches. A disk hit is read on a thread while the front computes."""
+    import threading
+
+    model = build(llama)
+    dev = SimDevice(copy_delay=(0.0, 0.002), seed=11)
+    with KVTier.for_model(model, device=dev, tiers=tier_for(kind, tmp_path), chunk_tokens=32) as kvt:
+        a, b = prompts(model)
+        run(kvt, model, a)
+        if kind != "host":
+            kvt.store.evict()
+        seen, before = {}, kvt.store.stats()["store"]["loads"]
+
+        def front(ids):
+            seen["reader"] = any(t.name == "kvtier-split-load" for t in threading.enumerate())
+            seen["queued"] = kvt.store.stats()["store"]["loads"]
+            return [(torch.zeros(1, 1, 0, 1),) * 2]  # never read: only the load is checked
+
+        cache = split_cache(kvt, model, b, 32, front=front)
+        assert [j.path for j in cache.load.jobs] == ["staged"]
+        assert seen["reader"] is (kind != "host")
+        if kind == "host":
+            assert seen["queued"] == before + 1  # the load was submitted before the front ran
+        cache.finish(None)
+    dev.close()

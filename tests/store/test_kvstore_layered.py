@@ -44,6 +44,20 @@ def test_a_hit_loads_layer_major_through_load_slots(rig):
     assert rig.store.stats()["host"]["pinned_bytes"] == 0  # every pin dropped once e_load completed
 
 
+def test_a_path_given_to_load_overrides_the_engines(rig):
+    """path="staged" (a load beside compute): one job per chunk on that path, exact; a bad path
+    is refused, naming the argument, before anything is fetched."""
+    tokens = toks(13, 3 * CT)
+    assert rig.store.save(tokens, range(6), after=rig.write(tokens, range(6))).wait(5)
+    with pytest.raises(ValueError, match="path"):
+        rig.store.load(tokens, range(40, 46), path="dma")
+    assert rig.store.stats()["host"]["pinned_bytes"] == 0
+    rig.poison(range(40, 46))
+    lh = rig.store.load(tokens, range(40, 46), path="staged")
+    assert [j.path for j in lh.jobs] == ["staged"] * 3
+    assert lh.wait(5) and rig.check(tokens, range(40, 46), 3)
+
+
 def test_a_failing_submission_gives_every_fetched_chunk_back(rig, monkeypatch):
     tokens = toks(12, 3 * CT)
     assert rig.store.save(tokens, range(6), after=rig.write(tokens, range(6))).wait(5)

@@ -20,7 +20,7 @@ The parts:
     EngineConfig       every knob, checked once                                (config.py)
     SaveJob, LoadJob   the handles a save / load returns                       (jobs.py)
     SubmitTrace        an opt-in timer of each submit's phases                 (trace.py)
-    Path, choose_path  which copy path a job takes, and why                    (paths.py)
+    Path, choose_path, parse_path  which copy path a job takes, and why        (paths.py)
     IdCheck            block ids checked once, at the entry                    (ids.py)
     movers             SimMover (CPU, late copies), CudaMover (staged / kernel / batch)
     fastpath/          beneath the CUDA mover: CUDA-graph replay, the C helper, batched copies
@@ -31,7 +31,7 @@ from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import TransferEngine
 from kvtier.engine.handoff import Handoff, HandoffJob, handoff
 from kvtier.engine.jobs import LoadJob, SaveJob
-from kvtier.engine.paths import Path, choose_path
+from kvtier.engine.paths import Path, choose_path, parse_path
 from kvtier.engine.trace import SubmitTrace
 
 __all__ = [
@@ -45,4 +45,5 @@ __all__ = [
     "TransferEngine",
     "choose_path",
     "handoff",
+    "parse_path",
 ]

@@ -6,11 +6,14 @@
     out = model.generate(ids, past_key_values=cache, max_new_tokens=64, do_sample=False)
     cache.finish(out)
 
-Order of work. The load of chunks [s, n) starts first, on a thread of its own (a disk or remote
-read blocks in `KVStore.load`; the copies go to the engine's copy stream, layer by layer, an
-event per layer). Meanwhile the model runs one forward over tokens [0, s) on the compute stream,
-filling every layer's K/V for those positions: this is exact, because attention of a token < s
-reads only keys < s — it never needs the loaded [s, n). ``generate`` then sees
+Order of work. The load of chunks [s, n) starts first: on the calling thread when every chunk is
+in pinned host memory (submitting its copies costs little host time), else on a thread of its
+own (a disk or remote read blocks in `KVStore.load`). Its copies take the staged path: DMAs on
+the copy engine and short scatters, so they hold no SM while the front computes (a per-layer
+kernel load would share the SMs with it); each layer's event is then the whole load's, which the
+tail waits for after the front anyway. Meanwhile the model runs one forward over tokens [0, s) on
+the compute stream, filling every layer's K/V for those positions: this is exact, because
+attention of a token < s reads only keys < s — it never needs the loaded [s, n). ``generate`` then sees
 ``get_seq_length() == s + loaded`` and prefills only the rest of the prompt; at each layer's
 first update, that layer waits for its load event, its loaded K/V is appended after [0, s), and
 then the new tokens' K/V. The cache holds exactly what one forward over the prompt would.
@@ -86,19 +89,29 @@ def split_cache(kvt: KVTier, model, input_ids: torch.Tensor, split_tokens: int, 
     ids = torch.as_tensor(tokens, device=next(model.parameters()).device).unsqueeze(0)
     t0 = time.perf_counter()
     start = kvt.engine.load_stream.record("hf-load-start")
-    n = kvt.store.lookup(tokens[:-1]).tokens  # the last prompt token always runs: it gives the logits
+    hit = kvt.store.lookup(tokens[:-1])  # the last prompt token always runs: it gives the logits
+    n = hit.tokens
     s = min(split_tokens, n)
     blocks = kvt._alloc((n - s) // bs)
     box: dict = {}
 
     def read() -> None:  # lower tiers are read on the calling thread of KVStore.load
         try:
-            box["load"] = kvt.store.load(tokens[:-1], blocks, first_chunk=s // ct)
+            # Staged copies beside the front: the copy engine moves the bytes, the SMs stay its.
+            box["load"] = kvt.store.load(
+                tokens[:-1], blocks, first_chunk=s // ct, path="staged" if s else None
+            )
         except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
             box["error"] = e
 
-    reader = threading.Thread(target=read, name="kvtier-split-load", daemon=True) if n > s else None
-    if reader is not None:
+    reader = None
+    if n > s and all(t == "host" for t in hit.tiers[s // ct :]):
+        read()  # nothing to read: the copies are queued before the front's launches, here
+        if "error" in box:  # refused before any copy: no forward for a request that fails
+            kvt._release(blocks)
+            raise box["error"]
+    elif n > s:
+        reader = threading.Thread(target=read, name="kvtier-split-load", daemon=True)
         reader.start()  # disk / remote reads and the copies overlap the forward over [0, s) below
     cache = SplitCache(kvt, blocks, None, t0, start, front=s)
     try:

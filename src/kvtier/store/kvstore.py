@@ -31,7 +31,7 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
-from kvtier.engine import Path
+from kvtier.engine import Path, parse_path
 from kvtier.lifecycle import LifecycleError, SlotState
 from kvtier.pool import PoolExhausted
 
@@ -213,7 +213,9 @@ class KVStore:
         self._count(save_chunks_failed=h.failed)
         return handle
 
-    def load(self, tokens, block_ids, *, per_layer: bool = True, first_chunk: int = 0) -> LoadHandle:
+    def load(
+        self, tokens, block_ids, *, per_layer: bool = True, first_chunk: int = 0, path: str | None = None
+    ) -> LoadHandle:
         """Load the longest available chunk prefix of ``tokens`` (``[num_tokens]``) into
         ``block_ids`` (``[num_blocks]``, distinct GPU blocks of the request, in order; chunks
         beyond ``len(block_ids) // bpc`` are not loaded). Lower-tier reads happen here; the GPU
@@ -224,6 +226,10 @@ class KVStore:
         first_chunk: start there (the caller recomputes the chunks before); chunk first_chunk + i
         goes into ``block_ids[i*bpc:(i+1)*bpc]`` and ``handle.tokens`` counts from there.
 
+        path: the engine's copy path for these loads (`kvtier.engine.paths`; None: the engine's
+        own). A load running beside a forward (a split hit) passes "staged": its copies then hold
+        no SM but the short scatters, where the per-layer kernel path would share the SMs.
+
         >>> h = store.load(range(100), range(20, 24), first_chunk=1)  # chunks 1 and 2
         >>> h.wait(5), h.tokens, h.tiers
         (True, 64, ('host', 'host'))
@@ -233,6 +239,7 @@ class KVStore:
         if type(first_chunk) is not int or not 0 <= first_chunk <= len(keys):  # a bool is no index
             raise ValueError(f"first_chunk: must be an int within [0, {len(keys)}], got {first_chunk!r}")
         keys = keys[first_chunk:]
+        path = None if path is None else parse_path(path)
         ids = self._block_ids(block_ids, need=0, unique=True)
         self._reap()
         handle = LoadHandle(num_layers=self.kv.num_layers, _on_done=self._reap)
@@ -244,7 +251,8 @@ class KVStore:
         except BaseException:
             self._give_back(got_all)  # fetched, never submitted
             raise
-        if per_layer and len(got_all) > 1 and self.engine.load_path(per_layer=True) is Path.KERNEL:
+        layer_major = (path or self.engine.load_path(per_layer=True)) is Path.KERNEL
+        if per_layer and len(got_all) > 1 and layer_major:
             # Layer-major over every chunk (one launch per layer): layer 0 of the whole prefix
             # lands first, so attention of layer 0 starts after 1/L of the bytes, not all of them.
             try:
@@ -263,7 +271,7 @@ class KVStore:
             for i, got in enumerate(got_all):
                 layered = per_layer and i == len(got_all) - 1
                 try:
-                    job = self.engine.load(got.entry.slot, self._chunk(ids, i), per_layer=layered)
+                    job = self.engine.load(got.entry.slot, self._chunk(ids, i), per_layer=layered, path=path)
                 except BaseException:
                     self._give_back(got_all[i:])  # this chunk and the later ones were never submitted
                     raise
