@@ -10,6 +10,9 @@
 #   models: ($GPU_TESTS: those first) host_jitter.py, kvtier calibrate, suites ttft (calibrated) + submit_overhead
 #   models-hf: suite hf, `kvtier demo` on the GPU (+ Redis when carried); with $KVTIER_CALIBRATION, ttft too
 #   ttft-hf: GPU tests ($GPU_TESTS: those), suites ttft + hf ($KVTIER_CALIBRATION)
+#   planner: ($GPU_TESTS) the ttft suite as a new user runs it (no calibration file, an empty first-use
+#       cache) into $out/uncal.*, then kvtier calibrate, then the ttft suite with that calibration
+#       into $out/cal.* (#30: the planner out of the box and calibrated, in one run)
 #   verdict: ($GPU_TESTS) suites $P6_SUITES (default bidir save_beside_matmul submit_overhead), then
 #       submit_overhead $P6_REPEAT more times (default 0) into $out/again<i>/: the targets' figures at one commit
 #       (with P6_REPEAT=1 it writes 7 files; the device tool returns 8 at most, so add one file at most)
@@ -110,6 +113,23 @@ if [ "$mode" = models ]; then
   echo "== bench ttft, submit_overhead"
   KVTIER_CALIBRATION="$out/calibration.json" timeout 360 $py -m lab bench --out "$out" --suite ttft \
     --suite submit_overhead 2>&1 | tee "$out/bench.log" | tail -60
+  exit 0
+fi
+if [ "$mode" = planner ]; then
+  gpu_tests
+  export KVTIER_CACHE_DIR=$(mktemp -d)  # a new user's machine: no first-use costs measured yet
+  for side in uncal cal; do
+    if [ $side = cal ]; then
+      echo "== calibrate"
+      timeout ${CAL_TIMEOUT:-150} $py -m kvtier calibrate --save "$out/calibration.json" 2>&1 \
+        | tee "$out/calibrate.log" | tail -30
+      export KVTIER_CALIBRATION="$out/calibration.json"
+    fi
+    echo "== bench ttft ($side)"
+    tmp=$(mktemp -d)  # the plot stays there: the device tool returns 8 files at most
+    timeout ${BENCH_TIMEOUT:-250} $py -m kvtier bench --out "$tmp" --suite ttft 2>&1 | tee "$out/$side.bench.log" | tail -50
+    cp "$tmp"/*.json "$out/$side.json" 2>/dev/null
+  done
   exit 0
 fi
 if [ "$mode" = verdict ]; then
