@@ -313,12 +313,12 @@ def test_wrong_types_raise_errors_naming_the_argument():
 
 def test_auto_path_rule():
     small = 32 << 10
-    assert choose_path("save", piece_nbytes=small) is Path.STAGED
-    assert choose_path("load", piece_nbytes=small, per_layer=True, compute_beside=True) is Path.STAGED
-    assert choose_path("load", piece_nbytes=small, per_layer=True, compute_beside=False) is Path.KERNEL
-    assert choose_path("load", piece_nbytes=small, per_layer=False, compute_beside=False) is Path.STAGED
-    assert choose_path("save", piece_nbytes=small, batch_ok=True) is Path.STAGED  # never for small pieces
-    assert choose_path("save", piece_nbytes=8 << 20, batch_ok=True) is Path.BATCH
+    assert choose_path("save", run_nbytes=small) is Path.STAGED
+    assert choose_path("load", run_nbytes=small, per_layer=True, compute_beside=True) is Path.STAGED
+    assert choose_path("load", run_nbytes=small, per_layer=True, compute_beside=False) is Path.KERNEL
+    assert choose_path("load", run_nbytes=small, per_layer=False, compute_beside=False) is Path.STAGED
+    assert choose_path("save", run_nbytes=small, batch_ok=True) is Path.STAGED  # never for short runs
+    assert choose_path("save", run_nbytes=8 << 20, batch_ok=True) is Path.BATCH
 
 
 def test_auto_path_decided_once_per_direction_and_overridable():

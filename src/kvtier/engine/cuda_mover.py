@@ -51,6 +51,7 @@ class CudaMover:
         self.gather_stream = torch.cuda.Stream(device=kv.device)  # staged saves' short gathers
         self.scatter_stream = torch.cuda.Stream(device=kv.device)  # staged loads' scatters
         self.batch_available = batch.available()
+        self.batch_run_nbytes = batch.run_nbytes(kv)  # its smallest copy of a full block (`choose_path`)
         self.graphs = StagedGraphs(kv, cfg.max_graphs, cfg.graph_execs) if cfg.graphs else None
         self._staging_key: dict[str, tuple[int, ...]] = {}  # direction -> staging addresses (graph key)
         self.set_trace(None)

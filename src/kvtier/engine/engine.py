@@ -345,10 +345,9 @@ class TransferEngine:
             return p
         p = parse_path(path) if path is not None else self.config.path
         if p is Path.AUTO:
-            kv = self.kv
             p = choose_path(
                 direction,
-                piece_nbytes=kv.piece_numel * kv.dtype.itemsize,
+                run_nbytes=self.mover.batch_run_nbytes,
                 per_layer=per_layer,
                 compute_beside=self.config.compute_beside,
                 batch_ok=self.mover.batch_available,

@@ -22,6 +22,7 @@ def _tokens(n: int, block_size: int, last_valid: int) -> int | None:
 
 class SimMover:
     batch_available = False
+    batch_run_nbytes = 0  # no batch path: no copy of its own to weigh
 
     def __init__(self, ctx: MoverContext):
         self.dev, self.kv = ctx.device, ctx.kv

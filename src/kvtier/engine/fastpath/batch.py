@@ -4,20 +4,27 @@ Called through ctypes on the CUDA runtime torch has loaded, not through cuda-bin
 signature is stable per runtime major (12.8/12.9 take a `failIdx` pointer, 13.x do not) and the
 pointer arrays go in as tensors, so no Python object is built per piece.
 
-A piece is one K or V block of one layer, contiguous in the cache (`kvtier.layout`); its address
-is computed for all pieces at once with tensor arithmetic. The last block of a partial request is
-split into its valid token rows (one per head for HND pieces): a load leaves the cache's tokens
-past `num_tokens` untouched, and a save zeroes them in the slot on the CPU before submitting (the
-slot is ours and no copy touches it yet), matching the chunk format.
+A piece is one K or V block of one layer, contiguous in the cache (`kvtier.layout`). A copy
+(one descriptor) is a run of pieces adjacent in the cache and in the chunk alike: where a block's
+pieces lie in the chunk's order (vLLM's BLHNC / BLNHC, MLA in any B-first order, `cross_layer`)
+a full block is one copy, and consecutive ids whose block stride is that run join into one;
+elsewhere a layer's adjacent pieces (LBHNC's heads) or single pieces. BHLNC's block is one run
+too, but as [H, L, N, C] against the chunk's [L, H, N, C]: its copies stay per piece. A block's
+runs are worked out once per cache, and each job's addresses with tensor arithmetic: no Python
+object per piece or block. The last block of a partial request is split into its valid token
+rows (one per head for HND pieces): a load leaves the cache's tokens past `num_tokens`
+untouched, and a save zeroes them in the slot on the CPU before submitting (the slot is ours
+and no copy touches it yet), matching the chunk format.
 
-Its CPU cost is per piece and small pieces stay well under the link's ceiling, so `auto` uses it
-only for large pieces (`engine/paths.py`). It refuses the legacy default stream; the engine's copy
-streams are never that one.
+Its CPU cost is per copy and small copies stay well under the link's ceiling, so `auto` uses it
+only where a full block's copies are long runs (`run_nbytes`, weighed by `engine/paths.py`). It
+refuses the legacy default stream; the engine's copy streams are never that one.
 """
 
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import torch
 
@@ -62,29 +69,51 @@ def why_unavailable() -> str:
 
 
 def pieces(kv: PagedKV, ids: torch.Tensor, last_valid: int, host_ptr: int):
-    """(paged addresses, host addresses, sizes): int64 CPU tensors, one entry per copy."""
-    es, L, KV = kv.dtype.itemsize, kv.num_layers, kv.num_kv
-    pb = kv.piece_numel * es
-    base = kv.layers[kv.base].data_ptr()
-    loff = torch.tensor(kv.layer_offsets, dtype=torch.int64) * es
-    kvo = torch.arange(KV, dtype=torch.int64) * (kv.kv_stride * es)
+    """(paged addresses, host addresses, sizes): int64 CPU tensors, one entry per copy.
+
+    A copy is a run of the job's pieces adjacent in the cache and in the chunk alike: a full
+    block as its runs (`_block_runs`), the last block of a partial request as its valid rows,
+    and then runs that continue each other across blocks (consecutive ids whose block stride
+    is the run) joined too (`merge`)."""
+    es, bs = kv.dtype.itemsize, kv.block_size
+    r = _block_runs(kv)
     ids = ids.to(torch.int64)
-    paged = base + (ids * (kv.block_stride * es))[:, None, None] + loff[None, :, None] + kvo[None, None, :]
-    host = host_ptr + torch.arange(len(ids) * L * KV, dtype=torch.int64).view(len(ids), L, KV) * pb
-    paged, host = paged.reshape(-1), host.reshape(-1)
-    sizes = torch.full_like(paged, pb)
-    if last_valid == kv.block_size:
+    n = len(ids)
+    full = n if last_valid == bs else n - 1
+    blk = kv.layers[kv.base].data_ptr() + ids * (kv.block_stride * es)  # each block's (layer base, kv 0)
+    hblk = host_ptr + torch.arange(n, dtype=torch.int64) * kv.block_nbytes  # its slot in the chunk
+    paged = (blk[:full, None] + r.paged).reshape(-1)
+    host = (hblk[:full, None] + r.host).reshape(-1)
+    sizes = r.sizes.repeat(full)
+    if full < n:  # the last block: only the valid token rows of each segment (one per head in HND)
+        lp = (blk[-1] + r.piece_paged[:, None] + r.seg).reshape(-1)
+        lh = (hblk[-1] + r.piece_host[:, None] + r.seg).reshape(-1)
+        ls = torch.full_like(lp, last_valid * r.seg_nbytes // bs)
+        paged, host, sizes = torch.cat([paged, lp]), torch.cat([host, lh]), torch.cat([sizes, ls])
+    return merge(paged, host, sizes)
+
+
+def run_nbytes(kv: PagedKV) -> int:
+    """Bytes of the smallest copy of a full block on this path: the block's whole run where its
+    pieces lie in the chunk's order (`kvtier.layout.contiguous_block_run`), else one layer's
+    adjacent pieces (LBHNC: a layer's heads), else one piece. What `choose_path` weighs."""
+    return int(_block_runs(kv).sizes.min())
+
+
+def merge(paged: torch.Tensor, host: torch.Tensor, sizes: torch.Tensor):
+    """(paged, host, sizes) of the copies with each one that starts where the one before it
+    ends, in the cache and in the chunk alike, joined to it: the same bytes, fewer descriptors.
+    Copies adjacent on one side only (blocks next to each other in the cache but not in the
+    chunk) stay apart."""
+    if len(sizes) < 2:
         return paged, host, sizes
-    # The last block's pieces: only the valid token rows of each segment (one per head in HND).
-    hnd = kv.interior == "HND" and kv.block_size > 1 and not kv.is_mla
-    segs = kv.num_heads if hnd else 1
-    seg_b = pb // segs
-    k = L * KV
-    offs = torch.arange(segs, dtype=torch.int64) * seg_b
-    lp = (paged[-k:, None] + offs).reshape(-1)
-    lh = (host[-k:, None] + offs).reshape(-1)
-    ls = torch.full_like(lp, last_valid * seg_b // kv.block_size)
-    return torch.cat([paged[:-k], lp]), torch.cat([host[:-k], lh]), torch.cat([sizes[:-k], ls])
+    start = torch.ones(len(sizes), dtype=torch.bool)
+    start[1:] = (paged[1:] != paged[:-1] + sizes[:-1]) | (host[1:] != host[:-1] + sizes[:-1])
+    first = start.nonzero().squeeze(1)
+    if len(first) == len(sizes):
+        return paged, host, sizes
+    last = torch.cat([first[1:], first.new_tensor([len(sizes)])]) - 1
+    return paged[first], host[first], paged[last] + sizes[last] - paged[first]
 
 
 def prepare(kv: PagedKV, ids: torch.Tensor, last_valid: int, host: torch.Tensor, *, save: bool):
@@ -142,3 +171,40 @@ def launch(
         lib.cudaGetLastError()  # consume the error so later, unrelated calls are not blamed
         name = lib.cudaGetErrorString(err)
         raise RuntimeError(f"cudaMemcpyBatchAsync failed: cudaError {err} {name!r} (copy {fail.value})")
+
+
+_RUNS_KEY = "batch_runs"  # this module's entry in PagedKV.plans
+
+
+class _Runs(NamedTuple):
+    """One block's copies, in bytes from the block's address in the cache (`paged`) and from
+    its slot in the chunk (`host`): the merged runs of a full block, and the pieces and their
+    segments that a partial block is cut into."""
+
+    paged: torch.Tensor
+    host: torch.Tensor
+    sizes: torch.Tensor
+    piece_paged: torch.Tensor
+    piece_host: torch.Tensor
+    seg: torch.Tensor  # offsets of a piece's segments: one per head in HND, else the piece
+    seg_nbytes: int
+
+
+def _block_runs(kv: PagedKV) -> _Runs:
+    """The copies of one block, worked out once per cache (they hold for every block: only its
+    address moves) and kept in `kv.plans`."""
+    r = kv.plans.get(_RUNS_KEY)
+    if r is not None:
+        return r
+    es = kv.dtype.itemsize
+    pb = kv.piece_numel * es
+    loff = torch.tensor(kv.layer_offsets, dtype=torch.int64) * es
+    kvo = torch.arange(kv.num_kv, dtype=torch.int64) * (kv.kv_stride * es)
+    piece_paged = (loff[:, None] + kvo[None, :]).reshape(-1)  # in the chunk's order: layer, then K/V
+    piece_host = torch.arange(len(piece_paged), dtype=torch.int64) * pb
+    paged, host, sizes = merge(piece_paged, piece_host, torch.full_like(piece_paged, pb))
+    hnd = kv.interior == "HND" and kv.block_size > 1 and not kv.is_mla
+    segs = kv.num_heads if hnd else 1
+    seg = torch.arange(segs, dtype=torch.int64) * (pb // segs)
+    r = kv.plans[_RUNS_KEY] = _Runs(paged, host, sizes, piece_paged, piece_host, seg, pb // segs)
+    return r
