@@ -52,3 +52,24 @@ def test_a_stream_is_not_queried_past_its_first_incomplete_event():
     assert a3.queries == 0 and {applied[0][0].event, applied[1][0].event} == {a1, b1}
     a2.is_done = True
     assert r.reap() == 2 and len(r) == 0  # a2, then a3 in the same pass
+
+
+def test_the_thread_queries_an_incomplete_job_once_per_slice():
+    """While the oldest job's copies run, the thread wakes once a slice (each wake-up takes the
+    GIL from the caller's forward), not in a tight poll; once the event completed it applies it."""
+    import time
+
+    applied = []
+    r = Reaper(lambda job, entry, kind: applied.append(job), lambda **_: None, slice_s=0.01)
+    try:
+        ev = Event("s")
+        r.track(Job(ev), None, "load")
+        time.sleep(0.2)
+        assert 5 <= ev.queries <= 30  # ~20 slices of 10 ms; a poll from 20 us would be hundreds
+        ev.is_done = True
+        deadline = time.monotonic() + 2
+        while not applied and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(applied) == 1
+    finally:
+        r.close()

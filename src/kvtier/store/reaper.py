@@ -3,7 +3,8 @@
 A saved chunk becomes READY in the host, and a load's pin on its slot drops, only when the
 job's event has completed — never when a call returned, never on a timeout. Applied by any
 store call, by handle waits, and by this thread (so pins do not linger when the caller never
-waits): it sleeps on the oldest job's event, bounded, and applies what completed.
+waits): it queries the oldest job's event once per slice, asleep in between, and applies what
+completed.
 """
 
 from __future__ import annotations
@@ -100,7 +101,12 @@ class Reaper:
                     self._wake.wait(0.05)  # idle: woken by track(); nothing can complete meanwhile
                     self._wake.clear()
                     continue
-                oldest.event.synchronize(self._slice_s)  # wakes when the oldest copy lands; bounded
+                if not oldest.event.query():
+                    # One query a slice, asleep in between: each wake-up takes the GIL from the
+                    # caller's thread (a forward's launches beside a load), so wake-ups stay rare;
+                    # callers' own store calls and waits reap sooner.
+                    self._stop.wait(self._slice_s)
+                    continue
                 self.reap()
             except Exception:  # a device error reaches the caller through its own waits, not here
                 log.exception("kvstore reaper")

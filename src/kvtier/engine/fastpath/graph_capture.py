@@ -14,6 +14,12 @@ from kvtier.engine.fastpath.graph_nodes import SlotNodes
 from kvtier.engine.fastpath.ring import HostRing
 from kvtier.ops.staged import load_chunks, save_chunks
 
+# Id buffers one graph may have in flight: one per job queued and not yet done (a buffer is
+# guarded by its job's event), so a request of many chunks (a 32K-token prefix in 256-token
+# chunks is 128 jobs) is queued without the host waiting for the first ones to land. Each
+# buffer holds one job's ids; they are made only as the queue deepens.
+RING_MAX = 1024
+
 
 def find_nodes(graphs, g, direction, base, nbytes, n, staging) -> SlotNodes | None:
     """The graph's DMA nodes, or None (with one warning per engine): the graph stays pinned."""
@@ -84,8 +90,7 @@ def capture_entry(graphs, direction, n, last_valid, slot_tensor, staging, side, 
             g.instantiate()  # keep_graph defers it; the exec must exist before its nodes are read
             base, nbytes = slot_tensor.data_ptr(), slot_tensor.numel() * slot_tensor.element_size()
             nodes = find_nodes(graphs, g, direction, base, nbytes, n, staging)
-        # Deep: with the job's event as guard a buffer is busy until its job is done.
-        ring = HostRing(lambda: host_buf(n), torch.cuda.Event, depth=2, max_depth=64)
+        ring = HostRing(lambda: host_buf(n), torch.cuda.Event, depth=2, max_depth=RING_MAX)
     handle = int(g.raw_cuda_graph_exec() or 0)
     if not handle:  # a replay is the runtime's own launch of this exec (`StagedGraphs._launch`)
         raise RuntimeError("torch gave no cudaGraphExec_t handle for the captured graph")
