@@ -7,24 +7,31 @@ device's tensors (vLLM itself need not be installed: the hooks are `WorkerSide`'
          wait_for_save -> get_transfer_results (+ load errors, stats, worker metadata)
 
 Per vLLM 0.33 layout order (LBHNC ... BHLNC) at the Llama-3-8B shape (32 layers, 8 KV heads,
-head_size 128, bf16, 16-token blocks; 8K and 32K tokens), rows:
+head_size 128, bf16, 16-token blocks; 8K and 32K tokens, 32 and 128 chunks of 16 blocks; --quick:
+8K only), rows:
 
 - save: a step whose metadata saves the request's chunks, until the copies completed, vs the
   same-run pinned D2H ceiling; load: a step that loads them into other blocks (poisoned before
   each run), vs pinned H2D; the loaded KV checked bit for bit against the saved blocks.
-  Params: `submit_us` (host time of the step that starts the save / load) and `idle_step_us`
-  (host time of a step with nothing to move: every hook, every layer).
+  Params: `submit_us` (host time of the step that starts the save / load: it includes any wait
+  of the host, e.g. on the staged graphs' ids ring when a step submits more jobs than it holds),
+  `ring_waits` (those waits per step), `save_errors` (chunks per step the host pool could not
+  take: a later miss) and `idle_step_us` (host time of a step with nothing to move: every hook,
+  every layer).
 - vllm_batch_save / vllm_batch_load: vLLM's own mechanism for the same bytes, one
   `cudaMemcpyBatchAsync` descriptor per page (a page: one block's contiguous run of one layer,
   or of every layer in a B-first order), with `submit_us` its CPU time to submit.
+- ttft_hit / ttft_recompute / forward_beside_save: the hooks beside a Llama forward
+  (`vllm_rows.py`).
 
-On a CPU (`--quick`): a tiny shape on `SimDevice`, timed on the host clock; the batched copy is
-skipped.
+On a CPU (`--quick`): a tiny shape on `SimDevice` (the forward rows: a tiny Llama of that KV
+shape), timed on the host clock; the batched copy is skipped.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import torch
 
@@ -34,6 +41,7 @@ from kvtier.bench.suite import Context, GiB, register
 LLAMA = dict(L=32, H=8, D=128, N=16, dtype=torch.bfloat16)  # Llama-3-8B's KV
 TINY = dict(L=2, H=2, D=16, N=16, dtype=torch.bfloat16)
 IDLE_REPS = 200
+HOST_SLACK_CHUNKS = 4  # host pool room past one request's chunks: a timed save never finds it full
 
 
 class Replay:
@@ -59,7 +67,9 @@ class Replay:
         self.chunks = n // chunk_blocks
         s = VllmSettings(
             chunk_tokens=chunk_blocks * N,
-            host_bytes=2 * self.chunks * per_chunk + (64 << 20),
+            # the host holds one request's chunks at a time (each timed save starts from an empty
+            # host, a second save of held chunks skips them): those, plus slack
+            host_bytes=(self.chunks + HOST_SLACK_CHUNKS) * per_chunk + (64 << 20),
             staging_bytes=min(256 << 20, max(2 * per_chunk, 1 << 20)),
         )
         dev = None
@@ -74,6 +84,7 @@ class Replay:
         self.blocks = self.chunks * chunk_blocks
         self.nbytes = self.kv.chunk_nbytes(self.blocks)
         self.q = torch.randn(1, 2 * D, dtype=shape["dtype"], device=ctx.device)
+        self.counts: Counter = Counter()  # the worker's stats of every step (vLLM's get_kv_connector_stats)
         self._step = 0
 
     def close(self) -> None:
@@ -103,7 +114,7 @@ class Replay:
         ws.save(bound)
         ws.finished({rid})  # get_transfer_results
         ws.load_errors()
-        ws.stats()
+        self.counts.update(ws.stats())
         ws.report()  # build_connector_worker_meta
         spent += time.perf_counter() - t2
         if not self.ctx.on_gpu:
@@ -130,9 +141,13 @@ class Replay:
 
     def settle(self) -> None:
         """Everything submitted has landed and been settled; the host holds no chunk."""
+        self.settle_saves()
+        self.ws.store.evict()
+
+    def settle_saves(self) -> None:
+        """Everything submitted has landed; the saved chunks are held by the host tier."""
         self.sync()
         self.ws.finished({"save"})
-        self.ws.store.evict()
 
     def sync(self) -> None:
         if self.ctx.on_gpu:
@@ -141,6 +156,14 @@ class Replay:
             self.dev.current_stream().synchronize()
             self.ws.store.engine.save_stream.synchronize()
             self.ws.store.engine.load_stream.synchronize()
+
+    def ring_waits(self) -> int:
+        """Host waits so far on the pinned ids buffers of the staged graphs (`fastpath.ring`): a
+        step that submits more graph replays than a ring holds waits there for the oldest copy."""
+        graphs = getattr(self.ws.store.engine.mover, "graphs", None)  # None: no graphs (SimDevice)
+        if graphs is None:
+            return 0
+        return sum(e.ring.waited for e in graphs.cache.by_key.values() if e.ring is not None)
 
     def poison(self) -> None:
         self.cache[:, self.dst[: self.blocks]] = torch.tensor(-7.0, dtype=self.cache.dtype)
@@ -162,18 +185,25 @@ def _save_rows(ctx: Context, r: Replay, label: str, params: dict):
         if not ctx.on_gpu:
             r.dev.current_stream().synchronize()  # the host clock: until the copies landed
 
+    before = r.ring_waits(), r.counts["save_errors"]
     t = ctx.time(save_step, setup=r.settle, name=f"vllm/save/{label}")
     r.settle()
     yield ctx.row(
-        f"save {label}", r.nbytes, t, ceiling, submit_us=_median_us(submit), direction="save", **params
+        f"save {label}",
+        r.nbytes,
+        t,
+        ceiling,
+        submit_us=_median_us(submit),
+        **_host_waits(r, before, len(submit)),
+        direction="save",
+        **params,
     )
 
 
 def _load_rows(ctx: Context, r: Replay, label: str, params: dict):
     ceiling = "h2d_pinned" if ctx.on_gpu else "host_memcpy"
     r.step(r.meta(save=True))  # the chunks the loads read, held by the host tier
-    r.sync()
-    r.ws.finished({"save"})
+    r.settle_saves()  # a load must not read a slot its save is still filling
     submit = []
 
     def load_step():
@@ -187,6 +217,8 @@ def _load_rows(ctx: Context, r: Replay, label: str, params: dict):
     load_step()
     r.sync()
     ok = r.exact()
+    waits = r.ring_waits(), r.counts["save_errors"]
+    submit.clear()
     t = ctx.time(load_step, setup=before, name=f"vllm/load/{label}")
     r.sync()
     ok = ok and r.exact()
@@ -197,9 +229,17 @@ def _load_rows(ctx: Context, r: Replay, label: str, params: dict):
         ceiling,
         correct=ok,
         submit_us=_median_us(submit),
+        **_host_waits(r, waits, len(submit)),
         direction="load",
         **params,
     )
+
+
+def _host_waits(r: Replay, before: tuple[int, int], steps: int) -> dict:
+    """Per step since `before` (ring waits, save errors): what made a step wait on the host, or
+    left chunks unsaved."""
+    ring, errors = r.ring_waits() - before[0], r.counts["save_errors"] - before[1]
+    return dict(ring_waits=round(ring / max(steps, 1), 2), save_errors=round(errors / max(steps, 1), 2))
 
 
 def _idle_us(r: Replay) -> float:
@@ -283,6 +323,7 @@ def vllm(ctx: Context):
         ctx.ceiling("h2d_pinned", nbytes=GiB)
     else:
         shape, token_counts = TINY, (128,)
+    fwd = _forward(ctx, shape)
     for order in layout.VLLM_ORDERS:
         for tokens in token_counts:
             r = Replay(ctx, order, shape, tokens)
@@ -292,6 +333,7 @@ def vllm(ctx: Context):
                 params = dict(
                     order=order,
                     tokens=r.blocks * shape["N"],
+                    chunks=r.chunks,
                     layers=shape["L"],
                     heads=shape["H"],
                     head_size=shape["D"],
@@ -304,7 +346,27 @@ def vllm(ctx: Context):
                 yield from _save_rows(ctx, r, label, params)
                 yield from _load_rows(ctx, r, label, params)
                 yield from _batch_rows(ctx, r, label, params)
+                if fwd is not None:
+                    yield from fwd.hit_row(r, label, params)
+                    if tokens == token_counts[0]:
+                        yield from fwd.beside_save_row(r, label, params)
             finally:
                 r.close()
             if ctx.on_gpu:
                 torch.cuda.empty_cache()
+    del fwd
+    if ctx.on_gpu:
+        torch.cuda.empty_cache()  # the model's memory goes back before the next suite
+
+
+def _forward(ctx: Context, shape: dict):
+    """The Llama forward of the ttft_hit / ttft_recompute / forward_beside_save rows, or None with
+    those rows skipped (transformers missing)."""
+    try:
+        from kvtier.bench.suites.vllm_rows import Forward
+
+        return Forward(ctx, shape)
+    except ImportError as exc:
+        for case in ("ttft_hit", "ttft_recompute", "forward_beside_save"):
+            ctx.skip(case, f"the Llama forward needs transformers: {exc}")
+        return None

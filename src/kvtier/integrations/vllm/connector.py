@@ -28,6 +28,7 @@ from .scheduler import SchedulerSide
 from .settings import VllmSettings
 
 log = logging.getLogger(__name__)
+BLOCK_FIRST = "BLHNC"  # what kv_layout "auto" asks for: [H, N, C] pages, every layer's of a block together
 
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
@@ -76,7 +77,17 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
-        return None  # every order: kvtier reads each (B-first orders DMA whole blocks)
+        """The order the ``kv_layout`` setting asks for (kvtier reads every order; B-first ones
+        move a block of every layer as one contiguous run). vLLM's engine core calls this once
+        (``resolve_kv_cache_layout``); VLLM_KV_CACHE_LAYOUT wins over it, and an order some
+        backend does not accept is dropped there with a warning."""
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        want = VllmSettings.from_extra(extra).kv_layout
+        if want == "any":
+            return None
+        if want != "auto":
+            return want
+        return BLOCK_FIRST if BLOCK_FIRST in _accepted_layouts(vllm_config) else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
@@ -164,6 +175,21 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+
+
+def _accepted_layouts(vllm_config) -> list[str]:
+    """The orders every attention backend of this model accepts, as vLLM's workers report them
+    (`get_supported_kv_cache_layouts`: a backend that declares none, FlashAttention's case, takes
+    all six); [] when they cannot be found here (nothing is asked for then)."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector import utils
+        from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+
+        backends = utils.get_current_attn_backends(vllm_config)
+        return [x.name for x in get_supported_kv_cache_layouts(backends)]
+    except Exception as exc:  # a layout preference is not worth failing vLLM's start-up
+        log.info("kvtier: the attention backends' KV cache layouts not found (%s): no layout asked", exc)
+        return []
 
 
 def _tp_rank() -> int:

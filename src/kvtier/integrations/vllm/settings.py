@@ -7,6 +7,10 @@ from dataclasses import dataclass, fields
 from kvtier.store.keys import HASHES
 
 WRITE_POLICIES = ("write_through", "write_back")
+# vLLM 0.33's KVCacheLayout names, as `kvtier.layout.VLLM_ORDERS` (which imports torch: the
+# scheduler side does not); a test keeps the two equal.
+VLLM_ORDERS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+KV_LAYOUTS = ("auto", "any", *VLLM_ORDERS)
 
 
 @dataclass(slots=True)
@@ -28,6 +32,11 @@ class VllmSettings:
         before it is scheduled with what the host holds.
     index_entries: chunks the scheduler remembers as held (an LRU, ~100 B each).
     engine_path / staging_bytes: `EngineConfig`'s path and staging memory.
+    kv_layout: the KV cache layout the connector asks vLLM for (`get_required_kvcache_layout`):
+        "auto" asks for BLHNC (a block of every layer one contiguous run) where the attention
+        backend accepts it, else nothing; "any" asks for nothing (vLLM's own choice); an order
+        name asks for that order. VLLM_KV_CACHE_LAYOUT, where set, wins, and vLLM ignores (with a
+        warning) an order its backends do not accept.
     """
 
     chunk_tokens: int | None = None
@@ -45,6 +54,7 @@ class VllmSettings:
     index_entries: int = 1 << 20
     engine_path: str = "auto"
     staging_bytes: int = 256 << 20
+    kv_layout: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("host_bytes", "disk_bytes", "index_entries", "staging_bytes"):
@@ -69,6 +79,10 @@ class VllmSettings:
         t = self.prefetch_timeout_s
         if isinstance(t, bool) or not isinstance(t, int | float) or t < 0:
             raise ValueError(f"kv_connector_extra_config['prefetch_timeout_s']: seconds >= 0, got {t!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(
+                f"kv_connector_extra_config['kv_layout']: one of {KV_LAYOUTS}, got {self.kv_layout!r}"
+            )
         if not isinstance(self.salt, str):
             raise ValueError(f"kv_connector_extra_config['salt']: a str, got {self.salt!r}")
 
