@@ -35,10 +35,10 @@ $(STAMP): pyproject.toml setup.py Makefile
 	$(BIN)/pip install -q --no-deps "$(VLLM)" "$(SGLANG)" $(ENGINE_DEPS)
 	touch $(STAMP)
 
-# The submit path's optional C helpers (src/kvtier/engine/fastpath/_fast.c, see engine/fastpath/fast.py, and
+# The submit path's optional C helpers (src/kvtier/_fast.c, see engine/fastpath/fast.py, and
 # src/kvtier/_slab.c, see slab.py), rebuilt when they change; without a C compiler kvtier runs
 # those steps in Python / numpy / ctypes instead.
-$(FAST): src/kvtier/engine/fastpath/_fast.c src/kvtier/_slab.c setup.py $(STAMP)
+$(FAST): src/kvtier/_fast.c src/kvtier/_slab.c setup.py $(STAMP)
 	$(BIN)/python setup.py -q build_ext --inplace > $(VENV)/fast-build.log 2>&1 \
 	  || echo "kvtier: C helpers not built (see $(VENV)/fast-build.log); the submit runs without it"
 	touch $(FAST)
@@ -59,12 +59,12 @@ asan: $(FAST)
 	@inc=$$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['include'])"); \
 	suf=$$($(BIN)/python -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))"); \
 	d=$$(mktemp -d); flags="-O1 -g -fsanitize=address,undefined -fno-omit-frame-pointer -shared -fPIC -I$$inc"; \
-	gcc $$flags src/kvtier/_slab.c -o $$d/_slab$$suf && gcc $$flags src/kvtier/engine/fastpath/_fast.c -o $$d/_fast$$suf && \
-	cp src/kvtier/_slab$$suf $$d/slab.keep && cp src/kvtier/engine/fastpath/_fast$$suf $$d/fast.keep && \
-	cp $$d/_slab$$suf src/kvtier/ && cp $$d/_fast$$suf src/kvtier/engine/fastpath/ && \
+	gcc $$flags src/kvtier/_slab.c -o $$d/_slab$$suf && gcc $$flags src/kvtier/_fast.c -o $$d/_fast$$suf && \
+	cp src/kvtier/_slab$$suf $$d/slab.keep && cp src/kvtier/_fast$$suf $$d/fast.keep && \
+	cp $$d/_slab$$suf src/kvtier/ && cp $$d/_fast$$suf src/kvtier/ && \
 	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" ASAN_OPTIONS=detect_leaks=0 \
 	  $(BIN)/pytest -q $(ASAN_TESTS); rc=$$?; \
-	cp $$d/slab.keep src/kvtier/_slab$$suf; cp $$d/fast.keep src/kvtier/engine/fastpath/_fast$$suf; rm -rf $$d; exit $$rc
+	cp $$d/slab.keep src/kvtier/_slab$$suf; cp $$d/fast.keep src/kvtier/_fast$$suf; rm -rf $$d; exit $$rc
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests lab
@@ -74,4 +74,4 @@ fmt: $(STAMP)
 	$(BIN)/ruff check --fix src tests lab
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache src/kvtier/engine/fastpath/_fast*.so src/kvtier/_slab*.so
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache src/kvtier/_fast*.so src/kvtier/_slab*.so

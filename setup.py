@@ -1,4 +1,4 @@
-"""The optional C helpers of the submit path (`kvtier.engine.fastpath._fast`, see
+"""The optional C helpers of the submit path (`kvtier._fast`, see
 engine/fastpath/fast.py, and `kvtier._slab`, see slab.py); the rest of the package is configured
 in pyproject.toml. Without a C compiler the build skips them (optional=True) and kvtier runs those
 steps in Python, numpy and ctypes."""
@@ -8,8 +8,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "kvtier.engine.fastpath._fast",
-            ["src/kvtier/engine/fastpath/_fast.c"],
+            "kvtier._fast",
+            ["src/kvtier/_fast.c"],
             optional=True,
             extra_compile_args=["-O2"],
         ),

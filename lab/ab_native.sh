@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A/B of the optional C helpers (engine/fastpath/_fast.c, _slab.c) on one box, in one run: the
+# A/B of the optional C helpers (_fast.c, _slab.c) on one box, in one run: the
 # submit_overhead suite with KVTIER_NATIVE=1 and KVTIER_NATIVE=0 in turn, $AB_ROUNDS rounds each
 # (default 2), then one table of the hot submit time per row and side (ab_native_summary.py).
 #   KVTIER_COMMIT=<sha> bash lab/ab_native.sh
@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width
   --format=csv > "$out/nvidia-smi.txt" 2>&1
 suffix=$($py -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
 inc=$($py -c "import sysconfig; print(sysconfig.get_paths()['include'])")
-gcc -O2 -shared -fPIC -I"$inc" src/kvtier/engine/fastpath/_fast.c -o "src/kvtier/engine/fastpath/_fast$suffix"
+gcc -O2 -shared -fPIC -I"$inc" src/kvtier/_fast.c -o "src/kvtier/_fast$suffix"
 gcc -O2 -shared -fPIC -I"$inc" src/kvtier/_slab.c -o "src/kvtier/_slab$suffix"
 for r in $(seq 1 "${AB_ROUNDS:-2}"); do
   for native in 1 0; do

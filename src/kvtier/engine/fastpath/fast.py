@@ -1,5 +1,5 @@
-"""The submit path's optional C helper, `kvtier.engine.fastpath._fast` (`_fast.c`), and whether it
-is in use.
+"""The submit path's optional C helper, `kvtier._fast` (`src/kvtier/_fast.c`), and whether it is
+in use.
 
 Why C: a submit often runs on a cold host -- right after the previous job's enqueue, or after
 the caller's other work -- where every distinct numpy, torch or ctypes call costs many times
@@ -26,7 +26,7 @@ import functools
 
 from kvtier.native import load
 
-fast, why = load("kvtier.engine.fastpath._fast")  # the module or None, and why not
+fast, why = load("kvtier._fast")  # the module or None, and why not
 
 
 @functools.cache
