@@ -34,23 +34,32 @@ write (scatter, load) never targets a block twice in one call.
 Block ids are checked once per call, eagerly or lazily (`check=` of every op and of `block_ids`):
 
     ids                                  "auto" (default)                 "eager"            "lazy"
-    list, tuple, CPU tensor [n]          on the host, at the call         the same           on the device
+    list, tuple, range, CPU tensor,
+    numpy array [n]                      on the host, at the call         the same           on the device
     GPU tensor [n] (int32/int64)         on the device, by the kernel     read back: waits   on the device
     BlockIds                             when it was made (its own `check`)
 
-Eager: the call raises ValueError naming the first bad id (out of range; repeated, for writes)
-before anything is launched. Host ids then reach the GPU through a pinned slot of the cache's
-(`ops/id_ring.py`), without making the host wait. Lazy: the ids are never read back, so the host
-never waits for the GPU; the kernel skips every copy of a bad id (an id out of range, or named
-twice in one write, is neither read nor written) and counts it in the cache's error flag, which
-`check(kv)` -- or the next eager check of GPU ids, which waits anyway -- turns into a
-`BlockIdError` (a ValueError) with the counts. A `BlockIds` from `block_ids` is matched to the
-cache (and to `unique` for writes) after that: build it once for ids reused across calls (the
-engine checks its ids once at its own entry and passes them on this way). `scatter_slots` checks
-nothing more: `slot_sources` did (lazily for lazy ids: each call then checks on the device).
+Eager: the call raises ValueError naming the first bad id (out of range; repeated, for writes;
+no int) before anything is launched. Host ids are read, checked and written as int32 into a
+pinned slot of the cache's in one pass (`ops/host_ids.py`: one C call where kvtier's helper is
+built), then reach the GPU from there without making the host wait (`ops/id_ring.py`). Lazy:
+the ids are never read back, so the host never waits for the GPU; the kernel skips every copy
+of a bad id (an id out of range, or named twice in one write, is neither read nor written) and
+counts it in the cache's error flag, which `check(kv)` -- or the next eager check of GPU ids,
+which waits anyway -- turns into a `BlockIdError` (a ValueError) with the counts. A `BlockIds`
+from `block_ids` is matched to the cache (and to `unique` for writes) after that: build it once
+for ids reused across calls (the engine checks its ids once at its own entry and passes them on
+this way). `scatter_slots` checks nothing more: `slot_sources` did (lazily for lazy ids: each
+call then checks on the device).
 
-Host cost: a launch plan is kept per cache, chunk alignment and block count, and after the first
-call of a kind the compiled kernel's own launcher is called directly (`ops/launch.py`).
+Host cost per call, beyond the argument checks: a launch plan is kept per cache, chunk alignment,
+block count and layer count, and after the first call of a kind each kernel's own launcher is
+called directly (`ops/launch.py`), the claim kernel's too. On top of the one launch of `gather`
+and `scatter`: host ids cost one pass over them, one small copy to the GPU and one event record
+(for the pinned slot); GPU ids cost nothing more, but a lazily checked write launches the claim
+kernel first; a `BlockIds` costs a stream wait only when used on another stream than it was made
+on. The staged ops cost one launch, one DMA, two event records and up to two stream waits per
+staging piece, so their host time grows with n / blocks per staging buffer.
 
 Without CUDA the kernel runs in Triton's interpreter (`TRITON_INTERPRET=1`, set before kvtier
 is imported) on CPU tensors: there a host chunk is a plain CPU tensor and the staged paths take

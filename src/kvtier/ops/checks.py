@@ -3,7 +3,6 @@ naming it, before anything is launched; nothing out of range ever reaches a kern
 
 from __future__ import annotations
 
-import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -13,6 +12,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from kvtier.kernels.kv_copy import kv_copy_kernel
 from kvtier.layout import PagedKV
 from kvtier.ops.device_ids import flagged
+from kvtier.ops.host_ids import host_ids
 
 # Kernels defined under TRITON_INTERPRET=1 run in Triton's interpreter, on CPU tensors.
 INTERPRETING = isinstance(kv_copy_kernel, InterpretedFunction)
@@ -82,50 +82,12 @@ def check_mode(check) -> str:
 
 def device_ids(kv: PagedKV, ids: torch.Tensor) -> torch.Tensor:
     """GPU ids as the kernel takes them (int32 or int64, 1-D, on the cache's device)."""
-    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
+    dt = ids.dtype
+    if ids.dim() != 1 or not (dt is torch.int32 or dt is torch.int64):
         raise ValueError(f"block_ids: expected a 1-D int32/int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
-    if ids.device != kv.device:
+    if ids.device != known_cache(kv).device:
         raise ValueError(f"block_ids: on {ids.device}, expected the CPU or the cache's {kv.device}")
     return ids if ids.is_contiguous() else ids.contiguous()
-
-
-def host_ids(kv: PagedKV, ids, unique: bool, checked: bool) -> np.ndarray:
-    """Ids on the host (a list/tuple/range of ints, a CPU tensor or a numpy array) as a 1-D int32
-    or int64 numpy array, checked (in range; distinct when `unique`) when `checked`. A copy of a
-    list; a view of a tensor or array."""
-    name = "block_ids"
-    if isinstance(ids, torch.Tensor):
-        if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name}: expected a 1-D int32/int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
-        a = ids.numpy()
-    elif isinstance(ids, np.ndarray) and ids.dtype in (np.int32, np.int64) and ids.ndim == 1:
-        a = ids
-    else:
-        try:
-            a = np.frombuffer(array.array("q", ids), dtype=np.int64)  # ints only: no float, no str
-        except (TypeError, ValueError, OverflowError):
-            a = _slow_ids(ids)
-    if checked and a.shape[0]:
-        if a.view(np.uint64 if a.dtype == np.int64 else np.uint32).max() >= kv.num_blocks:  # negative: huge
-            j = int(np.flatnonzero((a < 0) | (a >= kv.num_blocks))[0])
-            raise ValueError(f"{name}[{j}] = {int(a[j])} out of range: the cache has {kv.num_blocks} blocks")
-        if unique and a.shape[0] > 1:
-            s = np.sort(a)
-            if (s[1:] == s[:-1]).any():
-                raise ValueError(f"{name}: duplicate block ids; a block cannot be written twice in one copy")
-    return a
-
-
-def _slow_ids(ids) -> np.ndarray:
-    """What a sequence that is no flat sequence of ints is: the error names the argument."""
-    name = "block_ids"
-    try:
-        cpu = torch.as_tensor(list(ids), dtype=torch.int64)
-    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
-        raise ValueError(f"{name}: expected a sequence of ints ({e})") from None
-    if cpu.dim() != 1:
-        raise ValueError(f"{name}: expected a flat sequence of ints")
-    return cpu.numpy()
 
 
 def trusted_block_ids(kv: PagedKV, ids, unique: bool, last_valid: int) -> BlockIds:
@@ -206,42 +168,61 @@ def check_layers(kv: PagedKV, layers) -> tuple[int, int] | None:
 
 def check_chunk(kv: PagedKV, t: torch.Tensor, n: int, name: str, host_only: bool = False) -> None:
     """A chunk of n blocks: right dtype/shape, contiguous, in memory the kernel can reach."""
+    f = known_cache(kv)
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    shape = kv.chunk_shape(n)
-    if t.dtype == torch.uint8:
-        if t.dim() != 1 or t.numel() != kv.chunk_nbytes(n):
+    dt, shape = t.dtype, t.shape
+    if dt is torch.uint8:
+        if len(shape) != 1 or shape[0] != n * f.block_nbytes:
             raise ValueError(
                 f"{name}: a uint8 buffer must be 1-D of {kv.chunk_nbytes(n)} bytes, got {tuple(t.shape)}"
             )
-    elif t.dtype != kv.dtype:
+    elif dt is not f.dtype:
         raise ValueError(f"{name}: dtype {t.dtype} differs from the cache's {kv.dtype}")
-    elif tuple(t.shape) != shape:
-        raise ValueError(
-            f"{name}: shape {tuple(t.shape)}, expected {shape} (n_blocks, layers, kv, *block_shape)"
-        )
+    elif shape[1:] != f.chunk_tail or shape[0] != n:
+        want = f"{kv.chunk_shape(n)} (n_blocks, layers, kv, *block_shape)"
+        raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {want}")
     if not t.is_contiguous():
         raise ValueError(f"{name}: must be contiguous")
     if INTERPRETING:
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             raise ValueError(f"{name}: the Triton interpreter runs on CPU tensors, got {t.device}")
-    elif t.device.type == "cpu":
-        if not t.is_pinned():
-            raise ValueError(
-                f"{name}: host buffer is pageable; the GPU can only reach pinned host memory "
-                "(allocate with pin_memory=True or take it from a PinnedPool)"
-            )
-    elif host_only:
-        raise ValueError(f"{name}: expected pinned host memory, got {t.device}")
-    elif t.device != kv.device:
+    elif t.is_cuda:
+        if host_only:
+            raise ValueError(f"{name}: expected pinned host memory, got {t.device}")
+        if t.get_device() != f.index:
+            raise ValueError(f"{name}: on {t.device}, expected the cache's {kv.device} or pinned host memory")
+    elif not t.is_cpu:
         raise ValueError(f"{name}: on {t.device}, expected the cache's {kv.device} or pinned host memory")
+    elif not t.is_pinned():
+        raise ValueError(
+            f"{name}: host buffer is pageable; the GPU can only reach pinned host memory "
+            "(allocate with pin_memory=True or take it from a PinnedPool)"
+        )
 
 
-def known_cache(kv: PagedKV) -> None:
-    """`check_cache`, once per cache (what it checks does not change)."""
-    if not (isinstance(kv, PagedKV) and "checked" in kv.plans):
+class CacheFacts:
+    """What the checks of every call read from one cache, read once (a `PagedKV` is frozen)."""
+
+    __slots__ = ("num_blocks", "block_size", "chunk_tail", "block_nbytes", "dtype", "device", "index")
+
+    def __init__(self, kv: PagedKV):
+        self.num_blocks, self.block_size = kv.num_blocks, kv.block_size
+        self.chunk_tail = kv.chunk_shape(1)[1:]  # a chunk's shape past its block count
+        self.block_nbytes, self.dtype, self.device = kv.block_nbytes, kv.dtype, kv.device
+        self.index = kv.device.index if kv.device.type == "cuda" else None
+
+
+FACTS_KEY = "checked"  # this module's entry in PagedKV.plans: the cache's CacheFacts, once checked
+
+
+def known_cache(kv: PagedKV) -> CacheFacts:
+    """`check_cache` once per cache (what it checks does not change); -> the cache's facts."""
+    f = kv.plans.get(FACTS_KEY) if isinstance(kv, PagedKV) else None
+    if f is None:
         check_cache(kv)
-        kv.plans["checked"] = True
+        f = kv.plans[FACTS_KEY] = CacheFacts(kv)
+    return f
 
 
 def check_cache(kv: PagedKV) -> None:

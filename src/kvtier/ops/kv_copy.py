@@ -7,8 +7,9 @@ virtual addressing (UVA). Both run on the current stream and return once *submit
 is there only when that stream's work has completed (record an event after the call).
 
 Nothing invalid reaches a kernel: a bad argument raises `ValueError` naming it (ops/checks.py).
-Block ids are a list or CPU tensor (checked on the host at every call), a GPU tensor (checked by
-the kernel, reported by `ops.check`), or a `BlockIds` checked once.
+Block ids are a list, tuple, range, CPU tensor or numpy array (checked on the host at every
+call, in one pass that also writes them where the copy to the GPU reads them), a GPU tensor
+(checked by the kernel, reported by `ops.check`), or a `BlockIds` checked once.
 
 The chunk of n blocks, per layout of the cache (`kvtier.layout`; L layers, bs tokens per block,
 H KV heads of D elements, a latent of C):
@@ -50,9 +51,9 @@ def gather(
     """Copy blocks `block_ids` (n of them) of every layer, K and V, into `dst`.
 
     kv: the paged cache (`kvtier.layout`), on a CUDA GPU (CPU under the interpreter).
-    block_ids: n block ids, any order, repeats allowed: a list/tuple of ints or an int32/int64
-         tensor [n] on the CPU (checked now), an int32/int64 tensor [n] on the cache's GPU
-         (checked by the kernel: the host never waits), or a `BlockIds` (checked once).
+    block_ids: n block ids, any order, repeats allowed: a list/tuple/range of ints or an int
+         tensor / numpy array [n] on the CPU (checked now), an int32/int64 tensor [n] on the
+         cache's GPU (checked by the kernel: the host never waits), or a `BlockIds` (checked once).
     dst: the chunk, (n, num_layers, num_kv, *kv.block_shape) of kv.dtype: (n, L, 2, bs, H, D)
          for vllm_flash / flashinfer NHD / cross_layer, (n, L, 2, H, bs, D) for HND, (n, L, 1,
          bs, C) for mla; or a 1-D uint8 buffer of kv.chunk_nbytes(n). Contiguous; on the
@@ -65,7 +66,8 @@ def gather(
     layers: (first, count): copy only these layers' pieces (the chunk keeps every layer); default all.
     check: "auto", "eager" or "lazy": where the ids are checked (the table in `kvtier.ops`). A bad
          id checked lazily is skipped (its block of `dst` is not written) and raises at `ops.check`.
-    Returns dst. Asynchronous on the current stream.
+    Returns dst. Asynchronous on the current stream. Host time: the checks and one launch; host
+    ids add one pass over them, one small copy to the GPU and one event record.
 
     >>> import torch
     >>> from kvtier import layout, ops
@@ -102,6 +104,7 @@ def scatter(
     layers: as in `gather` (a per-layer load scatters one layer per call, then records an event).
     check: as in `gather`; lazily, every copy of an id named twice in the call is skipped too.
     Asynchronous on the current stream; `src` must stay alive and unchanged until it completes.
+    Host time: as `gather`'s; lazily checked ids add the claim kernel's launch.
 
     >>> import torch
     >>> from kvtier import layout, ops

@@ -1,10 +1,12 @@
 """Launching the copy kernel (kernels/kv_copy.py) for one cache: what is planned once, and the
 launch itself.
 
-Everything a launch needs beyond its ids, chunk and layer range is a property of the cache and
-the chunk's alignment, so it is worked out once and kept in the cache's `PagedKV.plans` (under
-`PLANS_KEY`, a `CacheLaunches`): the units and tile shape per alignment (`Plan`), the grid per
-(direction, block count, layer count, grid cap), the device's SM count, and the compiled kernel.
+Everything a launch needs beyond its ids, chunk, valid tokens, first layer and stamp is a
+property of the cache and the chunk's alignment, so it is worked out once and kept in the cache's
+`PagedKV.plans` (under `PLANS_KEY`, a `CacheLaunches`): the units and tile shape per alignment
+(`Plan`), and per (alignment, block count, layer count, grid cap, direction, check, ids dtype) a
+`Launch` holding the grid, the constexprs and the fixed arguments; a call only binds its
+addresses (`Launch.bind`) and fires (`Launch.fire`), on the current stream or one it names.
 
 On CUDA the first launch of a variant goes through Triton's JIT entry, which binds and
 specializes every argument and returns the compiled kernel; later launches of the same variant
@@ -12,7 +14,9 @@ call that kernel's launcher directly with plain addresses (what `kernel[grid](..
 which skips the binding, the specialization and the cache-key work of the JIT entry. A variant is
 everything Triton specializes on: the plan, the constexprs, the ids' dtype and whether the ids,
 chunk and table addresses are 16-byte aligned (the cache's own addresses are fixed per plan).
-Under Triton's interpreter every launch goes through the JIT entry, with tensors.
+The claim kernel of lazily checked writes (`claim`) is launched the same way, its variant the
+ids' dtype and alignment. Under Triton's interpreter every launch goes through the JIT entry,
+with tensors.
 
 Lazily checked ids (`check` 1 and 2: ids on the GPU, never read back by the host) use the cache's
 error flag and claim buffer (`CacheLaunches.err`, `.claim`); `ops/device_ids.py` reads the flag.
@@ -85,10 +89,10 @@ class CacheLaunches:
         self.g = gcd_bytes(kv)
         self.device = kv.device
         self.index = kv.device.index if kv.device.type == "cuda" else None
-        self.num_blocks = kv.num_blocks
+        self.num_blocks, self.num_layers = kv.num_blocks, kv.num_layers
         self.plans: dict[int, Plan] = {}
         self.grids: dict[tuple, int] = {}
-        self.fixed: dict[tuple, tuple] = {}  # what `prepare` keeps per block count and variant
+        self.fixed: dict[tuple, Launch] = {}  # per block count, layer count, grid cap and variant
         self.compiled: dict[tuple, tuple] = {}  # variant -> (launcher, function, packed metadata)
         self.sms = (
             None if self.index is None else torch.cuda.get_device_properties(self.index).multi_processor_count
@@ -202,6 +206,103 @@ def grid_for(c: CacheLaunches, plan: Plan, n: int, n_layers: int, max_ctas, host
     return grid
 
 
+class Launch:
+    """One launch shape of one cache, planned once (`launch_for`): everything but the ids, the
+    chunk, `last_valid`, the first layer and the stamp, which each call gives."""
+
+    __slots__ = ("c", "plan", "grid", "n", "n_layers", "consts", "dtypes", "variants", "tensors", "addrs")
+
+    def __init__(
+        self, c: CacheLaunches, plan: Plan, n: int, n_layers: int, grid: int, gather, table, check, dt
+    ):
+        self.c, self.plan, self.n, self.n_layers, self.grid = c, plan, n, n_layers, grid
+        if check:
+            c.flag()
+        kv = c.kv
+        self.consts = (kv.num_kv, plan.o, kv.block_size, plan.inner, plan.cols, plan.rows, plan.vec)
+        self.consts += (gather, table, check)
+        off_dtype = torch.int64 if table else dt
+        self.dtypes = (plan.unit, torch.int64, dt, plan.unit, off_dtype, torch.int32, torch.int32)
+        # What Triton specializes on beyond the plan: the 16-byte alignment of the ids, chunk and
+        # offsets addresses, bits 2, 1, 0 of the index.
+        fixed = (plan.g, gather, table, check, dt)
+        self.variants = tuple((*fixed, i > 3, i & 2 > 0, i & 1 > 0) for i in range(8))
+        err = c.err if check else plan.layer_off  # unused without CHECK: any aligned address
+        claims = c.claim if check == 2 else plan.layer_off
+        self.tensors = (err, claims)  # the last two pointer arguments, made once per cache
+        self.addrs = (err.data_ptr(), claims.data_ptr())
+
+    def __call__(self, ids_dev, chunk, last_valid: int, layer0=0, stamp=0, stream=None, off=None) -> None:
+        """Launch on `stream` (a torch.cuda.Stream; None: the current one). off: the table of a
+        call over several chunks (`ops/slots.py`), else None."""
+        ptrs, variant = self.bind(ids_dev, chunk, off)
+        self.fire(ptrs, variant, last_valid, layer0, stamp, stream)
+
+    def bind(self, ids_dev, chunk, off=None) -> tuple[tuple, tuple | None]:
+        """(the pointer arguments of calls on these tensors, their variant), for `fire`."""
+        plan = self.plan
+        if INTERPRETING:
+            off = ids_dev if off is None else off  # 5th: unused without TABLE
+            return (plan.paged, plan.layer_off, ids_dev, _alias(chunk, plan.unit), off, *self.tensors), None
+        ids_p, chunk_p = ids_dev.data_ptr(), chunk.data_ptr()
+        off_p = ids_p if off is None else off.data_ptr()
+        variant = self.variants[(ids_p % 16 == 0) << 2 | (chunk_p % 16 == 0) << 1 | (off_p % 16 == 0)]
+        return (plan.paged_ptr, plan.layer_off_ptr, ids_p, chunk_p, off_p, *self.addrs), variant
+
+    def fire(self, ptrs: tuple, variant, last_valid: int, layer0: int, stamp: int, stream) -> None:
+        """One launch with `bind`'s arguments."""
+        c, plan = self.c, self.plan
+        ints = (self.n, last_valid, c.num_layers, layer0, self.n_layers, plan.kv_stride, plan.block_stride)
+        ints += (c.num_blocks, stamp)
+        if INTERPRETING:
+            kv_copy_kernel[(self.grid,)](
+                *ptrs, *ints, **dict(zip(_CONST_NAMES, self.consts, strict=True)), num_warps=NUM_WARPS
+            )
+            return
+        fast = c.compiled.get(variant)
+        if fast is not None and not _hooked():
+            _run_compiled(c, fast, self.grid, stream, (*ptrs, *ints, *self.consts))
+            return
+        # First launch of this variant (or a launch hook is installed): Triton's JIT entry, which
+        # compiles or finds the kernel specialized for these arguments and returns it.
+        args = tuple(_Ptr(a, d) for a, d in zip(ptrs, self.dtypes, strict=True))
+        with _on_device(c), _on_stream(stream):
+            kernel = kv_copy_kernel[(self.grid,)](
+                *args, *ints, **dict(zip(_CONST_NAMES, self.consts, strict=True)), num_warps=NUM_WARPS
+            )
+        _keep(c, variant, kernel)
+
+
+def launch_for(
+    kv: PagedKV,
+    n: int,
+    align: int,
+    ids_dtype: torch.dtype,
+    host_chunk: bool,
+    *,
+    gather: bool,
+    max_ctas,
+    n_layers: int,
+    table: bool = False,
+    check: int = 0,
+) -> Launch:
+    """The `Launch` of n blocks and n_layers layers, arguments already validated. align: divides
+    every chunk address the calls give (`chunk_align`); host_chunk: the chunk is pinned host
+    memory (not under the interpreter); table: a call over several chunks (`ops/slots.py`);
+    check: 0 ids checked by the host, 1 (gather) and 2 (scatter, after `claim`) by the kernel."""
+    c = for_cache(kv)
+    plan = plan_for(kv, align)
+    key = (plan.g, n, n_layers, max_ctas, host_chunk, gather, table, check, ids_dtype)
+    got = c.fixed.get(key)
+    if got is None:
+        grid = grid_for(c, plan, n, n_layers, max_ctas, host_chunk)
+        got = Launch(c, plan, n, n_layers, grid, gather, table, check, ids_dtype)
+        if len(c.fixed) >= MAX_GRIDS:
+            c.fixed.clear()  # callers of ever-new sizes: keep the table small, recomputing is cheap
+        c.fixed[key] = got
+    return got
+
+
 def launch(
     kv: PagedKV,
     ids_dev: torch.Tensor,
@@ -211,29 +312,28 @@ def launch(
     gather: bool,
     max_ctas,
     layers: tuple[int, int] | None = None,
-    table: tuple[torch.Tensor, int] | None = None,
     check: int = 0,
     stamp: int = 0,
 ):
     """Launch on the current stream; arguments already validated. layers: (first, count) or all.
-    table: (chunk_off, align) of a call over several chunks (`ops/slots.py`): block i's pieces
-    start chunk_off[i] VEC-units from `chunk`; align divides every chunk address involved.
     check: 0 ids checked by the host; 1 (gather) and 2 (scatter, after `claim`, which gave
     `stamp`): checked by the kernel."""
-    layer0, n_layers = layers if layers is not None else (0, kv.num_layers)
-    if ids_dev.numel():
-        run = prepare(
+    layer0, n_layers = layers if layers is not None else (0, len(kv.layers))
+    n = ids_dev.shape[0]
+    if n:
+        host_chunk = chunk.is_cpu and not INTERPRETING
+        run = launch_for(
             kv,
-            ids_dev,
-            chunk,
-            last_valid,
+            n,
+            chunk_align(chunk),
+            ids_dev.dtype,
+            host_chunk,
             gather=gather,
             max_ctas=max_ctas,
             n_layers=n_layers,
-            table=table,
             check=check,
         )
-        run(layer0, stamp)
+        run(ids_dev, chunk, last_valid, layer0, stamp)
 
 
 def prepare(
@@ -249,70 +349,31 @@ def prepare(
     check: int = 0,
 ):
     """`launch`'s planning done once: returns run(layer0, stamp=0), which launches n_layers layers
-    from layer0 on the current stream (a per-layer load launches L times with the same arguments)."""
-    c = for_cache(kv)
-    n = ids_dev.numel()
-    plan = plan_for(kv, chunk_align(chunk) if table is None else table[1])
-    host_chunk = chunk.device.type == "cpu" and not INTERPRETING
-    key = (plan.g, n, n_layers, max_ctas, host_chunk, gather, table is None, check, ids_dev.dtype)
-    fixed = c.fixed.get(key)
-    if fixed is None:
-        fixed = _fixed(
-            c, kv, plan, n, n_layers, max_ctas, host_chunk, gather, table is not None, check, ids_dev.dtype
-        )
-        if len(c.fixed) >= MAX_GRIDS:
-            c.fixed.clear()  # callers of ever-new sizes: keep the table small, recomputing is cheap
-        c.fixed[key] = fixed
-    grid, head, tail, consts, variant0, dtypes = fixed
-    err = c.err if check else plan.layer_off  # unused without CHECK: any aligned address
-    claims = c.claim if check == 2 else plan.layer_off
-    off = ids_dev if table is None else table[0]  # 5th: unused without TABLE
-    if INTERPRETING:
-        ptrs = (plan.paged, plan.layer_off, ids_dev, _alias(chunk, plan.unit), off, err, claims)
-        variant = variant0
-    else:
-        ptrs = (
-            plan.paged_ptr,
-            plan.layer_off_ptr,
-            ids_dev.data_ptr(),
-            chunk.data_ptr(),
-            off.data_ptr(),
-            err.data_ptr(),
-            claims.data_ptr(),
-        )
-        variant = (*variant0, ptrs[2] % 16 == 0, ptrs[3] % 16 == 0, ptrs[4] % 16 == 0)
-
-    n0, _, num_layers = head
+    from layer0 on the current stream (a per-layer load launches L times with the same arguments).
+    table: (chunk_off, align) of a call over several chunks (`ops/slots.py`): block i's pieces
+    start chunk_off[i] VEC-units from `chunk`; align divides every chunk address involved."""
+    align = chunk_align(chunk) if table is None else table[1]
+    host_chunk = chunk.is_cpu and not INTERPRETING
+    n = ids_dev.shape[0]
+    shape = launch_for(
+        kv,
+        n,
+        align,
+        ids_dev.dtype,
+        host_chunk,
+        gather=gather,
+        max_ctas=max_ctas,
+        n_layers=n_layers,
+        table=table is not None,
+        check=check,
+    )
+    ptrs, variant = shape.bind(ids_dev, chunk, None if table is None else table[0])
 
     def run(layer0: int, stamp: int = 0) -> None:
-        _launch(c, variant, grid, ptrs, dtypes, (n0, last_valid, num_layers, layer0, *tail, stamp), consts)
+        if n:
+            shape.fire(ptrs, variant, last_valid, layer0, stamp, None)
 
     return run
-
-
-def _fixed(c, kv, plan, n, n_layers, max_ctas, host_chunk, gather, table, check, ids_dtype):
-    """What a launch keeps for its block count, layer count, grid cap and variant: (grid, the
-    integer arguments before and after layer0, constexprs, the variant's fixed part, dtypes)."""
-    grid = grid_for(c, plan, n, n_layers, max_ctas, host_chunk)
-    if check:
-        c.flag()
-    consts = (
-        kv.num_kv,
-        plan.o,
-        kv.block_size,
-        plan.inner,
-        plan.cols,
-        plan.rows,
-        plan.vec,
-        gather,
-        table,
-        check,
-    )
-    head = (n, 0, kv.num_layers)  # [1]: last_valid, per call
-    tail = (n_layers, plan.kv_stride, plan.block_stride, c.num_blocks)
-    off_dtype = torch.int64 if table else ids_dtype
-    dtypes = (plan.unit, torch.int64, ids_dtype, plan.unit, off_dtype, torch.int32, torch.int32)
-    return grid, head, tail, consts, (plan.g, gather, table, check, ids_dtype), dtypes
 
 
 def claim(kv: PagedKV, ids_dev: torch.Tensor) -> int:
@@ -321,43 +382,50 @@ def claim(kv: PagedKV, ids_dev: torch.Tensor) -> int:
     c = for_cache(kv)
     c.flag()
     stamp = c.stamp()
-    n = ids_dev.numel()
-    if n:
-        grid = (triton.cdiv(n, CLAIM_BLOCK),)
-        with _on_device(c):
-            block_id_claim_kernel[grid](ids_dev, c.claim, c.err, n, c.num_blocks, stamp, BLOCK=CLAIM_BLOCK)
+    n = ids_dev.shape[0]
+    if not n:
+        return stamp
+    grid = -(-n // CLAIM_BLOCK)
+    if INTERPRETING:
+        block_id_claim_kernel[(grid,)](ids_dev, c.claim, c.err, n, c.num_blocks, stamp, BLOCK=CLAIM_BLOCK)
+        return stamp
+    ids_p = ids_dev.data_ptr()
+    # What Triton specializes the claim kernel on per call: the ids' dtype and 16-byte alignment
+    # (the claims, the flag and num_blocks are the cache's own).
+    variant = ("claim", ids_dev.dtype, ids_p % 16 == 0)
+    fast = c.compiled.get(variant)
+    if fast is not None and not _hooked():
+        args = (ids_p, c.claim.data_ptr(), c.err.data_ptr(), n, c.num_blocks, stamp, CLAIM_BLOCK)
+        _run_compiled(c, fast, grid, None, args)
+        return stamp
+    with _on_device(c):
+        kernel = block_id_claim_kernel[(grid,)](
+            ids_dev, c.claim, c.err, n, c.num_blocks, stamp, BLOCK=CLAIM_BLOCK
+        )
+    _keep(c, variant, kernel)
     return stamp
 
 
 _CONST_NAMES = ("KV", "O", "BS", "I", "COLS", "ROWS", "VEC", "GATHER", "TABLE", "CHECK")
 
 
-def _launch(c: CacheLaunches, variant, grid: int, ptrs, dtypes, ints, consts) -> None:
-    """One launch of the copy kernel on the current stream of the cache's device."""
-    if INTERPRETING:
-        kv_copy_kernel[(grid,)](
-            *ptrs, *ints, **dict(zip(_CONST_NAMES, consts, strict=True)), num_warps=NUM_WARPS
-        )
+def _run_compiled(c: CacheLaunches, fast: tuple, grid: int, stream, args: tuple) -> None:
+    """A compiled kernel's launcher called directly (what `kernel[grid](...)` ends in), on
+    `stream` (None: the current stream of the cache's device). args: every kernel argument in
+    order, pointers as addresses, constexprs included."""
+    launcher, function, meta = fast
+    idx = c.index
+    if torch._C._cuda_getDevice() == idx:
+        raw = torch._C._cuda_getCurrentRawStream(idx) if stream is None else stream.cuda_stream
+        launcher(grid, 1, 1, raw, function, meta, None, None, None, *args)
         return
-    fast = c.compiled.get(variant)
-    if fast is not None and not _hooked():
-        launcher, function, meta = fast
-        idx = c.index
-        if torch._C._cuda_getDevice() == idx:
-            stream = torch._C._cuda_getCurrentRawStream(idx)
-            launcher(grid, 1, 1, stream, function, meta, None, None, None, *ptrs, *ints, *consts)
-            return
-        with torch.cuda.device(idx):  # the kernel's function belongs to the device's context
-            stream = torch._C._cuda_getCurrentRawStream(idx)
-            launcher(grid, 1, 1, stream, function, meta, None, None, None, *ptrs, *ints, *consts)
-        return
-    # First launch of this variant (or a launch hook is installed): Triton's JIT entry, which
-    # compiles or finds the kernel specialized for these arguments and returns it.
-    args = tuple(_Ptr(a, d) for a, d in zip(ptrs, dtypes, strict=True))
-    with _on_device(c):
-        kernel = kv_copy_kernel[(grid,)](
-            *args, *ints, **dict(zip(_CONST_NAMES, consts, strict=True)), num_warps=NUM_WARPS
-        )
+    with torch.cuda.device(idx):  # the kernel's function belongs to the device's context
+        raw = torch._C._cuda_getCurrentRawStream(idx) if stream is None else stream.cuda_stream
+        launcher(grid, 1, 1, raw, function, meta, None, None, None, *args)
+
+
+def _keep(c: CacheLaunches, variant: tuple, kernel) -> None:
+    """After a JIT launch: keep the compiled kernel's launcher for the next calls of `variant`."""
     if kernel is not None and hasattr(kernel, "function"):
         c.compiled[variant] = (kernel.run, kernel.function, kernel.packed_metadata)
 
@@ -370,6 +438,10 @@ def _hooked() -> bool:
 
 def _on_device(c: CacheLaunches):
     return torch.cuda.device(c.index) if c.index is not None else contextlib.nullcontext()
+
+
+def _on_stream(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def _alias(t: torch.Tensor, unit: torch.dtype) -> torch.Tensor:

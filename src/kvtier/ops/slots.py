@@ -27,6 +27,7 @@ from kvtier.ops.checks import (
     check_chunk,
     check_layers,
     check_max_ctas,
+    known_cache,
 )
 from kvtier.ops.launch import claim, plan_for, prepare
 
@@ -41,7 +42,7 @@ class SlotSources:
     base: torch.Tensor
     off: torch.Tensor
     align: int
-    stream: object  # the CUDA stream the ids and offsets were made ready on (None off CUDA)
+    stream: int | None  # the raw CUDA stream the ids and offsets were made ready on (None off CUDA)
     runs: dict = field(default_factory=dict)  # (n_layers, max_ctas) -> prepared launch
 
 
@@ -108,7 +109,7 @@ def slot_sources(
     off = off.to(kv.device, non_blocking=True)  # pageable source: staged before the call returns
     stream = None
     if kv.device.type == "cuda":
-        stream = torch.cuda.current_stream(kv.device)
+        stream = torch._C._cuda_getCurrentRawStream(kv.device.index)
         use_ids(ids)  # this stream reads the ids only once landed, and they live until it did
     return SlotSources(ids, tuple(chunks), base, off, align, stream)
 
@@ -117,7 +118,8 @@ def scatter_slots(
     kv: PagedKV, src: SlotSources, *, max_ctas: int | None = None, layers: tuple[int, int] | None = None
 ) -> None:
     """Copy every chunk of `src` into its blocks: one launch on the current stream, which must
-    be the stream `slot_sources` ran on. Nothing is checked again beyond `src` being this cache's.
+    be the stream `slot_sources` ran on (two for lazily checked ids: the claim kernel first).
+    Nothing is checked again beyond `src` being this cache's.
 
     kv: the cache `src` was made for.
     src: the `SlotSources` of `slot_sources`; its chunks must stay alive and unchanged until
@@ -132,7 +134,7 @@ def scatter_slots(
     """
     if not isinstance(src, SlotSources) or src.ids.kv is not kv:
         raise ValueError("src: expected the SlotSources made by slot_sources for this cache")
-    if src.stream is not None and torch.cuda.current_stream(kv.device) != src.stream:
+    if src.stream is not None and torch._C._cuda_getCurrentRawStream(known_cache(kv).index) != src.stream:
         # The ids and offsets were made ready on src.stream only: another stream could read them early.
         raise ValueError("src: scatter_slots must run on the stream slot_sources ran on")
     check_max_ctas(max_ctas)

@@ -12,6 +12,12 @@ chunk saved either way loads either way; a group of consecutive blocks is one by
     gather stream:  [wait e_after] gather c0 -> buf0 | gather c1 -> buf1 | wait dma(c0) gather c2 -> buf0
     copy stream:             wait gathered(c0), DMA buf0 -> host | wait gathered(c1), DMA buf1 ...
 
+Per chunk ("piece") of a call: one launch, one DMA, two event records (gathered / drained, or
+arrived / freed; the second is skipped where nothing waits for it) and up to two stream waits;
+per call, a stream wait on the other stream, three events reused by every piece, and for host
+ids their copy to the GPU. The host's time per call therefore grows with the number of pieces,
+n / blocks per staging buffer, whatever the checks cost.
+
 Streams and events are torch objects; every call only submits. The returned event is the one
 the lifecycle waits for: after it, the host chunk is complete (save) or the blocks hold the
 data (load), and the staging buffers, the blocks (save) and the host chunk (load) are free.
@@ -22,6 +28,7 @@ forked from and joined back into the copy stream: what `engine/graphs.py` captur
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from contextlib import nullcontext
 
@@ -30,7 +37,7 @@ import torch
 from kvtier.layout import PagedKV
 from kvtier.ops.call_ids import call_ids, finish
 from kvtier.ops.checks import INTERPRETING, BlockIds, check_chunk, check_max_ctas, known_cache
-from kvtier.ops.launch import claim, launch
+from kvtier.ops.launch import chunk_align, claim, launch_for
 
 
 def make_staging(kv: PagedKV, chunk_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +90,9 @@ def save_staged(
     num_tokens, max_ctas, check: as in `gather`; a bad id checked lazily (on the device) leaves its
          block of `dst` holding whatever the staging buffer held (never bytes outside the cache).
     Returns the event recorded after the last DMA (None without CUDA): then `dst` holds the
-    blocks, and the blocks and the staging buffers are free.
+    blocks, and the blocks and the staging buffers are free. Host time grows with the pieces
+    (n / blocks per staging buffer): each is one launch, one DMA, two event records and up to
+    two stream waits.
 
     >>> import torch
     >>> from kvtier import layout, ops
@@ -145,7 +154,8 @@ def load_staged(
     wait_event: recorded after the last reader of the destination blocks; the first scatter waits.
     num_tokens, max_ctas, check: as in `scatter`.
     Returns the event recorded after the last scatter (None without CUDA): then the blocks hold
-    the data, and `src` and the staging buffers are free.
+    the data, and `src` and the staging buffers are free. Host time: as `save_staged`'s, plus the
+    claim kernel's launch for lazily checked ids.
 
     >>> import torch
     >>> from kvtier import layout, ops
@@ -223,59 +233,78 @@ def load_chunks(kv: PagedKV, ids_dev, last_valid: int, src, *, staging, copy_str
 
 def _save_loop(kv, ids_dev, last_valid, host, bufs, per, gather_stream, copy_stream, max_ctas, check=0):
     """Gathers on `gather_stream`, DMAs on `copy_stream`; returns the event after the last DMA."""
-    n = ids_dev.numel()
-    dma_done: list[torch.cuda.Event | None] = [None, None]
-    for c, start in enumerate(range(0, n, per)):
-        m = min(per, n - start)
-        buf = bufs[c % 2][: kv.chunk_nbytes(m)]
-        with _on(gather_stream):
-            if dma_done[c % 2] is not None:
+    if not ids_dev.shape[0]:
+        return _record(copy_stream)
+    pieces = _pieces(kv, ids_dev, last_valid, host, bufs, per, True, max_ctas, check)
+    if gather_stream is None:  # the interpreter: every step runs to its end, in order
+        for ids, buf, part, run, valid in pieces:
+            run(ids, buf, valid)
+            part.copy_(buf)
+        return None
+    last = len(pieces) - 1
+    # One event per role, recorded again for each piece: a wait reads the record made before it.
+    gathered, dma_done = torch.cuda.Event(), (torch.cuda.Event(), torch.cuda.Event())
+    with torch.cuda.stream(copy_stream):  # torch's copies run on the current stream
+        for c, (ids, buf, part, run, valid) in enumerate(pieces):
+            if c >= 2:
                 # Reuse a staging buffer only after its DMA has completed (else that DMA reads new data).
                 gather_stream.wait_event(dma_done[c % 2])
-            valid = last_valid if start + m == n else kv.block_size  # only the last block is partial
-            launch(kv, ids_dev[start : start + m], buf, valid, gather=True, max_ctas=max_ctas, check=check)
-            gathered = _record(gather_stream)  # marks: staging buffer filled
-        with _on(copy_stream):
-            if gathered is not None:
-                # The DMA must not read the staging buffer before the gather has filled it.
-                copy_stream.wait_event(gathered)
-            host[kv.chunk_nbytes(start) : kv.chunk_nbytes(start + m)].copy_(buf, non_blocking=True)
-            dma_done[c % 2] = _record(copy_stream)  # marks: buffer drained, host bytes written
-    return dma_done[(n - 1) // per % 2] if n else _record(copy_stream)
+            run(ids, buf, valid, 0, 0, gather_stream)
+            gathered.record(gather_stream)  # marks: staging buffer filled
+            # The DMA must not read the staging buffer before the gather has filled it.
+            copy_stream.wait_event(gathered)
+            part.copy_(buf, non_blocking=True)
+            if c + 2 <= last or c == last:  # a gather two pieces on waits for it, or the caller does
+                dma_done[c % 2].record(copy_stream)  # marks: buffer drained, host bytes written
+    return dma_done[last % 2]
 
 
 def _load_loop(
     kv, ids_dev, last_valid, host, bufs, per, copy_stream, scatter_stream, max_ctas, check=0, stamp=0
 ):
     """DMAs on `copy_stream`, scatters on `scatter_stream`; returns the event after the last scatter."""
-    n = ids_dev.numel()
-    freed: list[torch.cuda.Event | None] = [None, None]
-    for c, start in enumerate(range(0, n, per)):
-        m = min(per, n - start)
-        buf = bufs[c % 2][: kv.chunk_nbytes(m)]
-        with _on(copy_stream):
-            if freed[c % 2] is not None:
+    if not ids_dev.shape[0]:
+        return _record(scatter_stream)
+    pieces = _pieces(kv, ids_dev, last_valid, host, bufs, per, False, max_ctas, check)
+    if scatter_stream is None:  # the interpreter: every step runs to its end, in order
+        for ids, buf, part, run, valid in pieces:
+            buf.copy_(part)
+            run(ids, buf, valid, 0, stamp)
+        return None
+    last = len(pieces) - 1
+    # One event per role, recorded again for each piece: a wait reads the record made before it.
+    arrived, freed = torch.cuda.Event(), (torch.cuda.Event(), torch.cuda.Event())
+    with torch.cuda.stream(copy_stream):  # torch's copies run on the current stream
+        for c, (ids, buf, part, run, valid) in enumerate(pieces):
+            if c >= 2:
                 # Overwrite a staging buffer only after the scatter that read it has completed.
                 copy_stream.wait_event(freed[c % 2])
-            buf.copy_(host[kv.chunk_nbytes(start) : kv.chunk_nbytes(start + m)], non_blocking=True)
-            arrived = _record(copy_stream)  # marks: staging buffer holds the chunk
-        with _on(scatter_stream):
-            if arrived is not None:
-                # The scatter must not read the staging buffer before the H2D copy has landed.
-                scatter_stream.wait_event(arrived)
-            valid = last_valid if start + m == n else kv.block_size  # only the last block is partial
-            launch(
-                kv,
-                ids_dev[start : start + m],
-                buf,
-                valid,
-                gather=False,
-                max_ctas=max_ctas,
-                check=check,
-                stamp=stamp,
-            )
-            freed[c % 2] = _record(scatter_stream)  # marks: blocks written, buffer free again
-    return freed[(n - 1) // per % 2] if n else _record(scatter_stream)
+            buf.copy_(part, non_blocking=True)
+            arrived.record(copy_stream)  # marks: staging buffer holds the chunk
+            # The scatter must not read the staging buffer before the H2D copy has landed.
+            scatter_stream.wait_event(arrived)
+            run(ids, buf, valid, 0, stamp, scatter_stream)
+            if c + 2 <= last or c == last:  # a copy two pieces on waits for it, or the caller does
+                freed[c % 2].record(scatter_stream)  # marks: blocks written, buffer free again
+    return freed[last % 2]
+
+
+def _pieces(kv, ids_dev, last_valid, host, bufs, per, gather, max_ctas, check) -> list[tuple]:
+    """The call cut into pieces of `per` blocks (the last may be shorter), planned once per call:
+    per piece (its ids, its staging buffer -- the two in turn --, its host bytes, its `Launch`,
+    its valid tokens in the last block)."""
+    n, bn, bs = ids_dev.shape[0], kv.block_nbytes, kv.block_size
+    ids = ids_dev.split(per)
+    hosts = host[: n * bn].split(per * bn)  # a host buffer may be longer than the n blocks
+    last, m = len(ids) - 1, n - (len(ids) - 1) * per  # the last piece holds m blocks
+    full = (bufs[0][: per * bn], bufs[1][: per * bn])
+    align = math.gcd(chunk_align(bufs[0]), chunk_align(bufs[1]))  # one plan fits both buffers
+    kw = dict(gather=gather, max_ctas=max_ctas, n_layers=len(kv.layers), check=check)
+    run = launch_for(kv, per, align, ids_dev.dtype, False, **kw)
+    pieces = [(ids[c], full[c % 2], hosts[c], run, bs) for c in range(last)]
+    run_m = run if m == per else launch_for(kv, m, align, ids_dev.dtype, False, **kw)
+    pieces.append((ids[last], bufs[last % 2][: m * bn], hosts[last], run_m, last_valid))
+    return pieces
 
 
 def _check_staging(kv: PagedKV, staging) -> tuple[list[torch.Tensor], int]:
@@ -283,10 +312,11 @@ def _check_staging(kv: PagedKV, staging) -> tuple[list[torch.Tensor], int]:
     if not isinstance(staging, (list, tuple)) or len(staging) != 2:
         raise ValueError("staging: expected two buffers (make_staging)")
     a, b = staging
+    f = known_cache(kv)
     for i, t in enumerate(staging):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
             raise ValueError(f"staging[{i}]: expected a contiguous 1-D uint8 tensor")
-        if t.device != kv.device:
+        if t.device != f.device:
             raise ValueError(f"staging[{i}]: on {t.device}, expected the cache's {kv.device}")
     if a.numel() != b.numel() or a.numel() < kv.block_nbytes:
         raise ValueError(
@@ -303,10 +333,11 @@ def _check_streams(kv: PagedKV, kernel_stream, copy_stream, wait_event) -> None:
         if kernel_stream is not None or copy_stream is not None or wait_event is not None:
             raise ValueError("streams/wait_event: must be None without CUDA (the interpreter runs in order)")
         return
+    index = known_cache(kv).index
     for name, s in (("kernel stream", kernel_stream), ("copy_stream", copy_stream)):
         if not isinstance(s, torch.cuda.Stream):
             raise ValueError(f"{name}: expected a torch.cuda.Stream, got {type(s).__name__}")
-        if s.device != kv.device:
+        if s.device_index != index:
             raise ValueError(f"{name}: on {s.device}, expected the cache's {kv.device}")
     if wait_event is not None and not isinstance(wait_event, torch.cuda.Event):
         raise ValueError(f"wait_event: expected a torch.cuda.Event or None, got {type(wait_event).__name__}")
