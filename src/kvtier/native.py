@@ -1,7 +1,7 @@
-"""Loading kvtier's optional C extensions (`_fast.c`, `_slab.c`, beside this module: below every layer that uses them): the module, or None and
-why not. Off with KVTIER_NATIVE=0, where it was not built, and where the interpreter runs without
-a GIL: both rely on it (each call atomic towards other Python threads; the spare id arrays' use
-read from a reference count)."""
+"""Loading kvtier's optional C extensions (`_fast.c`, `_slab.c`, beside this module: below every
+layer that uses them): the module, or None and why not. Off with KVTIER_NATIVE=0, where it was
+not built, and where the interpreter runs without a GIL: both rely on it (each call atomic
+towards other Python threads; the spare id arrays' use read from a reference count)."""
 
 from __future__ import annotations
 
