@@ -73,13 +73,13 @@ class CudaMover:
         """Enqueue the save on `stream`; `done`: the job's event, to be recorded there after every
         copy of the job -- by the caller, unless a graph replay recorded it already (done.stream)."""
         kv, raw = self.kv, stream.raw
+        if path is Path.BATCH:  # addresses from the host's ids: no ids on the device at all
+            batch.copy(kv, ids.ids, ids.last_valid, slot, raw, save=True)
+            return
         if path is not Path.STAGED:
             with torch.cuda.stream(raw):
                 bid = trusted_block_ids(kv, ids.ids, False, ids.last_valid)  # one H2D, on `raw`
-                if path is Path.KERNEL:
-                    ops.gather(kv, bid, slot.tensor, max_ctas=self.uva_ctas)
-                else:
-                    batch.copy(kv, bid, slot, raw, save=True)
+                ops.gather(kv, bid, slot.tensor, max_ctas=self.uva_ctas)
             return
         if self._save_staging is None:
             self._save_staging = ops.make_staging(kv, self.chunk_blocks)
@@ -114,12 +114,12 @@ class CudaMover:
         """Enqueue the load; return the events of layers 0..L-2 (the last, `done`, is recorded
         on `stream` by the engine after this returns, or by a graph replay: as in `save`)."""
         kv, raw = self.kv, stream.raw
+        if path is Path.BATCH:  # addresses from the host's ids: no ids on the device at all
+            batch.copy(kv, ids.ids, ids.last_valid, slot, raw, save=False)
+            return []
         if path is not Path.STAGED:
             with torch.cuda.stream(raw):
                 bid = trusted_block_ids(kv, ids.ids, True, ids.last_valid)  # one H2D, on `raw`
-                if path is Path.BATCH:
-                    batch.copy(kv, bid, slot, raw, save=False)
-                    return []
                 if not per_layer:
                     ops.scatter(kv, bid, slot.tensor, max_ctas=self.uva_ctas)
                     return []

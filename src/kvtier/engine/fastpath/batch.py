@@ -26,11 +26,11 @@ from __future__ import annotations
 import ctypes
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from kvtier.device.cudart import runtime
 from kvtier.layout import PagedKV
-from kvtier.ops.checks import BlockIds
 from kvtier.pool import Slot
 
 _SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: sources read in stream order
@@ -129,14 +129,18 @@ def prepare(kv: PagedKV, ids: torch.Tensor, last_valid: int, host: torch.Tensor,
     return (hostp, paged, sizes) if save else (paged, hostp, sizes)
 
 
-def copy(kv: PagedKV, ids: BlockIds, slot: Slot, stream: torch.cuda.Stream, *, save: bool) -> None:
-    """Enqueue the whole job as one batched copy on `stream` (not the legacy default stream)."""
+def copy(kv: PagedKV, ids, last_valid: int, slot: Slot, stream: torch.cuda.Stream, *, save: bool) -> None:
+    """Enqueue the whole job as one batched copy on `stream` (not the legacy default stream).
+    ids: the job's checked block ids on the host (an int numpy array or CPU tensor): the
+    addresses are computed here, so no id goes to the device (an H2D of pageable ids on
+    `stream` could make the host wait for the copies already queued there)."""
     lib, _ver, why = _runtime()
     if lib is None:  # refused before `prepare` touches the slot
         raise ValueError(f"path 'batch' unavailable: {why}")
     if stream.cuda_stream == 0:
         raise ValueError("path 'batch': cudaMemcpyBatchAsync refuses the legacy default stream")
-    dsts, srcs, sizes = prepare(kv, ids.cpu, ids.last_valid, slot.tensor, save=save)
+    ids = torch.from_numpy(ids) if isinstance(ids, np.ndarray) else ids
+    dsts, srcs, sizes = prepare(kv, ids, last_valid, slot.tensor, save=save)
     launch(dsts, srcs, sizes, stream, kv.device)
 
 
