@@ -172,3 +172,31 @@ def test_gpu_lean_split_equals_the_model_eager_and_replayed(arch):
             assert torch.equal(got, ref), s
             assert torch.allclose(got, want, atol=1e-3, rtol=1e-3) and tok == int(want.argmax()), s
     assert graphed.captures == 2
+
+
+@pytest.mark.parametrize("arch", [llama, qwen2])
+def test_gpu_lean_split_with_a_graphed_front_equals_the_eager_split(arch):
+    """A split's front replayed from its CUDA graph (two prompts of one shape, in turn) gives the
+    eager split's logits bit for bit, the loaded blocks poisoned before each hit."""
+    from kvtier.integrations.lean import LeanRunner
+
+    from test_hf_lean import two_prompts
+
+    model = build(arch)
+    eager, graphed = LeanRunner(model, graphs=False), LeanRunner(model)
+    ps = [p.cuda() for p in two_prompts(model)]
+    with KVTier.for_model(model, chunk_tokens=32, block_size=16, num_blocks=64,
+                          engine_options=dict(sanitize=True)) as kvt:  # fmt: skip
+        for p in ps:
+            cold = kvt.cache(p)
+            cold.finish(generate(model, p[:, :-1], cold)).wait(30)
+        got = []
+        for p in ps * 3:  # the first split captures the front (and the tail), the next five replay
+            _, want, c = eager.split_first_token(kvt, p, 32)
+            c.finish(None)
+            poison(kvt)
+            _, logits, c = graphed.split_first_token(kvt, p, 32)
+            c.finish(None)
+            assert (c.front, c.hit_tokens) == (32, 64) and torch.equal(logits, want)
+            got.append(logits)
+    assert set(graphed.fronts) == {32} and not torch.equal(got[0], got[1])

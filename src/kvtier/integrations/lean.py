@@ -38,6 +38,12 @@ from torch.nn.attention.bias import causal_lower_right
 
 from kvtier.integrations.hf import gather_blocks
 
+# A split's front up to this many tokens runs as one CUDA graph (`prefill_kv`): there its eager
+# launches (~1,000 for 32 layers) take the host longer than the GPU takes to compute it, and the
+# host is what the load beside it and the tail after it wait for. Past it the GPU bounds the
+# front and a graph would only hold the activations of a long prompt in its memory pool.
+FRONT_GRAPH_TOKENS = 4096
+
 
 class LeanRunner:
     def __init__(self, model, graphs: bool | None = None) -> None:
@@ -58,6 +64,7 @@ class LeanRunner:
         dev = next(model.parameters()).device
         self.graphs = dev.type == "cuda" if graphs is None else bool(graphs)
         self.pieces: dict[tuple, object] = {}  # (KVTier, front, hit, n, blocks) -> Pieces; clear() frees
+        self.fronts: dict[int, FrontGraph] = {}  # tokens -> the graphed forward of a split's front
         self.captures, self.capture_s = 0, 0.0  # shapes captured as CUDA graphs so far, seconds spent
         self.gqa_flash: bool | None = None  # None: not tried yet
 
@@ -103,7 +110,25 @@ class LeanRunner:
 
     @torch.no_grad()
     def prefill_kv(self, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, (K, V) of ``input_ids`` ([1, s], positions 0..s-1), queued on the current stream."""
+        """Per layer, (K, V) of ``input_ids`` ([1, s], positions 0..s-1), queued on the current stream.
+
+        With graphs, up to `FRONT_GRAPH_TOKENS` tokens: the first call of each length runs eagerly
+        and captures one CUDA graph of the whole forward; later calls of that length replay it and
+        return its static buffers, rewritten by the next call of the same length (on the same
+        stream, so work queued before that call still reads this call's K/V)."""
+        s = input_ids.shape[1]
+        if not (self.graphs and input_ids.is_cuda and s <= FRONT_GRAPH_TOKENS):
+            return self._prefill_kv(input_ids)
+        front = self.fronts.get(s)
+        if front is None:
+            out = self._prefill_kv(input_ids)
+            t0 = time.perf_counter()
+            self.fronts[s] = FrontGraph(self, input_ids)
+            self.captures, self.capture_s = self.captures + 1, self.capture_s + time.perf_counter() - t0
+            return out
+        return front.run(input_ids)
+
+    def _prefill_kv(self, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         x, cos, sin = self.embed(input_ids, torch.arange(input_ids.shape[1], device=input_ids.device)[None])
         keep: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i in range(len(self.inner.layers)):
@@ -305,7 +330,32 @@ class Pieces:
         pool, graphs = torch.cuda.graph_pool_handle(), []
         for step in self.steps:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            # thread_local: the store's threads (a reader, the reaper) keep calling CUDA meanwhile.
+            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
                 step()
             graphs.append(g)
         self.graphs = graphs
+
+
+class FrontGraph:
+    """`LeanRunner.prefill_kv` over a fixed number of tokens as one CUDA graph: static token ids
+    in, static per-layer (K, V) out. Captured from a warm-up on a side stream, as torch asks."""
+
+    @torch.no_grad()
+    def __init__(self, runner: LeanRunner, input_ids: torch.Tensor) -> None:
+        self.ids = input_ids.clone()
+        torch.cuda.synchronize()  # the eager call before has run: nothing of it is captured over
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())  # the warm-up reads ids written on the caller's stream
+        with torch.cuda.stream(side):
+            runner._prefill_kv(self.ids)
+        torch.cuda.synchronize()  # the warm-up is done before its buffers are captured over
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: the store's threads (a reader, the reaper) keep calling CUDA meanwhile.
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.kv = runner._prefill_kv(self.ids)
+
+    def run(self, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self.ids.copy_(input_ids)  # in stream order: the previous replay has read the ids before
+        self.graph.replay()
+        return self.kv
