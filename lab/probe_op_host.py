@@ -119,10 +119,37 @@ def shape_rows(name: str, kv, n: int, reps: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--profile", action="store_true", help="also: where a call's host time goes (cProfile)")
     args = ap.parse_args()
     id_step(args.reps)
     if torch.cuda.is_available():
         gpu_ops(args.reps)
+        if args.profile:
+            profile_calls(args.reps)
+
+
+def profile_calls(reps: int) -> None:
+    """cProfile of `reps` back-to-back one-layer gathers at the Llama-3-8B shape, per kind of ids:
+    the functions a call's host time is spent in (tottime: their own time)."""
+    import cProfile
+    import pstats
+
+    cache = torch.empty(32, 2, 2048, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+    kv = layout.vllm_flash(cache)
+    p = torch.randperm(kv.num_blocks, generator=torch.Generator().manual_seed(0))[:512]
+    chunk = torch.empty(kv.chunk_shape(512), dtype=kv.dtype, device="cuda")
+    for kind, ids in (("block_ids", ops.block_ids(kv, p, unique=False)), ("list", p.tolist())):
+        for _ in range(20):
+            ops.gather(kv, ids, chunk, layers=(0, 1))  # warm: plans, launcher, pinned slots
+        torch.cuda.synchronize()  # nothing queued: the profile holds these calls alone
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(reps):
+            ops.gather(kv, ids, chunk, layers=(0, 1))
+        prof.disable()
+        torch.cuda.synchronize()  # the calls' kernels ran before the cache goes
+        print(f"\ncProfile: {reps} one-layer gathers, ids as {kind} (per call: tottime / {reps})")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(12)
 
 
 if __name__ == "__main__":
