@@ -6,12 +6,19 @@ the first output token needs a forward), L = layers. All times are roofline lowe
 (`roofline.prefill`: max(bytes / HBM bandwidth, FLOPs / peak x efficiency)) and pipelined
 transfer times (`path`: bytes / slowest hop + hop latencies), with probed ceilings when given;
 each forward is at least the forward floor (the fixed host cost of launching one; measured by
-`kvtier calibrate`, or on first use by `integrations.hf_split.plan_request`).
+`kvtier calibrate`, or on first use by `integrations.hf_split.plan_request`), which grows with the
+tokens already cached before it (`floor_ms_per_token`: the cache's per-layer appends and the
+attention over the prefix cost host and device time that a short prefix does not show). A hit pays
+a fixed host cost no forward hides (`hit_fixed_ms`: the lookup, the allocation, the copies'
+submission, each layer's arrival), and a lower tier's read runs at the rate the store measured
+once it has read from that tier (`with_read_rate`), not the probe's ceiling: each chunk's own
+costs are in it.
 
 - recompute: one prefill of n + m tokens.
 - load: the KV of [0, n) moves through the tier's path while the m new tokens are prefilled;
   layer i of that prefill waits for layer i of the load (per-layer events), so the two overlap
-  as a two-stage pipeline: ``overlap(X, C) = max(X + C / L, X / L + C)``.
+  as a two-stage pipeline: ``overlap(X, C) = max(X + C / L, X / L + C)``, C at least the floor
+  after n cached tokens; plus the hit's fixed cost.
 - split at s (a chunk boundary, 0 < s < n): the compute stream prefills [0, s) while [s, n) is
   read from the tier on a thread; the device copies of [s, n) then pipeline under the m new
   tokens: ``max(R_s, read_s) + overlap(copy_s, C)``. The front's KV is exact (attention of a
@@ -164,6 +171,20 @@ def tier_path(
     return dataclasses.replace(p, hops=tuple(hops))
 
 
+READ_FIGURES = {"disk": "disk_read_gbps", "remote": "redis_loopback_get_gbps"}  # a tier's read hop
+
+
+def with_read_rate(ceilings: Ceilings | None, tier: str, gbps: float | None) -> Ceilings | None:
+    """`ceilings` with the read hop of `tier` at `gbps`: the rate a store measured reading its
+    chunks (`KVStore.read_gbps`: each chunk's fixed cost in it), which a load reaches where the
+    probe's ceiling is only what the device could. None, or a tier with no read hop: unchanged."""
+    figure = READ_FIGURES.get(TIER_ALIASES.get(tier, ""))
+    if gbps is None or figure is None:
+        return ceilings
+    base = ceilings if ceilings is not None else Ceilings()
+    return dataclasses.replace(base, figures=base.figures | {figure: gbps})
+
+
 def plan(
     model: ModelSpec | str,
     gpu: GPU | str,
@@ -182,6 +203,10 @@ def plan(
     shared_by: int = 1,
     prefill_overhead_ms: float = 0.0,
     forward_floor_ms: float = 0.0,
+    floor_ms_per_token: float = 0.0,
+    tail_floor_ms: float | None = None,
+    front_floor_ms: float | None = None,
+    hit_fixed_ms: float = 0.0,
 ) -> Plan:
     """Predict recompute, load and the best chunk-aligned split for one request; choose the fastest.
 
@@ -194,7 +219,18 @@ def plan(
     option runs — a split runs two (`kvtier calibrate` fits it: `fits.prefill.overhead_ms`).
     forward_floor_ms: the least time one forward takes however little it computes (the host
     launching an eager model: `kvtier calibrate` measures it, `forward_floor_ms`); each forward
-    is predicted at max(its prefill, this floor).
+    is predicted at max(its prefill, its floor).
+    floor_ms_per_token: how much the floor grows per token already cached before the forward
+    (the cache's per-layer appends and the attention over it; `hf_costs` measures the floor at
+    two cached lengths): a forward after `prefix` cached tokens has the floor
+    ``forward_floor_ms + floor_ms_per_token * prefix``.
+    tail_floor_ms: the floor, before that growth, of the forward over the new tokens after a hit
+    (None: forward_floor_ms). A runner that replays that forward as CUDA graphs passes its own
+    (e.g. 0) while its eager forwards from scratch (a split's front) keep forward_floor_ms.
+    front_floor_ms: the same for a split's front, the forward over [0, s) (None:
+    forward_floor_ms); a runner that replays its front as a CUDA graph passes its own.
+    hit_fixed_ms: the host cost of a hit that no forward hides (the lookup, the allocation, the
+    submission of the copies, each layer's arrival), added once to a load and to a split.
     """
     if isinstance(model, str):
         from kvtier.hfconfig import resolve_model
@@ -212,7 +248,16 @@ def plan(
         )
     if isinstance(efficiency, bool) or not isinstance(efficiency, int | float) or not 0 < efficiency <= 1:
         raise ValueError(f"efficiency: must be within (0, 1], got {efficiency!r}")
-    for name, v in (("prefill_overhead_ms", prefill_overhead_ms), ("forward_floor_ms", forward_floor_ms)):
+    tail_floor = forward_floor_ms if tail_floor_ms is None else tail_floor_ms
+    front_floor = forward_floor_ms if front_floor_ms is None else front_floor_ms
+    for name, v in (
+        ("prefill_overhead_ms", prefill_overhead_ms),
+        ("forward_floor_ms", forward_floor_ms),
+        ("floor_ms_per_token", floor_ms_per_token),
+        ("tail_floor_ms", tail_floor),
+        ("front_floor_ms", front_floor),
+        ("hit_fixed_ms", hit_fixed_ms),
+    ):
         if isinstance(v, bool) or not isinstance(v, int | float) or not (0 <= v < float("inf")):
             raise ValueError(f"{name}: must be a number >= 0, got {v!r}")
     p = tier_path(g, tier, ceilings, link, nic, gpudirect, shared_by)
@@ -221,18 +266,20 @@ def plan(
     copy_hops = p.hops if p.tier == "host" or p.gpudirect or len(p.hops) < 2 else p.hops[1:]
     bottleneck = min(copy_hops, key=lambda h: h.gbps).name.split(" (")[0]
 
-    def pre(tokens: int, prefix: int = 0) -> tuple[float, str]:
+    def pre(tokens: int, prefix: int = 0, floor0: float = forward_floor_ms) -> tuple[float, str]:
         """(ms, what bounds it) of one forward over `tokens` after `prefix` cached ones."""
         if not tokens:
             return 0.0, "nothing"
         b = prefill(model, g, tokens, prefix, dtype, kv_dtype, efficiency)
         ms = b.ms + prefill_overhead_ms
-        if forward_floor_ms > ms:
-            return forward_floor_ms, f"forward floor {forward_floor_ms:.1f}"
+        floor = floor0 + floor_ms_per_token * prefix
+        if floor > ms:
+            return floor, f"forward floor {floor:.1f}"
         fixed = f" + fixed {prefill_overhead_ms:.1f}" if prefill_overhead_ms else ""
         return ms, f"{b.bound}-bound {b.ms:.1f}{fixed}"
 
-    new_ms, new_bound = pre(m, n)
+    new_ms, new_bound = pre(m, n, tail_floor)
+    hit = f" + hit {hit_fixed_ms:.1f}" if hit_fixed_ms else ""
 
     def pipelined(read: float, copy: float) -> tuple[float, str]:
         """The copies of a load under the new tokens' forward, after the tier's read."""
@@ -243,14 +290,15 @@ def plan(
         return read + t, f"{head}the first layer {copy / layers:.1f} + new tokens {new_bound}"
 
     def split_at(s: int, name: str) -> Option:
-        (r, r_bound), (read, copy) = pre(s), transfer_parts(p, n - s, per_token)
+        (r, r_bound), (read, copy) = pre(s, 0, front_floor), transfer_parts(p, n - s, per_token)
         tail, tail_bound = pipelined(0.0, copy)
         if not s:  # a load
             ms, bound = pipelined(read, copy)
-            return Option(name, 0, n, 0.0, read + copy, new_ms, ms, bound)
+            return Option(name, 0, n, 0.0, read + copy, new_ms, hit_fixed_ms + ms, bound + hit)
         front = max(r, read)
         side = f"front [0, {s}) {r_bound}" if r >= read else f"read of [{s}, {n}) {read:.1f}"
-        return Option(name, s, n - s, r, read + copy, new_ms, front + tail, f"{side}, then {tail_bound}")
+        ms = hit_fixed_ms + front + tail
+        return Option(name, s, n - s, r, read + copy, new_ms, ms, f"{side}, then {tail_bound}{hit}")
 
     full, full_bound = pre(n + m)
     options = {"recompute": Option("recompute", n, 0, full, 0.0, 0.0, full, full_bound)}

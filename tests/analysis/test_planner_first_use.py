@@ -70,10 +70,70 @@ def test_a_stale_or_broken_file_is_measured_again(kvt_model, capsys):
     got = hf_costs.model_costs(model)
     assert "on first use" in capsys.readouterr().err and json.loads(path.read_text()) == got
     opts = hf_costs.planner_options(model, hf_costs_spec(model), CPU, costs=got)
-    assert 0 < opts["efficiency"] <= 1 and opts["forward_floor_ms"] == got["forward_floor_ms"]
+    (p0, f0), (p1, f1) = got["floor_points"]
+    assert 0 < opts["efficiency"] <= 1 and p0 < p1 and f0 == got["forward_floor_ms"]
+    # the floor as a line through its two points, never falling with the prefix
+    line = opts["forward_floor_ms"] + opts["floor_ms_per_token"] * p0
+    assert opts["floor_ms_per_token"] >= 0 and (line == pytest.approx(f0) or opts["forward_floor_ms"] == 0)
+    assert opts["hit_fixed_ms"] == got["hit_fixed_ms"] == max(0.0, got["hit_ms"] - f0)
+
+
+def test_the_floor_line_and_the_hit_reach_the_plan(kvt_model):
+    """planner_options of made-up costs: the floor's growth and the hit's cost are in the plan."""
+    kvt, model, cache = kvt_model
+    costs = {"prefill_tokens": 256, "prefill_ms": 1.0, "floor_points": [[256, 30.0], [8192, 40.0]]}
+    opts = hf_costs.planner_options(model, hf_costs_spec(model), CPU, costs=costs | {"hit_fixed_ms": 9.0})
+    assert opts["floor_ms_per_token"] == pytest.approx(10 / 7936)
+    assert opts["forward_floor_ms"] == pytest.approx(30 - 256 * 10 / 7936)
+    flat = hf_costs.planner_options(
+        model,
+        hf_costs_spec(model),
+        CPU,
+        costs=costs | {"floor_points": [[256, 30.0], [8192, 25.0]], "hit_fixed_ms": 0},
+    )
+    assert flat["floor_ms_per_token"] == 0 and flat["forward_floor_ms"] == 30.0  # noise never shrinks it
+
+
+def test_the_store_read_rate_replaces_the_probe_once_measured(kvt_model):
+    from kvtier.planner import with_read_rate
+
+    assert (
+        with_read_rate(FIGURES, "disk", None) is FIGURES and with_read_rate(FIGURES, "host", 1.0) is FIGURES
+    )
+    got = with_read_rate(FIGURES, "disk", 1.2)
+    assert got.get("disk_read_gbps") == 1.2 and got.get("h2d_pinned_gbps") == 10.0
+    assert with_read_rate(None, "redis", 3.0).get("redis_loopback_get_gbps") == 3.0
 
 
 def hf_costs_spec(model):
     from kvtier.bench.calibrate import model_spec
 
     return model_spec(model)
+
+
+def test_a_store_that_read_from_a_tier_plans_at_the_rate_it_measured(monkeypatch, tmp_path):
+    from kvtier.bench.suites.ttft_checks import first_token
+    from kvtier.store.throttle import MemoryTier, ThrottledTier
+
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
+    model = build_llama("tiny", "cpu", torch.float32, attn_implementation="sdpa")
+    tier = ThrottledTier(MemoryTier(1 << 30, name="remote"), 0.05)
+    kvt = KVTier.for_model(model, num_blocks=64, block_size=16, model_id="t", chunk_tokens=64, tiers=[tier])
+    try:
+        ids = torch.randint(1, 1000, (1, 300))
+        cache = kvt.cache(ids)
+        out, _, _ = first_token(model, ids, cache, 1)
+        assert cache.finish(out).wait_durable(30)
+        kvt.store.evict()
+        assert kvt.store.read_gbps() == {}
+        before = plan_request(kvt, model, ids, CPU, FIGURES, efficiency=1.0, forward_floor_ms=0.0)
+        cache = kvt.cache(ids)  # reads every chunk from the remote tier
+        cache.finish(None)
+        rate = kvt.store.read_gbps()["remote"]
+        assert 0 < rate <= 0.06  # the throttle's rate, each chunk's own costs in it
+        kvt.store.evict()
+        after = plan_request(kvt, model, ids, CPU, FIGURES, efficiency=1.0, forward_floor_ms=0.0)
+        assert before.path.hops[0].gbps != rate and after.path.hops[0].gbps == rate
+    finally:
+        kvt.close()
+        tier.close()

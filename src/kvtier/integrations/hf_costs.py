@@ -4,10 +4,17 @@ first request on without a calibration file:
 
     forward_floor_ms   `generate` of one token for a short tail over a short cached prefix: the
                        least time any forward through transformers takes here (host launches)
+    floor_points       [[cached tokens, ms], ...]: that floor over a short and a long cached prefix;
+                       it grows with the prefix (DynamicCache's per-layer appends, the attention
+                       over it), and the planner takes it as a line through the two points
+    hit_ms             the same `generate` (over the short prefix) when the prefix is a kvtier hit
+                       from the host (a throwaway `KVTier`: lookup, allocation, the copies'
+                       submission, each layer's arrival), and hit_fixed_ms = hit_ms - the floor:
+                       what a hit costs on the host that no forward hides
     prefill_ms         one forward over `prefill_tokens` tokens: what a prefill reaches here
 
     costs = model_costs(model)                       # measured once (said on stderr), then read
-    opts = planner_options(model, "h200", ceilings)  # efficiency + forward_floor_ms for plan()
+    opts = planner_options(model, spec, gpu)         # plan()'s efficiency, floor and hit costs
 
 The file is ``$KVTIER_CACHE_DIR`` (default ``~/.cache/kvtier``) ``/model-costs-<key>.json``, the
 key a hash of the device's name, torch's version and the model's config, dtype and attention
@@ -27,8 +34,12 @@ from pathlib import Path
 
 import torch
 
-FORMAT = 1
+FORMAT = 2
 FLOOR_PREFIX = 256  # cached tokens under the floor's tail: short, so the device has little to do
+# The long cached prefix of the floor's second point: long enough that its growth shows, short
+# enough to cost well under a second on a GPU (CPU: a tiny test model).
+LONG_PREFIX = {"cuda": 8192, "cpu": 512}
+HIT_BLOCK = 16  # the throwaway KVTier's block size; its one chunk is the short prefix
 REPS = 5
 
 
@@ -90,8 +101,10 @@ def model_costs(model, *, refresh: bool = False) -> dict:
         where = f"saved to {path}"
     except OSError as e:
         where = f"not saved ({e})"
+    (p0, f0), (p1, f1) = doc["floor_points"][0], doc["floor_points"][-1]
     print(
-        f"kvtier: measured this model's forward floor ({doc['forward_floor_ms']:.1f} ms) and prefill "
+        f"kvtier: measured this model's forward floor ({f0:.1f} ms over {p0} cached tokens, {f1:.1f} "
+        f"over {p1}), a host hit's fixed cost ({doc['hit_fixed_ms']:.1f} ms) and prefill "
         f"({doc['prefill_tokens']} tokens in {doc['prefill_ms']:.1f} ms) on first use, {where}; "
         "`kvtier calibrate` measures more",
         file=sys.stderr,
@@ -100,35 +113,22 @@ def model_costs(model, *, refresh: bool = False) -> dict:
 
 
 def measure(model) -> dict:
-    """Median ms of the floor's `generate` and of one prefill forward (device synchronized)."""
-    from transformers import DynamicCache
-
-    from kvtier.integrations.hf import cache_kwarg
+    """Median ms of the floor's `generate` over a short and a long cached prefix, of the same
+    `generate` over the short prefix loaded as a kvtier hit, and of one prefill forward (device
+    synchronized)."""
+    import inspect
 
     dev = _device(model)
     tail, tokens = (64, 2048) if dev.type == "cuda" else (16, 256)
+    long = LONG_PREFIX["cuda" if dev.type == "cuda" else "cpu"]
+    limit = getattr(model.config, "max_position_embeddings", None) or long + tail
+    long = min(long, limit - tail)  # a model too short for the second point: one point, no growth
     gen = torch.Generator(device=dev).manual_seed(2)
-    ids = torch.randint(
-        1, model.config.vocab_size, (1, max(FLOOR_PREFIX + tail, tokens)), generator=gen, device=dev
-    )
-    cache = DynamicCache()
-    with torch.no_grad():
-        model(ids[:, :FLOOR_PREFIX], **{cache_kwarg(model): cache}, use_cache=True)
-
-    def floor() -> None:
-        model.generate(
-            ids[:, : FLOOR_PREFIX + tail],
-            max_new_tokens=1,
-            do_sample=False,
-            pad_token_id=0,
-            **{cache_kwarg(model): cache},
-        )
-        extra = cache.get_seq_length() - FLOOR_PREFIX
-        if extra > 0:
-            cache.crop(-extra)  # back to the prefix alone for the next run
-
-    import inspect
-
+    ids = torch.randint(1, model.config.vocab_size, (1, max(long + tail, tokens)), generator=gen, device=dev)
+    floors = [
+        [p, _floor_ms(model, ids[:, : p + tail], p, dev)] for p in (FLOOR_PREFIX, long) if p >= FLOOR_PREFIX
+    ]
+    hit = _hit_ms(model, ids[:, : FLOOR_PREFIX + tail], FLOOR_PREFIX, dev)
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
     def prefill() -> None:
@@ -137,13 +137,75 @@ def measure(model) -> dict:
     return {
         "kvtier_model_costs": FORMAT,
         "machine": machine_and_model(model),
-        "forward_floor_ms": _median_ms(floor, dev),
+        "forward_floor_ms": floors[0][1],
+        "floor_points": floors,
         "floor_tail_tokens": tail,
         "floor_cached_tokens": FLOOR_PREFIX,
+        "hit_ms": hit,
+        "hit_fixed_ms": max(0.0, hit - floors[0][1]),
         "prefill_ms": _median_ms(prefill, dev),
         "prefill_tokens": tokens,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+
+
+def _generate(model, ids, cache) -> torch.Tensor:
+    from kvtier.integrations.hf import cache_kwarg
+
+    return model.generate(
+        ids, max_new_tokens=1, do_sample=False, pad_token_id=0, **{cache_kwarg(model): cache}
+    )
+
+
+def _floor_ms(model, ids, prefix: int, dev) -> float:
+    """`generate` of one token after ids[:, :prefix], already in a DynamicCache."""
+    from transformers import DynamicCache
+
+    from kvtier.integrations.hf import cache_kwarg
+
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(ids[:, :prefix], **{cache_kwarg(model): cache}, use_cache=True)
+
+    def floor() -> None:
+        _generate(model, ids, cache)
+        extra = cache.get_seq_length() - prefix
+        if extra > 0:
+            cache.crop(-extra)  # back to the prefix alone for the next run
+
+    return _median_ms(floor, dev)
+
+
+def _hit_ms(model, ids, prefix: int, dev) -> float:
+    """The same `generate` with ids[:, :prefix] a host hit of a throwaway `KVTier` (one chunk of
+    `prefix` tokens, saved by an untimed first request): the lookup, the allocation, the copies
+    and each layer's arrival on top of the forward."""
+    from kvtier.integrations.hf import KVTier
+
+    blocks = -(-(ids.shape[1] + 1) // HIT_BLOCK)
+    kvt = KVTier.for_model(
+        model,
+        num_blocks=2 * blocks,
+        block_size=HIT_BLOCK,
+        model_id="kvtier-hf-costs",
+        chunk_tokens=prefix,
+        salt=os.urandom(8),
+    )
+    try:
+        with torch.no_grad():
+            cache = kvt.cache(ids)
+            saved = cache.finish(_generate(model, ids, cache))
+        if saved is not None:
+            saved.wait(60)  # the prefix is a host entry once its save completed
+
+        def hit() -> None:
+            c = kvt.cache(ids)
+            _generate(model, ids, c)
+            c.finish(None)  # the blocks go back; nothing new is saved
+
+        return _median_ms(hit, dev)
+    finally:
+        kvt.close()
 
 
 @torch.no_grad()
@@ -162,10 +224,19 @@ def _median_ms(fn, dev: torch.device) -> float:
 
 
 def planner_options(model, spec, gpu, dtype: str = "bf16", kv_dtype: str = "bf16", costs=None) -> dict:
-    """`planner.plan`'s efficiency and forward_floor_ms from `model_costs` (or `costs`): the measured
-    prefill against the roofline's at full rate on `gpu` (a `specs.GPU`), and the measured floor."""
+    """`planner.plan`'s efficiency, floor and hit cost from `model_costs` (or `costs`): the measured
+    prefill against the roofline's at full rate on `gpu` (a `specs.GPU`); the floor as the line
+    through its two points (forward_floor_ms at no cached token, floor_ms_per_token: its growth,
+    never negative: a noisy long point does not make the floor shrink); hit_fixed_ms."""
     from kvtier.roofline import prefill
 
     c = costs or model_costs(model)
     ideal = prefill(spec, gpu, c["prefill_tokens"], 0, dtype, kv_dtype).ms
-    return {"efficiency": min(1.0, ideal / c["prefill_ms"]), "forward_floor_ms": c["forward_floor_ms"]}
+    (p0, f0), (p1, f1) = c["floor_points"][0], c["floor_points"][-1]
+    slope = max(0.0, (f1 - f0) / (p1 - p0)) if p1 > p0 else 0.0
+    return {
+        "efficiency": min(1.0, ideal / c["prefill_ms"]),
+        "forward_floor_ms": max(0.0, f0 - slope * p0),
+        "floor_ms_per_token": slope,
+        "hit_fixed_ms": c["hit_fixed_ms"],
+    }

@@ -27,15 +27,17 @@ of generate (a streamer; torch.cuda.synchronize first); one warm-up and 3 timed 
 median. Rows: bytes = KV bytes of the prefix; ceiling h2d_pinned (GPU) or host_memcpy (CPU),
 disk_read for disk rows (gbps = prefix KV bytes / TTFT). Params: predicted_ms (the planner with
 this run's ceilings: device copy, bf16 matmul, pinned H2D, disk read, throttle rate as the remote's
-GET hop), error_pct = predicted / measured - 1, calibrated (whether a calibration file fed the
-planner) and planner_costs (where its per-model costs came from), the plan's choice and split, and
-plan_why (the plan's one line). `correct`: every run's tokens equal the recompute run's and every
-loaded chunk came from the tier. Figures derived across a prefix's rows (`ttft_checks.derived`):
-speedup_vs_recompute on load rows (with the floor's bound on the host), split_vs_best and
-load_vs_recompute on split rows, best_measured and regret_pct on choice rows.
+GET hop; a lower tier's read at the rate the store measured once it has read from it, so each
+row is planned just before its runs), error_pct = predicted / measured - 1, calibrated (whether a
+calibration file fed the planner) and planner_costs (where its per-model costs came from), the
+plan's choice and split, and plan_why (the plan's one line). `correct`: every run's tokens equal
+the recompute run's and every loaded chunk came from the tier. Figures derived across a prefix's
+rows (`ttft_checks.derived`): speedup_vs_recompute on load rows (with the floor's bound on the
+host), split_vs_best and load_vs_recompute on split rows, best_measured and regret_pct on choice rows.
 $KVTIER_CALIBRATION=FILE (from `kvtier calibrate --save`) gives the planner the fitted prefill
 TFLOP/s, fixed cost of a forward, forward floor and H2D GB/s; without one, `plan_request` measures
-the model's forward floor and prefill rate on first use (`integrations.hf_costs`).
+the model's forward floor (at two cached lengths), a host hit's fixed cost and the prefill rate on
+first use (`integrations.hf_costs`; params planner_floor_ms_per_token, planner_hit_fixed_ms).
 """
 
 from __future__ import annotations
@@ -137,7 +139,6 @@ def _tier_rows(rig: Rig, kvt, tier: str, n: int):
         return
     from kvtier.integrations.hf_split import plan_request
 
-    plan = plan_request(kvt, rig.model, ids, rig.gpu, rig.ceilings, **rig.plan_opts)
     measured = {"recompute": rig.recompute[n][0].median_ms}
     if tier == "host":
         measured["floor"] = rig.floor_ms[n] = _floor(rig, n)
@@ -146,6 +147,9 @@ def _tier_rows(rig: Rig, kvt, tier: str, n: int):
     rows = {}
     for mode in MODES:
         case = f"{rig.label(n)} {mode} {tier}"
+        # Planned just before the row's runs, as a request would be: by then the store may have
+        # read from the tier (the rows before), and the plan takes that rate over the probe's.
+        plan = plan_request(kvt, rig.model, ids, rig.gpu, rig.ceilings, **rig.plan_opts)
         if mode == "split" and "split" not in plan.options:
             rig.ctx.skip(case, f"no split: a hit of {n} tokens has no chunk boundary inside it")
             continue

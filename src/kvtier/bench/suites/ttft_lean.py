@@ -9,15 +9,16 @@ engine's.
                                 while [s, n) loads on a thread, then the tail over both
 
 On CUDA a hit's tail runs as per-layer CUDA graphs, captured in the warm-up run (params graphs,
-captures, capture_ms, gqa_flash). predicted_ms: the planner without a forward floor (the lean
-forward has next to none). Load rows: speedup_vs_recompute (lean recompute / lean load). Split
-rows: split_vs_best (over min(lean load, lean recompute)), load_vs_recompute, its two halves each
-timed alone in this run (split_front_ms: the forward over [0, s); split_back_ms: [s, n) loaded,
-then the tail's forward; split_vs_longer_half) and split_why; and the planner's
-choice among the three lean rows: plan_choice_ms, best_measured, regret_pct. `correct`: the first
-token equals the transformers recompute run's (the prompt's top-2 margin keeps bf16 rounding from
-flipping it) and every loaded chunk came from the tier; in fp32 (CPU) also its logits within 1e-3
-of that run's.
+captures, capture_ms, gqa_flash). predicted_ms: the planner with no floor for the tail's forward
+and, with graphs, the split's front (their graphs have next to none beyond the floor's growth with
+the prefix); the lean recompute, an eager forward, keeps the floor. Load rows: speedup_vs_recompute
+(lean recompute / lean load). Split rows: split_vs_best (over min(lean load, lean recompute)),
+load_vs_recompute, its two halves each timed alone in this run (split_front_ms: the forward over [0,
+s); split_back_ms: [s, n) loaded, then the tail's forward; split_vs_longer_half) and split_why; and
+the planner's choice among the three lean rows: plan_choice_ms, best_measured, regret_pct.
+`correct`: the first token equals the transformers recompute run's (the prompt's top-2 margin keeps
+bf16 rounding from flipping it) and every loaded chunk came from the tier; in fp32 (CPU) also its
+logits within 1e-3 of that run's.
 """
 
 from __future__ import annotations
@@ -34,13 +35,17 @@ def lean_rows(rig: Rig, kvt, tier: str, n: int, runs):
     """Yield the lean rows of prefix n from `tier`; `runs` is the suite's `_runs`."""
     from kvtier.integrations.hf_split import split_cache
     from kvtier.integrations.lean import LeanRunner
-    from kvtier.planner import plan
+    from kvtier.planner import plan, with_read_rate
 
     lean = LeanRunner(rig.model)
     ids = rig.prompt(n)
     want = int(rig.reference[n][0, ids.shape[1]])  # the transformers recompute's first new token
-    opts = rig.plan_opts | {"forward_floor_ms": 0.0}
-    p = plan(rig.spec, rig.gpu, tier, n, rig.new, rig.ceilings, chunk_tokens=rig.chunk, **opts)
+    # With graphs the tail after a hit and a split's front replay CUDA graphs: no floor of their
+    # own (the front only up to FRONT_GRAPH_TOKENS; a longer one computes longer than any floor).
+    floors = {"tail_floor_ms": 0.0} | ({"front_floor_ms": 0.0} if lean.graphs else {})
+    opts = rig.plan_opts | floors
+    ceilings = with_read_rate(rig.ceilings, tier, kvt.store.read_gbps().get(tier))  # as plan_request
+    p = plan(rig.spec, rig.gpu, tier, n, rig.new, ceilings, chunk_tokens=rig.chunk, **opts)
     split = p.options["split"].recompute_tokens if "split" in p.options else None
 
     def recompute(ids):

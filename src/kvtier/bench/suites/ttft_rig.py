@@ -61,11 +61,13 @@ class Rig:
         self.ceilings = Ceilings(figures, gpu=name, source="kvtier bench ttft (this run)")
         self.gpu = calibrate.machine_gpu(ctx.device, self.ceilings)
         self.planner_costs = f"calibration {self.calibration}"
+        growth = hit = 0.0  # a calibration has neither: its fits already hold what it measured
         if not self.calibrated:  # what a user's first plan_request uses: measured on first use, cached
             from kvtier.integrations.hf_costs import cache_path, planner_options
 
             got = planner_options(self.model, self.spec, self.gpu, wdt, self.kv_dtype)
             efficiency, floor = got["efficiency"], got["forward_floor_ms"]
+            growth, hit = got["floor_ms_per_token"], got["hit_fixed_ms"]
             self.planner_costs = f"measured on first use ({cache_path(self.model)})"
         self.plan_opts = dict(
             efficiency=efficiency,
@@ -73,6 +75,8 @@ class Rig:
             kv_dtype=self.kv_dtype,
             prefill_overhead_ms=overhead,
             forward_floor_ms=floor,
+            floor_ms_per_token=growth,
+            hit_fixed_ms=hit,
         )
         self.disk_io = None
         self.recompute: dict[int, tuple] = {}  # n -> (Timing, outputs, infos)
@@ -272,6 +276,8 @@ class Rig:
             error_pct=(predicted / measured - 1) * 100,
             planner_efficiency=self.plan_opts["efficiency"],
             planner_forward_floor_ms=self.plan_opts["forward_floor_ms"],
+            planner_floor_ms_per_token=self.plan_opts["floor_ms_per_token"],
+            planner_hit_fixed_ms=self.plan_opts["hit_fixed_ms"],
             calibration=self.calibration,
             calibrated=self.calibrated,
             planner_costs=self.planner_costs,
