@@ -245,15 +245,33 @@ class KVStore:
         self._reap()
         handle = LoadHandle(num_layers=self.kv.num_layers, _on_done=self._reap)
         # The walk ends at the first chunk no tier delivers: the rest of the prefix is useless.
+        walk = self._walk(keys[: len(ids) // self.fmt.blocks])
         got_all: list[_Taken] = []
-        try:
-            for got in self._walk(keys[: len(ids) // self.fmt.blocks]):
-                got_all.append(got)
-        except BaseException:
-            self._give_back(got_all)  # fetched, never submitted
-            raise
-        layer_major = (path or self.engine.load_path(per_layer=True)) is Path.KERNEL
-        if per_layer and len(got_all) > 1 and layer_major:
+        jobs = []
+        layer_major = per_layer and (path or self.engine.load_path(per_layer=True)) is Path.KERNEL
+        if not layer_major:
+            # One job per chunk, each submitted as soon as the walk holds it: the first copy
+            # starts after one chunk's lookup, not after every chunk's (staged and batch loads
+            # give each layer the job's own event anyway, so no chunk is held back for layering).
+            try:
+                for got in walk:
+                    got_all.append(got)
+                    job = self.engine.load(
+                        got.entry.slot, self._chunk(ids, len(jobs)), per_layer=False, path=path
+                    )
+                    self._track(job, got.entry, got.kind)  # its pin drops once e_load completed
+                    jobs.append(job)
+            except BaseException:
+                self._give_back(got_all[len(jobs) :])  # fetched, never submitted
+                raise
+        else:
+            try:
+                for got in walk:
+                    got_all.append(got)
+            except BaseException:
+                self._give_back(got_all)  # fetched, never submitted
+                raise
+        if layer_major and len(got_all) > 1:
             # Layer-major over every chunk (one launch per layer): layer 0 of the whole prefix
             # lands first, so attention of layer 0 starts after 1/L of the bytes, not all of them.
             try:
@@ -264,20 +282,15 @@ class KVStore:
                 raise
             for job, got in zip(jobs, got_all, strict=True):
                 self._track(job, got.entry, got.kind)  # pins drop once e_load completed
-        else:
-            # One job per chunk; only the last is copied layer by layer (a launch and an event
-            # per layer), the others whole (one launch): layer i of the prefix is ready once the
-            # last chunk's layer i landed, and the earlier chunks, queued before it, landed whole.
-            jobs = []
-            for i, got in enumerate(got_all):
-                layered = per_layer and i == len(got_all) - 1
-                try:
-                    job = self.engine.load(got.entry.slot, self._chunk(ids, i), per_layer=layered, path=path)
-                except BaseException:
-                    self._give_back(got_all[i:])  # this chunk and the later ones were never submitted
-                    raise
-                self._track(job, got.entry, got.kind)  # its pin drops once e_load completed
-                jobs.append(job)
+        elif layer_major and got_all:  # one chunk on the kernel path: a launch and an event per layer
+            got = got_all[0]
+            try:
+                job = self.engine.load(got.entry.slot, self._chunk(ids, 0), per_layer=True, path=path)
+            except BaseException:
+                self._give_back(got_all)  # never submitted
+                raise
+            self._track(job, got.entry, got.kind)  # its pin drops once e_load completed
+            jobs = [job]
         handle.jobs.extend(jobs)
         handle.tokens = len(handle.jobs) * self.fmt.tokens
         handle.tiers = tuple(got.tier for got in got_all)
