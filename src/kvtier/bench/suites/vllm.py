@@ -68,8 +68,9 @@ class Replay:
         s = VllmSettings(
             chunk_tokens=chunk_blocks * N,
             # the host holds one request's chunks at a time (each timed save starts from an empty
-            # host, a second save of held chunks skips them): those, plus slack
-            host_bytes=(self.chunks + HOST_SLACK_CHUNKS) * per_chunk + (64 << 20),
+            # host, a second save of held chunks skips them): those, plus slack; the host index
+            # keeps an eighth of the pool as headroom (`StoreConfig.host_capacity`)
+            host_bytes=(self.chunks + HOST_SLACK_CHUNKS) * per_chunk * 8 // 7 + (64 << 20),
             staging_bytes=min(256 << 20, max(2 * per_chunk, 1 << 20)),
         )
         dev = None
@@ -260,13 +261,7 @@ def _pages(r: Replay, ids: list[int], host: torch.Tensor):
     cache's pieces, merged where consecutive in both the cache and the chunk)."""
     from kvtier.engine.fastpath import batch
 
-    paged, hostp, sizes = batch.pieces(r.kv, torch.tensor(ids), r.kv.block_size, host.data_ptr())
-    cut = torch.ones_like(paged, dtype=torch.bool)
-    cut[1:] = (paged[1:] != paged[:-1] + sizes[:-1]) | (hostp[1:] != hostp[:-1] + sizes[:-1])
-    group = torch.cumsum(cut.to(torch.int64), 0) - 1
-    n = int(group[-1]) + 1
-    merged = torch.zeros(n, dtype=torch.int64).index_add_(0, group, sizes)
-    return paged[cut], hostp[cut], merged
+    return batch.pieces(r.kv, ids, r.kv.block_size, host.data_ptr())
 
 
 def _batch_rows(ctx: Context, r: Replay, label: str, params: dict):

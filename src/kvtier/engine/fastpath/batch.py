@@ -68,8 +68,10 @@ def why_unavailable() -> str:
     return _runtime()[2] or "available"
 
 
-def pieces(kv: PagedKV, ids: torch.Tensor, last_valid: int, host_ptr: int):
-    """(paged addresses, host addresses, sizes): int64 CPU tensors, one entry per copy.
+def pieces(kv: PagedKV, ids, last_valid: int, host_ptr: int):
+    """(paged addresses, host addresses, sizes): int64 numpy arrays, one entry per copy; `ids`:
+    the job's block ids (a numpy array, CPU tensor or list). Numpy, not torch: a job's few
+    dozen small array steps cost a few microseconds each there, several times that in torch.
 
     A copy is a run of the job's pieces adjacent in the cache and in the chunk alike: a full
     block as its runs (`_block_runs`), the last block of a partial request as its valid rows,
@@ -77,19 +79,23 @@ def pieces(kv: PagedKV, ids: torch.Tensor, last_valid: int, host_ptr: int):
     is the run) joined too (`merge`)."""
     es, bs = kv.dtype.itemsize, kv.block_size
     r = _block_runs(kv)
-    ids = ids.to(torch.int64)
+    ids = np.asarray(ids, dtype=np.int64)
     n = len(ids)
     full = n if last_valid == bs else n - 1
     blk = kv.layers[kv.base].data_ptr() + ids * (kv.block_stride * es)  # each block's (layer base, kv 0)
-    hblk = host_ptr + torch.arange(n, dtype=torch.int64) * kv.block_nbytes  # its slot in the chunk
+    hblk = host_ptr + np.arange(n, dtype=np.int64) * kv.block_nbytes  # its slot in the chunk
     paged = (blk[:full, None] + r.paged).reshape(-1)
     host = (hblk[:full, None] + r.host).reshape(-1)
-    sizes = r.sizes.repeat(full)
+    sizes = np.tile(r.sizes, full)
     if full < n:  # the last block: only the valid token rows of each segment (one per head in HND)
         lp = (blk[-1] + r.piece_paged[:, None] + r.seg).reshape(-1)
         lh = (hblk[-1] + r.piece_host[:, None] + r.seg).reshape(-1)
-        ls = torch.full_like(lp, last_valid * r.seg_nbytes // bs)
-        paged, host, sizes = torch.cat([paged, lp]), torch.cat([host, lh]), torch.cat([sizes, ls])
+        ls = np.full_like(lp, last_valid * r.seg_nbytes // bs)
+        paged, host, sizes = (
+            np.concatenate([paged, lp]),
+            np.concatenate([host, lh]),
+            np.concatenate([sizes, ls]),
+        )
     return merge(paged, host, sizes)
 
 
@@ -100,24 +106,25 @@ def run_nbytes(kv: PagedKV) -> int:
     return int(_block_runs(kv).sizes.min())
 
 
-def merge(paged: torch.Tensor, host: torch.Tensor, sizes: torch.Tensor):
-    """(paged, host, sizes) of the copies with each one that starts where the one before it
-    ends, in the cache and in the chunk alike, joined to it: the same bytes, fewer descriptors.
-    Copies adjacent on one side only (blocks next to each other in the cache but not in the
-    chunk) stay apart."""
+def merge(paged, host, sizes):
+    """(paged, host, sizes) of the copies (int64 arrays or CPU tensors; numpy arrays back) with
+    each one that starts where the one before it ends, in the cache and in the chunk alike,
+    joined to it: the same bytes, fewer descriptors. Copies adjacent on one side only (blocks
+    next to each other in the cache but not in the chunk) stay apart."""
+    paged, host, sizes = (np.asarray(a, dtype=np.int64) for a in (paged, host, sizes))
     if len(sizes) < 2:
         return paged, host, sizes
-    start = torch.ones(len(sizes), dtype=torch.bool)
+    start = np.ones(len(sizes), dtype=bool)
     start[1:] = (paged[1:] != paged[:-1] + sizes[:-1]) | (host[1:] != host[:-1] + sizes[:-1])
-    first = start.nonzero().squeeze(1)
+    first = np.flatnonzero(start)
     if len(first) == len(sizes):
         return paged, host, sizes
-    last = torch.cat([first[1:], first.new_tensor([len(sizes)])]) - 1
+    last = np.append(first[1:], len(sizes)) - 1
     return paged[first], host[first], paged[last] + sizes[last] - paged[first]
 
 
-def prepare(kv: PagedKV, ids: torch.Tensor, last_valid: int, host: torch.Tensor, *, save: bool):
-    """(dsts, srcs, sizes) of the job's copies, int64 CPU tensors; `host` is the slot's bytes.
+def prepare(kv: PagedKV, ids, last_valid: int, host: torch.Tensor, *, save: bool):
+    """(dsts, srcs, sizes) of the job's copies, int64 numpy arrays; `host` is the slot's bytes.
 
     A save first zeroes the tokens past `last_valid` in the slot's last block: a chunk holds
     zeros there and no copy writes them (the slot is ALLOCATED: nothing is in flight into it)."""
@@ -139,15 +146,13 @@ def copy(kv: PagedKV, ids, last_valid: int, slot: Slot, stream: torch.cuda.Strea
         raise ValueError(f"path 'batch' unavailable: {why}")
     if stream.cuda_stream == 0:
         raise ValueError("path 'batch': cudaMemcpyBatchAsync refuses the legacy default stream")
-    ids = torch.from_numpy(ids) if isinstance(ids, np.ndarray) else ids
     dsts, srcs, sizes = prepare(kv, ids, last_valid, slot.tensor, save=save)
     launch(dsts, srcs, sizes, stream, kv.device)
 
 
-def launch(
-    dsts: torch.Tensor, srcs: torch.Tensor, sizes: torch.Tensor, stream: torch.cuda.Stream, device
-) -> None:
-    """One cudaMemcpyBatchAsync of the copies (int64 CPU address / size tensors) on `stream`."""
+def launch(dsts, srcs, sizes, stream: torch.cuda.Stream, device) -> None:
+    """One cudaMemcpyBatchAsync of the copies (int64 address / size arrays or CPU tensors) on
+    `stream`."""
     lib, ver, why = _runtime()
     if lib is None:
         raise ValueError(f"path 'batch' unavailable: {why}")
@@ -155,7 +160,8 @@ def launch(
         _SRC_ACCESS_ORDER_STREAM, _MemLocation(0, 0), _MemLocation(0, 0), _FLAG_PREFER_OVERLAP
     )
     idx = ctypes.c_size_t(0)
-    ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731 - void*/size_t arrays, 8 bytes each
+    dsts, srcs, sizes = (np.ascontiguousarray(a, dtype=np.int64) for a in (dsts, srcs, sizes))
+    ptr = lambda a: ctypes.c_void_p(a.ctypes.data)  # noqa: E731 - void*/size_t arrays, 8 bytes each
     args = [
         ptr(dsts),
         ptr(srcs),
@@ -185,12 +191,12 @@ class _Runs(NamedTuple):
     its slot in the chunk (`host`): the merged runs of a full block, and the pieces and their
     segments that a partial block is cut into."""
 
-    paged: torch.Tensor
-    host: torch.Tensor
-    sizes: torch.Tensor
-    piece_paged: torch.Tensor
-    piece_host: torch.Tensor
-    seg: torch.Tensor  # offsets of a piece's segments: one per head in HND, else the piece
+    paged: np.ndarray
+    host: np.ndarray
+    sizes: np.ndarray
+    piece_paged: np.ndarray
+    piece_host: np.ndarray
+    seg: np.ndarray  # offsets of a piece's segments: one per head in HND, else the piece
     seg_nbytes: int
 
 
@@ -202,13 +208,13 @@ def _block_runs(kv: PagedKV) -> _Runs:
         return r
     es = kv.dtype.itemsize
     pb = kv.piece_numel * es
-    loff = torch.tensor(kv.layer_offsets, dtype=torch.int64) * es
-    kvo = torch.arange(kv.num_kv, dtype=torch.int64) * (kv.kv_stride * es)
+    loff = np.asarray(kv.layer_offsets, dtype=np.int64) * es
+    kvo = np.arange(kv.num_kv, dtype=np.int64) * (kv.kv_stride * es)
     piece_paged = (loff[:, None] + kvo[None, :]).reshape(-1)  # in the chunk's order: layer, then K/V
-    piece_host = torch.arange(len(piece_paged), dtype=torch.int64) * pb
-    paged, host, sizes = merge(piece_paged, piece_host, torch.full_like(piece_paged, pb))
+    piece_host = np.arange(len(piece_paged), dtype=np.int64) * pb
+    paged, host, sizes = merge(piece_paged, piece_host, np.full_like(piece_paged, pb))
     hnd = kv.interior == "HND" and kv.block_size > 1 and not kv.is_mla
     segs = kv.num_heads if hnd else 1
-    seg = torch.arange(segs, dtype=torch.int64) * (pb // segs)
+    seg = np.arange(segs, dtype=np.int64) * (pb // segs)
     r = kv.plans[_RUNS_KEY] = _Runs(paged, host, sizes, piece_paged, piece_host, seg, pb // segs)
     return r
