@@ -171,7 +171,8 @@ def test_gpu_lean_split_equals_the_model_eager_and_replayed(arch):
             c.finish(None)
             assert torch.equal(got, ref), s
             assert torch.allclose(got, want, atol=1e-3, rtol=1e-3) and tok == int(want.argmax()), s
-    assert graphed.captures == 2
+    # per split point: the tail's pieces and the front's graph, each captured once
+    assert len(graphed.pieces) == 2 and set(graphed.fronts) == {32, 64} and graphed.captures == 4
 
 
 @pytest.mark.parametrize("arch", [llama, qwen2])
