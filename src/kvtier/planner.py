@@ -10,9 +10,7 @@ each forward is at least the forward floor (the fixed host cost of launching one
 tokens already cached before it (`floor_ms_per_token`: the cache's per-layer appends and the
 attention over the prefix cost host and device time that a short prefix does not show). A hit pays
 a fixed host cost no forward hides (`hit_fixed_ms`: the lookup, the allocation, the copies'
-submission, each layer's arrival), and a lower tier's read runs at the rate the store measured
-once it has read from that tier (`with_read_rate`), not the probe's ceiling: each chunk's own
-costs are in it.
+submission, each layer's arrival).
 
 - recompute: one prefill of n + m tokens.
 - load: the KV of [0, n) moves through the tier's path while the m new tokens are prefilled;
@@ -169,20 +167,6 @@ def tier_path(
     if t == "remote" and (rate := ceilings.get("redis_loopback_get_gbps")) is not None:
         hops.insert(0, Hop("Redis GET (loopback, redis-py)", rate, 0.0, where))
     return dataclasses.replace(p, hops=tuple(hops))
-
-
-READ_FIGURES = {"disk": "disk_read_gbps", "remote": "redis_loopback_get_gbps"}  # a tier's read hop
-
-
-def with_read_rate(ceilings: Ceilings | None, tier: str, gbps: float | None) -> Ceilings | None:
-    """`ceilings` with the read hop of `tier` at `gbps`: the rate a store measured reading its
-    chunks (`KVStore.read_gbps`: each chunk's fixed cost in it), which a load reaches where the
-    probe's ceiling is only what the device could. None, or a tier with no read hop: unchanged."""
-    figure = READ_FIGURES.get(TIER_ALIASES.get(tier, ""))
-    if gbps is None or figure is None:
-        return ceilings
-    base = ceilings if ceilings is not None else Ceilings()
-    return dataclasses.replace(base, figures=base.figures | {figure: gbps})
 
 
 def plan(

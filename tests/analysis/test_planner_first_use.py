@@ -94,46 +94,7 @@ def test_the_floor_line_and_the_hit_reach_the_plan(kvt_model):
     assert flat["floor_ms_per_token"] == 0 and flat["forward_floor_ms"] == 30.0  # noise never shrinks it
 
 
-def test_the_store_read_rate_replaces_the_probe_once_measured(kvt_model):
-    from kvtier.planner import with_read_rate
-
-    assert (
-        with_read_rate(FIGURES, "disk", None) is FIGURES and with_read_rate(FIGURES, "host", 1.0) is FIGURES
-    )
-    got = with_read_rate(FIGURES, "disk", 1.2)
-    assert got.get("disk_read_gbps") == 1.2 and got.get("h2d_pinned_gbps") == 10.0
-    assert with_read_rate(None, "redis", 3.0).get("redis_loopback_get_gbps") == 3.0
-
-
 def hf_costs_spec(model):
     from kvtier.bench.calibrate import model_spec
 
     return model_spec(model)
-
-
-def test_a_store_that_read_from_a_tier_plans_at_the_rate_it_measured(monkeypatch, tmp_path):
-    from kvtier.bench.suites.ttft_checks import first_token
-    from kvtier.store.throttle import MemoryTier, ThrottledTier
-
-    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
-    model = build_llama("tiny", "cpu", torch.float32, attn_implementation="sdpa")
-    tier = ThrottledTier(MemoryTier(1 << 30, name="remote"), 0.05)
-    kvt = KVTier.for_model(model, num_blocks=64, block_size=16, model_id="t", chunk_tokens=64, tiers=[tier])
-    try:
-        ids = torch.randint(1, 1000, (1, 300))
-        cache = kvt.cache(ids)
-        out, _, _ = first_token(model, ids, cache, 1)
-        assert cache.finish(out).wait_durable(30)
-        kvt.store.evict()
-        assert kvt.store.read_gbps() == {}
-        before = plan_request(kvt, model, ids, CPU, FIGURES, efficiency=1.0, forward_floor_ms=0.0)
-        cache = kvt.cache(ids)  # reads every chunk from the remote tier
-        cache.finish(None)
-        rate = kvt.store.read_gbps()["remote"]
-        assert 0 < rate <= 0.06  # the throttle's rate, each chunk's own costs in it
-        kvt.store.evict()
-        after = plan_request(kvt, model, ids, CPU, FIGURES, efficiency=1.0, forward_floor_ms=0.0)
-        assert before.path.hops[0].gbps != rate and after.path.hops[0].gbps == rate
-    finally:
-        kvt.close()
-        tier.close()

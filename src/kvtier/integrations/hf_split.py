@@ -157,12 +157,11 @@ def plan_request(
     first_use: where options give no efficiency or forward_floor_ms (no calibration), take them
     from this model's costs on this machine (`hf_costs.model_costs`: measured on first use, then
     read from a file), so the first plan already knows the fixed cost of a forward, how it grows
-    with the prefix, and the fixed cost of a hit. The tier's read rate: what this store measured
-    reading from it (`KVStore.read_gbps`) once it has, over the probed ceiling of `ceilings`."""
+    with the prefix, and the fixed cost of a hit."""
     import tempfile
 
     from kvtier.hfconfig import from_hf_config
-    from kvtier.planner import plan, with_read_rate
+    from kvtier.planner import plan
     from kvtier.specs import get_gpu
 
     hit = kvt.store.lookup(_tokens(input_ids)[:-1])
@@ -182,6 +181,5 @@ def plan_request(
         g = get_gpu(gpu, ceilings) if isinstance(gpu, str) else gpu
         dtypes = {k: options[k] for k in ("dtype", "kv_dtype") if k in options}
         options = planner_options(model, spec, g, **dtypes) | options  # given options win
-    ceilings = with_read_rate(ceilings, tier, kvt.store.read_gbps().get(tier))
     n_new = len(_tokens(input_ids)) - hit.tokens
     return plan(spec, gpu, tier, hit.tokens, n_new, ceilings, chunk_tokens=kvt.chunk_tokens, **options)

@@ -127,7 +127,6 @@ class KVStore:
         )
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
-        self._reads: dict[str, list[float]] = {}  # lower tier -> [chunks read, seconds reading them]
         self._writer = Writer(fmt.header, self.host, self._release_slot, self._count)
         self._reaper = Reaper(self._completed, self._count)
         self._reap, self._track = self._reaper.reap, self._reaper.track
@@ -347,19 +346,6 @@ class KVStore:
             out["store"] = dict(self._counts, inflight=len(self._reaper), writer_backlog=self._writer.backlog)
         return out
 
-    def read_gbps(self) -> dict[str, float]:
-        """Per lower tier this store has read chunks from, the rate it read them at: chunk bytes
-        over the seconds its reads took, each chunk's fixed cost included (what a load from the
-        tier reaches here, where a probe's ceiling is what the device could). The planner takes
-        it over the ceiling (`integrations.hf_split.plan_request`).
-
-        >>> store.read_gbps()  # nothing read from a lower tier yet
-        {}
-        """
-        with self._counts_lock:
-            reads = {k: tuple(v) for k, v in self._reads.items()}
-        return {k: n * self.fmt.nbytes / s / 1e9 for k, (n, s) in reads.items() if s > 0}
-
     def flush(self, timeout: float | None = None) -> bool:
         """Block until every push submitted so far (write-through, promotion, spill) finished;
         False on timeout.
@@ -456,13 +442,7 @@ class KVStore:
             if entry is not None:
                 self.host.cancel(entry)  # no slot: nothing was read into it
             return None
-        t0 = time.perf_counter()
         found = read_first(key, slot.tensor, self._tiers, self.fmt, self._count)
-        if found is not None:
-            with self._counts_lock:
-                got = self._reads.setdefault(self._tiers[found].name, [0, 0.0])
-                got[0] += 1
-                got[1] += time.perf_counter() - t0
         if found is None:
             if entry is not None:
                 self.host.attach(entry, slot)

@@ -27,8 +27,8 @@ of generate (a streamer; torch.cuda.synchronize first); one warm-up and 3 timed 
 median. Rows: bytes = KV bytes of the prefix; ceiling h2d_pinned (GPU) or host_memcpy (CPU),
 disk_read for disk rows (gbps = prefix KV bytes / TTFT). Params: predicted_ms (the planner with
 this run's ceilings: device copy, bf16 matmul, pinned H2D, disk read, throttle rate as the remote's
-GET hop; a lower tier's read at the rate the store measured once it has read from it, so each
-row is planned just before its runs), error_pct = predicted / measured - 1, calibrated (whether a
+GET hop; each row planned just before its runs, from a lookup of the prefix in its tier),
+error_pct = predicted / measured - 1, calibrated (whether a
 calibration file fed the planner) and planner_costs (where its per-model costs came from), the
 plan's choice and split, and plan_why (the plan's one line). `correct`: every run's tokens equal
 the recompute run's and every loaded chunk came from the tier. Figures derived across a prefix's
@@ -147,8 +147,11 @@ def _tier_rows(rig: Rig, kvt, tier: str, n: int):
     rows = {}
     for mode in MODES:
         case = f"{rig.label(n)} {mode} {tier}"
-        # Planned just before the row's runs, as a request would be: by then the store may have
-        # read from the tier (the rows before), and the plan takes that rate over the probe's.
+        # Planned as a request is, from a lookup: with the prefix back in the tier alone (the
+        # rows before promoted what they read into the host).
+        before = rig.cold_host(kvt, tier)
+        if before is not None:
+            before()
         plan = plan_request(kvt, rig.model, ids, rig.gpu, rig.ceilings, **rig.plan_opts)
         if mode == "split" and "split" not in plan.options:
             rig.ctx.skip(case, f"no split: a hit of {n} tokens has no chunk boundary inside it")
@@ -160,7 +163,7 @@ def _tier_rows(rig: Rig, kvt, tier: str, n: int):
             case,
             lambda ids, m=mode, s=s: _request(rig, kvt, ids, m, s),
             ids,
-            before=rig.cold_host(kvt, tier),
+            before=before,
         )
         measured[mode] = t.median_ms
         tokens_ok, ref = all(torch.equal(o, rig.reference[n]) for o in outs), rig.reference_logits[n]

@@ -35,17 +35,17 @@ def lean_rows(rig: Rig, kvt, tier: str, n: int, runs):
     """Yield the lean rows of prefix n from `tier`; `runs` is the suite's `_runs`."""
     from kvtier.integrations.hf_split import split_cache
     from kvtier.integrations.lean import LeanRunner
-    from kvtier.planner import plan, with_read_rate
+    from kvtier.planner import plan
 
     lean = LeanRunner(rig.model)
     ids = rig.prompt(n)
     want = int(rig.reference[n][0, ids.shape[1]])  # the transformers recompute's first new token
     # With graphs the tail after a hit and a split's front replay CUDA graphs: no floor of their
     # own (the front only up to FRONT_GRAPH_TOKENS; a longer one computes longer than any floor).
-    floors = {"tail_floor_ms": 0.0} | ({"front_floor_ms": 0.0} if lean.graphs else {})
+    # A hit's fixed host cost is generate's (its cache machinery); the lean runner's overlaps the load.
+    floors = {"tail_floor_ms": 0.0, "hit_fixed_ms": 0.0} | ({"front_floor_ms": 0.0} if lean.graphs else {})
     opts = rig.plan_opts | floors
-    ceilings = with_read_rate(rig.ceilings, tier, kvt.store.read_gbps().get(tier))  # as plan_request
-    p = plan(rig.spec, rig.gpu, tier, n, rig.new, ceilings, chunk_tokens=rig.chunk, **opts)
+    p = plan(rig.spec, rig.gpu, tier, n, rig.new, rig.ceilings, chunk_tokens=rig.chunk, **opts)
     split = p.options["split"].recompute_tokens if "split" in p.options else None
 
     def recompute(ids):
