@@ -205,6 +205,43 @@ def test_host_capacity_and_policy(policy):
         r.close()
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_save_longer_than_the_host_keeps_its_head(policy):
+    """Five chunks into a host of three: the save keeps chunks 0-2 (what a lookup can use) and
+    counts 3-4 as failed; evicting its own first chunks for its last would leave no prefix."""
+    r = Rig(delay=0.0, host_capacity_bytes=3 * 1024, host_policy=policy)
+
+    class Slow:  # the engine, each save 20 ms late: the chunks before it have landed and been reaped
+        def __init__(self, eng):
+            self._eng = eng
+
+        def __getattr__(self, name):
+            return getattr(self._eng, name)
+
+        def save(self, *args, **kwargs):
+            time.sleep(0.02)
+            return self._eng.save(*args, **kwargs)
+
+    r.store.close()
+    r.store = KVStore(Slow(r.eng), "m", chunk_tokens=CT, host_capacity_bytes=3 * 1024, host_policy=policy)
+    try:
+        old = toks(30, CT)
+        assert r.store.save(old, range(0, 2), after=r.write(old, range(0, 2))).wait(5)
+        s = toks(31, 5 * CT)
+        h = r.store.save(s, range(10, 20), after=r.write(s, range(10, 20)))
+        assert h.wait(5) and (h.saved, h.failed, h.tokens) == (3, 2, 3 * CT)
+        assert r.store.lookup(s).tokens == 3 * CT  # the head of the prefix is held
+        assert r.store.lookup(old).tokens == 0  # an older request's chunk made room first
+        r.poison(range(40, 46))
+        assert r.store.load(s, range(40, 46)).wait(5) and r.check(s, range(40, 46), 3)
+        assert r.store.stats()["host"]["pinned_bytes"] == 0  # the save's own pins are gone
+        later = toks(32, CT)  # and its chunks are evictable again like any other
+        assert r.store.save(later, range(60, 62), after=r.write(later, range(60, 62))).wait(5)
+        assert r.store.lookup(later).tokens == CT
+    finally:
+        r.close()
+
+
 def test_concurrent_saves_of_one_prefix_copy_it_once(rig):
     a = toks(11, 3 * CT)
     ev = rig.write(a, range(6))

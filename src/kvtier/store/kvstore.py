@@ -169,7 +169,9 @@ class KVStore:
         (``[num_blocks]``, the request's blocks in order; at least bpc per full chunk).
         ``after``: an event on the compute stream recorded after these blocks' KV was written.
         Asynchronous: the handle's events complete when the blocks have been read (only then
-        may they be overwritten). A chunk already held is skipped; a full pool ends the save.
+        may they be overwritten). A chunk already held is skipped; a full pool ends the save. A
+        save never evicts its own earlier chunks: a prefix longer than the host keeps its head
+        (what a later lookup can use), and the chunks past the room are counted as failed.
 
         >>> h = store.save(range(100), range(7), after=dev.current_stream().record())
         >>> h.wait(5), h.tokens, h.skipped  # held already: nothing copied
@@ -181,6 +183,18 @@ class KVStore:
         self._reap()
         handle = SaveHandle(_on_done=self._reap)
         through = not self.write_back and bool(self._tiers)
+        held: list[HostEntry] = []  # this save's chunks, pinned until it returns (see above)
+        try:
+            self._save_chunks(keys, ids, after, handle, through, held)
+        finally:
+            for e in held:
+                self.host.unpin(e)  # the save is over: its chunks may be evicted like any other
+        h = handle
+        self._count(saves=1, save_chunks_saved=h.saved, save_chunks_skipped=h.skipped, _call=("save", t0))
+        self._count(save_chunks_failed=h.failed)
+        return handle
+
+    def _save_chunks(self, keys, ids, after, handle: SaveHandle, through: bool, held: list) -> None:
         for i, key in enumerate(keys):
             entry, status = self.host.reserve(key, self.fmt.span, dirty=self.write_back and bool(self._tiers))
             if status == "present":  # held, or being saved or fetched by another request
@@ -204,14 +218,12 @@ class KVStore:
             if through:
                 self.host.add_pin(entry)  # the push reads the slot: it must not be evicted before
                 handle.pushes.append(self._writer.submit(Push(entry, self._tiers, after=job)))
+            self.host.add_pin(entry)  # the later chunks of this save must not evict it
+            held.append(entry)
             self._track(job, entry, "save")
             handle.jobs.append(job)
             handle.saved += 1
             handle.tokens += self.fmt.tokens
-        h = handle
-        self._count(saves=1, save_chunks_saved=h.saved, save_chunks_skipped=h.skipped, _call=("save", t0))
-        self._count(save_chunks_failed=h.failed)
-        return handle
 
     def load(
         self, tokens, block_ids, *, per_layer: bool = True, first_chunk: int = 0, path: str | None = None
