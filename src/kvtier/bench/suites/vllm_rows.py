@@ -198,8 +198,10 @@ class Forward:
             r.settle()  # an empty host: the save copies every chunk
             s0 = dev.current_stream().record()
             r.ws.save(save)  # wait_for_save: the copies wait for the compute stream's event, then run
+            # Recorded before the prefill is launched: after every copy of the save (all queued on
+            # this stream), not after the host finished launching the prefill too.
+            s1 = save_stream.record()
             start_b, end_b = prefill()
-            s1 = save_stream.record()  # after every copy of the save (all queued on this stream)
             end_b.synchronize()  # times are known once the events completed
             s1.synchronize()  # and the save's end only once its copies have run
             if i < self.warmup:
