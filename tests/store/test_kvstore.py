@@ -242,6 +242,22 @@ def test_a_save_longer_than_the_host_keeps_its_head(policy):
         r.close()
 
 
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_longer_save_does_not_evict_the_head_held_already(policy):
+    """Chunks 0-2 held from an earlier request; a save of 0-4 into a host of three keeps them
+    (skipped, held for the save's duration) and fails 3-4, instead of evicting its own head."""
+    r = Rig(host_capacity_bytes=3 * 1024, host_policy=policy)
+    try:
+        s = toks(33, 5 * CT)
+        assert r.store.save(s[: 3 * CT], range(0, 6), after=r.write(s[: 3 * CT], range(0, 6))).wait(5)
+        h = r.store.save(s, range(10, 20), after=r.write(s, range(10, 20)))
+        assert h.wait(5) and (h.skipped, h.saved, h.failed) == (3, 0, 2)
+        assert r.store.lookup(s).tokens == 3 * CT
+        assert r.store.stats()["host"]["pinned_bytes"] == 0  # the save's holds are gone
+    finally:
+        r.close()
+
+
 def test_concurrent_saves_of_one_prefix_copy_it_once(rig):
     a = toks(11, 3 * CT)
     ev = rig.write(a, range(6))

@@ -160,6 +160,17 @@ class HostTier:
             self._publish()
             return True
 
+    def hold(self, key: bytes) -> HostEntry | None:
+        """Pin the entry of ``key`` (ready or still filling) without counting a hit; None if it
+        is gone. The caller unpins it (a save keeping a prefix's chunks while it adds more)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.doomed:
+                return None
+            self._policy.pin(key)
+            self._publish()
+            return entry
+
     def add_pin(self, entry: HostEntry) -> None:
         """One more pin on an entry the caller already holds pinned (e.g. pending)."""
         with self._lock:

@@ -170,8 +170,9 @@ class KVStore:
         ``after``: an event on the compute stream recorded after these blocks' KV was written.
         Asynchronous: the handle's events complete when the blocks have been read (only then
         may they be overwritten). A chunk already held is skipped; a full pool ends the save. A
-        save never evicts its own earlier chunks: a prefix longer than the host keeps its head
-        (what a later lookup can use), and the chunks past the room are counted as failed.
+        save never evicts the earlier chunks of its own prefix (saved now or held already): a
+        prefix longer than the host keeps its head (what a later lookup can use), and the chunks
+        past the room are counted as failed.
 
         >>> h = store.save(range(100), range(7), after=dev.current_stream().record())
         >>> h.wait(5), h.tokens, h.skipped  # held already: nothing copied
@@ -200,6 +201,8 @@ class KVStore:
             if status == "present":  # held, or being saved or fetched by another request
                 handle.skipped += 1
                 handle.tokens += self.fmt.tokens
+                if (got := self.host.hold(key)) is not None:
+                    held.append(got)  # the later chunks of this save must not evict it either
                 continue
             try:
                 if entry is None:
