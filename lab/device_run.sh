@@ -12,7 +12,9 @@
 #   ttft-hf: GPU tests ($GPU_TESTS: those), suites ttft + hf ($KVTIER_CALIBRATION)
 #   planner: ($GPU_TESTS) the ttft suite as a new user runs it (no calibration file, an empty first-use
 #       cache) into $out/uncal.*, then kvtier calibrate, then the ttft suite with that calibration
-#       into $out/cal.* (#30: the planner out of the box and calibrated, in one run)
+#       into $out/cal.* (#30: the planner out of the box and calibrated). Both sides take ~9-10 min
+#       on an H200, over one device call's limit: PLANNER_SIDES=uncal in one call, PLANNER_SIDES=cal
+#       in the next (a calibration only holds on the box it was made on: each call is a new box)
 #   verdict: ($GPU_TESTS) suites $P6_SUITES (default bidir save_beside_matmul submit_overhead), then
 #       submit_overhead $P6_REPEAT more times (default 0) into $out/again<i>/: the targets' figures at one commit
 #       (with P6_REPEAT=1 it writes 7 files; the device tool returns 8 at most, so add one file at most)
@@ -119,7 +121,7 @@ fi
 if [ "$mode" = planner ]; then
   gpu_tests
   export KVTIER_CACHE_DIR=$(mktemp -d)  # a new user's machine: no first-use costs measured yet
-  for side in uncal cal; do
+  for side in ${PLANNER_SIDES:-uncal cal}; do
     if [ $side = cal ]; then
       echo "== calibrate"
       timeout ${CAL_TIMEOUT:-150} $py -m kvtier calibrate --save "$out/calibration.json" 2>&1 \
