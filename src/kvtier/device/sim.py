@@ -93,7 +93,7 @@ class SimEvent(Event):
         with self._dev._cv:
             gen = self._armed
             # The host blocks until the worker reached this record: only then is the work done.
-            ok = self._dev._cv.wait_for(lambda: self._done(gen) or self._dev._closed, timeout)
+            ok = self._dev._cv.wait_for(lambda: self._done(gen) or self._dev.closed, timeout)
         self._dev._raise_error()
         return ok and self._done(gen)
 
@@ -119,13 +119,13 @@ class SimStream(Stream):
         return self._thread.is_alive()
 
     def _put(self, item: Callable[[], object]) -> None:
-        if self._dev._closed:
+        if self._dev.closed:
             raise RuntimeError(f"stream {self.name}: device is closed")
         self._q.put(item)
 
     def _run(self) -> None:
         while (item := self._q.get()) is not None:
-            if self._dev._closed:
+            if self._dev.closed:
                 continue  # cancelled: the device closed before the stream reached it
             try:
                 item()
@@ -147,7 +147,7 @@ class SimStream(Stream):
         def block() -> None:
             # Holding this worker is what makes later items on this stream wait for `ev`.
             with self._dev._cv:
-                self._dev._cv.wait_for(lambda: ev._done(gen) or self._dev._closed)
+                self._dev._cv.wait_for(lambda: ev._done(gen) or self._dev.closed)
 
         self._put(block)
 
@@ -186,6 +186,12 @@ class SimDevice(Device):
         _open.add(self)  # closed at interpreter exit unless closed before
 
     # -- helpers ---------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """Whether close() has begun: its streams' workers stop and their waits return."""
+        return self._closed
+
     def _own(self, stream: Stream, name: str) -> SimStream:
         if not isinstance(stream, SimStream) or stream._dev is not self:
             raise ValueError(f"{name} must be a stream of this SimDevice, got {stream!r}")
