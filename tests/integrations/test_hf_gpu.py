@@ -3,6 +3,8 @@ and with a prefix hit from the host and from disk, and with a split (front recom
 back loads). The paged cache is poisoned (NaN) before each warm request, so KV that did not land
 would show. Skipped without CUDA; the CPU versions are test_hf_cache.py and test_hf_split.py."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -95,22 +97,33 @@ def test_gpu_lean_first_token_equals_the_model_cold_and_from_a_poisoned_hit(arch
     assert torch.allclose(logits, want, atol=1e-3, rtol=1e-3) and tok == int(want.argmax())
 
 
-@pytest.mark.parametrize("arch", [llama, qwen2])
-def test_gpu_lean_graphs_replay_equals_the_eager_forward_hit_after_hit(arch):
-    """Hits replayed through captured CUDA graphs read each hit's own blocks and tokens (two
-    prompts of one shape, blocks poisoned before each hit) and equal the eager forward bit for bit."""
+def lean_runners(arch):
+    """(model, an eager and a graphed LeanRunner over it, two prompts of one shape on the GPU)."""
     from kvtier.integrations.lean import LeanRunner
 
     from test_hf_lean import two_prompts
 
     model = build(arch)
-    eager, graphed = LeanRunner(model, graphs=False), LeanRunner(model)
-    ps = [p.cuda() for p in two_prompts(model)]
+    return model, LeanRunner(model, graphs=False), LeanRunner(model), [p.cuda() for p in two_prompts(model)]
+
+
+@contextlib.contextmanager
+def saved(model, prompts):
+    """A KVTier (sanitizer on) holding each prompt's prefix, saved by a cold request."""
     with KVTier.for_model(model, chunk_tokens=32, block_size=16, num_blocks=64,
                           engine_options=dict(sanitize=True)) as kvt:  # fmt: skip
-        for p in ps:
+        for p in prompts:
             cold = kvt.cache(p)
             cold.finish(generate(model, p[:, :-1], cold)).wait(30)
+        yield kvt
+
+
+@pytest.mark.parametrize("arch", [llama, qwen2])
+def test_gpu_lean_graphs_replay_equals_the_eager_forward_hit_after_hit(arch):
+    """Hits replayed through captured CUDA graphs read each hit's own blocks and tokens (two
+    prompts of one shape, blocks poisoned before each hit) and equal the eager forward bit for bit."""
+    model, eager, graphed, ps = lean_runners(arch)
+    with saved(model, ps) as kvt:
         got = []
         for p in ps * 3:  # the first hit captures, the next five replay
             want = eager.first_token(p, c := kvt.cache(p))[1]
@@ -179,18 +192,8 @@ def test_gpu_lean_split_equals_the_model_eager_and_replayed(arch):
 def test_gpu_lean_split_with_a_graphed_front_equals_the_eager_split(arch):
     """A split's front replayed from its CUDA graph (two prompts of one shape, in turn) gives the
     eager split's logits bit for bit, the loaded blocks poisoned before each hit."""
-    from kvtier.integrations.lean import LeanRunner
-
-    from test_hf_lean import two_prompts
-
-    model = build(arch)
-    eager, graphed = LeanRunner(model, graphs=False), LeanRunner(model)
-    ps = [p.cuda() for p in two_prompts(model)]
-    with KVTier.for_model(model, chunk_tokens=32, block_size=16, num_blocks=64,
-                          engine_options=dict(sanitize=True)) as kvt:  # fmt: skip
-        for p in ps:
-            cold = kvt.cache(p)
-            cold.finish(generate(model, p[:, :-1], cold)).wait(30)
+    model, eager, graphed, ps = lean_runners(arch)
+    with saved(model, ps) as kvt:
         got = []
         for p in ps * 3:  # the first split captures the front (and the tail), the next five replay
             _, want, c = eager.split_first_token(kvt, p, 32)
