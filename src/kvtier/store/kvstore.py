@@ -259,52 +259,38 @@ class KVStore:
         self._reap()
         handle = LoadHandle(num_layers=self.kv.num_layers, _on_done=self._reap)
         # The walk ends at the first chunk no tier delivers: the rest of the prefix is useless.
-        walk = self._walk(keys[: len(ids) // self.fmt.blocks])
+        layer_major = per_layer and (path or self.engine.load_path(per_layer=True)) is Path.KERNEL
         got_all: list[_Taken] = []
         jobs = []
-        layer_major = per_layer and (path or self.engine.load_path(per_layer=True)) is Path.KERNEL
-        if not layer_major:
-            # One job per chunk, each submitted as soon as the walk holds it: the first copy
-            # starts after one chunk's lookup, not after every chunk's (staged and batch loads
-            # give each layer the job's own event anyway, so no chunk is held back for layering).
-            try:
-                for got in walk:
-                    got_all.append(got)
+        try:
+            for got in self._walk(keys[: len(ids) // self.fmt.blocks]):
+                got_all.append(got)
+                if not layer_major:
+                    # Submitted as soon as the walk holds it: the first copy starts after one
+                    # chunk's lookup, not every chunk's (staged and batch loads give each layer
+                    # the job's own event anyway: no chunk is held back for layering).
                     job = self.engine.load(
                         got.entry.slot, self._chunk(ids, len(jobs)), per_layer=False, path=path
                     )
                     self._track(job, got.entry, got.kind)  # its pin drops once e_load completed
                     jobs.append(job)
-            except BaseException:
-                self._give_back(got_all[len(jobs) :])  # fetched, never submitted
-                raise
-        else:
-            try:
-                for got in walk:
-                    got_all.append(got)
-            except BaseException:
-                self._give_back(got_all)  # fetched, never submitted
-                raise
-        if layer_major and len(got_all) > 1:
+        except BaseException:
+            self._give_back(got_all[len(jobs) :])  # fetched, never submitted
+            raise
+        if layer_major and got_all:
             # Layer-major over every chunk (one launch per layer): layer 0 of the whole prefix
             # lands first, so attention of layer 0 starts after 1/L of the bytes, not all of them.
             try:
-                slots = [got.entry.slot for got in got_all]
-                jobs = self.engine.load_slots(slots, ids[: len(got_all) * self.fmt.blocks])
+                if len(got_all) > 1:
+                    slots = [got.entry.slot for got in got_all]
+                    jobs = self.engine.load_slots(slots, ids[: len(got_all) * self.fmt.blocks])
+                else:  # one chunk: its own launch and event per layer
+                    jobs = [self.engine.load(got_all[0].entry.slot, self._chunk(ids, 0), path=path)]
             except BaseException:
                 self._give_back(got_all)  # nothing was submitted from the slots
                 raise
             for job, got in zip(jobs, got_all, strict=True):
                 self._track(job, got.entry, got.kind)  # pins drop once e_load completed
-        elif layer_major and got_all:  # one chunk on the kernel path: a launch and an event per layer
-            got = got_all[0]
-            try:
-                job = self.engine.load(got.entry.slot, self._chunk(ids, 0), per_layer=True, path=path)
-            except BaseException:
-                self._give_back(got_all)  # never submitted
-                raise
-            self._track(job, got.entry, got.kind)  # its pin drops once e_load completed
-            jobs = [job]
         handle.jobs.extend(jobs)
         handle.tokens = len(handle.jobs) * self.fmt.tokens
         handle.tiers = tuple(got.tier for got in got_all)
