@@ -52,6 +52,7 @@ CHOICES = ("load", "recompute", "split")  # in order of preference when two pred
 # slow each other in ways the model does not see (see the module docstring).
 SPLIT_MARGIN = 0.2
 TIER_ALIASES = {"host": "host", "disk": "disk", "remote": "remote", "redis": "remote"}
+READ_SOURCE = "measured by the store on its own loads (KVStore.read_rate)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,10 +144,14 @@ def tier_path(
     nic: str = "nic200",
     gpudirect: bool = False,
     shared_by: int = 1,
+    read_gbps: float | None = None,
 ) -> Path:
     """The load path from `tier` ("host", "disk", "remote" or its alias "redis") to `gpu`, its
     hops replaced by measured figures where `ceilings` has them: pinned H2D for the PCIe hop
-    (unless `link` names one), the disk's read rate, Redis' GET rate (an extra hop)."""
+    (unless `link` names one), the disk's read rate, Redis' GET rate (an extra hop).
+    read_gbps: the lower tier's read rate as the store measured it on its own loads
+    (`KVStore.read_rate`), which replaces the disk hop or the GET hop: the rate a probe of the
+    raw device gives is not what a load of chunk files or keys reaches."""
     t = TIER_ALIASES.get(tier)
     if t is None:
         raise ValueError(f"tier: unknown tier {tier!r}; known: {', '.join(TIER_ALIASES)}")
@@ -154,18 +159,34 @@ def tier_path(
     if link is None:
         host_link = measured_host_link(host_link, ceilings, "h2d")
     p = build_path(gpu, t, host_link, "load", nic, "nvme", gpudirect, shared_by)
-    if ceilings is None:
+    if read_gbps is not None and (
+        isinstance(read_gbps, bool)
+        or not isinstance(read_gbps, int | float)
+        or not 0 < read_gbps < float("inf")
+    ):
+        raise ValueError(f"read_gbps: must be a number > 0, got {read_gbps!r}")
+    if ceilings is None and (read_gbps is None or t == "host"):
         return p
-    where = f"measured by kvtier probe on {ceilings.gpu or 'this machine'}"
     hops = list(p.hops)
     nvme = get_link("nvme")
-    if t == "disk" and (rate := ceilings.get("disk_read_gbps")) is not None:
+    disk_rate = (read_gbps, READ_SOURCE) if read_gbps is not None else None
+    get_rate = disk_rate
+    if ceilings is not None:
+        where = f"measured by kvtier probe on {ceilings.gpu or 'this machine'}"
+        if disk_rate is None and (rate := ceilings.get("disk_read_gbps")) is not None:
+            disk_rate = (rate / shared_by, where)
+        if get_rate is None and (rate := ceilings.get("redis_loopback_get_gbps")) is not None:
+            get_rate = (rate, where)
+    if t == "disk" and disk_rate is not None:
         hops = [
-            Hop(h.name, rate / shared_by, h.latency_us, where) if h.name.startswith(nvme.name) else h
+            Hop(h.name, disk_rate[0], h.latency_us, disk_rate[1]) if h.name.startswith(nvme.name) else h
             for h in hops
         ]
-    if t == "remote" and (rate := ceilings.get("redis_loopback_get_gbps")) is not None:
-        hops.insert(0, Hop("Redis GET (loopback, redis-py)", rate, 0.0, where))
+    if t == "remote" and get_rate is not None:
+        name = (
+            "remote read (this store's loads)" if read_gbps is not None else "Redis GET (loopback, redis-py)"
+        )
+        hops.insert(0, Hop(name, get_rate[0], 0.0, get_rate[1]))
     return dataclasses.replace(p, hops=tuple(hops))
 
 
@@ -191,6 +212,7 @@ def plan(
     tail_floor_ms: float | None = None,
     front_floor_ms: float | None = None,
     hit_fixed_ms: float = 0.0,
+    read_gbps: float | None = None,
 ) -> Plan:
     """Predict recompute, load and the best chunk-aligned split for one request; choose the fastest.
 
@@ -215,6 +237,9 @@ def plan(
     forward_floor_ms); a runner that replays its front as a CUDA graph passes its own.
     hit_fixed_ms: the host cost of a hit that no forward hides (the lookup, the allocation, the
     submission of the copies, each layer's arrival), added once to a load and to a split.
+    read_gbps: the tier's read rate as the store measured it on its loads (`KVStore.read_rate`;
+    `hf_split.plan_request` passes it once the store has read from the tier); None: the probed
+    ceiling or the datasheet.
     """
     if isinstance(model, str):
         from kvtier.hfconfig import resolve_model
@@ -244,7 +269,7 @@ def plan(
     ):
         if isinstance(v, bool) or not isinstance(v, int | float) or not (0 <= v < float("inf")):
             raise ValueError(f"{name}: must be a number >= 0, got {v!r}")
-    p = tier_path(g, tier, ceilings, link, nic, gpudirect, shared_by)
+    p = tier_path(g, tier, ceilings, link, nic, gpudirect, shared_by, read_gbps)
     layers, m, per_token = model.layers, new_tokens, model.kv_bytes_per_token(kv_dtype)
     # the copies' own bottleneck (after a lower tier's read: the hops past the first), short name
     copy_hops = p.hops if p.tier == "host" or p.gpudirect or len(p.hops) < 2 else p.hops[1:]

@@ -256,3 +256,27 @@ def test_plan_cli_takes_the_calibration_floor(tmp_path):
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     assert d["forward_floor_ms"] == 40.0 and d["options"]["load"]["new_ms"] >= 40.0
+
+
+def test_a_store_measured_read_rate_replaces_the_probed_one():
+    from kvtier.planner import READ_SOURCE
+
+    c = Ceilings(
+        figures={"disk_read_gbps": 2.0, "redis_loopback_get_gbps": 2.0}, gpu="NVIDIA H200", gpu_key="h200"
+    )
+    g = get_gpu("h200", c)
+    disk = tier_path(g, "disk", c, read_gbps=1.25)
+    assert disk.bottleneck.gbps == 1.25 and disk.bottleneck.source == READ_SOURCE
+    remote = tier_path(g, "remote", c, read_gbps=0.8)
+    assert remote.hops[0].gbps == 0.8 and remote.hops[0].source == READ_SOURCE
+    assert len(remote.hops) == len(tier_path(g, "remote", c).hops)  # replaces the GET hop, adds none
+    assert tier_path(g, "disk", None, read_gbps=1.25).bottleneck.gbps == 1.25  # no probe at all
+    assert tier_path(g, "host", c, read_gbps=1.25) == tier_path(g, "host", c)  # the host reads nothing
+    probed = plan("llama-3-8b", "h200", "disk", 8192, 64, c)
+    measured = plan("llama-3-8b", "h200", "disk", 8192, 64, c, read_gbps=1.0)
+    nbytes = 8192 * probed.kv_bytes_per_token  # read at 1 GB/s, not 2: bytes / 2 GB/s longer
+    extra = measured.predicted_ms["load"] - probed.predicted_ms["load"]
+    assert extra == pytest.approx(nbytes / 2e9 * 1e3, rel=0.01)
+    for bad in (0, -1.0, float("inf"), True, "fast"):
+        with pytest.raises(ValueError, match="read_gbps"):
+            plan("llama-3-8b", "h200", "disk", 8192, 64, c, read_gbps=bad)

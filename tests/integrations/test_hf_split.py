@@ -10,6 +10,7 @@ transformers = pytest.importorskip("transformers")
 from kvtier.device import SimDevice  # noqa: E402
 from kvtier.integrations.hf import KVTier, cache_kwarg  # noqa: E402
 from kvtier.integrations.hf_split import plan_request, split_cache  # noqa: E402
+from kvtier.planner import READ_SOURCE  # noqa: E402
 
 from test_hf_cache import build, generate, llama, prompts, qwen2, run, tier_for  # noqa: E402
 
@@ -116,8 +117,19 @@ def test_plan_request_reads_the_hit_and_its_split_runs_exactly(tmp_path):
         assert slow.path.tier == "disk"
         assert slow.kv_bytes_per_token == 3 * 2 * 2 * 16 * 2  # layers, K+V, KV heads, head_dim, bf16
         assert slow.choice in ("load", "recompute", "split") and slow.split_tokens % 32 == 0
+        assert slow.path.hops[0].source != READ_SOURCE  # nothing read from the disk yet
         cache = split_run(kvt, model, b, slow.split_tokens)
         assert cache.front == slow.split_tokens
+        kvt.store.evict()
+        if cache.hit_tokens:  # the split read chunks from the disk: later plans use that rate
+            again = plan_request(kvt, model, b, "h200", link="pcie3")
+            assert again.path.hops[0].source == READ_SOURCE
+            assert again.path.hops[0].gbps == kvt.store.read_rate.gbps("disk")
+        run(kvt, model, b)  # a load from the disk, whatever the split was
+        kvt.store.evict()
+        measured = plan_request(kvt, model, b, "h200", link="pcie3")
+        assert measured.path.hops[0].source == READ_SOURCE
+        assert plan_request(kvt, model, b, "h200", link="pcie3", read_gbps=3.0).path.hops[0].gbps == 3.0
     dev.close()
 
 

@@ -30,6 +30,7 @@ import os
 import platform
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -143,13 +144,13 @@ def measure(model) -> dict:
         "floor_cached_tokens": FLOOR_PREFIX,
         "hit_ms": hit,
         "hit_fixed_ms": max(0.0, hit - floors[0][1]),
-        "prefill_ms": _median_ms(prefill, dev),
+        "prefill_ms": median_ms(prefill, dev),
         "prefill_tokens": tokens,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
 
 
-def _generate(model, ids, cache) -> torch.Tensor:
+def generate_one(model, ids, cache) -> torch.Tensor:
     from kvtier.integrations.hf import cache_kwarg
 
     return model.generate(
@@ -168,18 +169,31 @@ def _floor_ms(model, ids, prefix: int, dev) -> float:
         model(ids[:, :prefix], **{cache_kwarg(model): cache}, use_cache=True)
 
     def floor() -> None:
-        _generate(model, ids, cache)
+        generate_one(model, ids, cache)
         extra = cache.get_seq_length() - prefix
         if extra > 0:
             cache.crop(-extra)  # back to the prefix alone for the next run
 
-    return _median_ms(floor, dev)
+    return median_ms(floor, dev)
 
 
 def _hit_ms(model, ids, prefix: int, dev) -> float:
-    """The same `generate` with ids[:, :prefix] a host hit of a throwaway `KVTier` (one chunk of
-    `prefix` tokens, saved by an untimed first request): the lookup, the allocation, the copies
-    and each layer's arrival on top of the forward."""
+    """The same `generate` with ids[:, :prefix] a host hit (`saved_prefix`): the lookup, the
+    allocation, the copies and each layer's arrival on top of the forward."""
+    with saved_prefix(model, ids, prefix, "kvtier-hf-costs") as kvt:
+
+        def hit() -> None:
+            c = kvt.cache(ids)
+            generate_one(model, ids, c)
+            c.finish(None)  # the blocks go back; nothing new is saved
+
+        return median_ms(hit, dev)
+
+
+@contextmanager
+def saved_prefix(model, ids, prefix: int, model_id: str):
+    """A throwaway `KVTier` whose host holds ids[:, :prefix] as one chunk of `prefix` tokens,
+    saved by an untimed first request; closed on exit."""
     from kvtier.integrations.hf import KVTier
 
     blocks = -(-(ids.shape[1] + 1) // HIT_BLOCK)
@@ -187,29 +201,23 @@ def _hit_ms(model, ids, prefix: int, dev) -> float:
         model,
         num_blocks=2 * blocks,
         block_size=HIT_BLOCK,
-        model_id="kvtier-hf-costs",
+        model_id=model_id,
         chunk_tokens=prefix,
         salt=os.urandom(8),
     )
     try:
         with torch.no_grad():
             cache = kvt.cache(ids)
-            saved = cache.finish(_generate(model, ids, cache))
+            saved = cache.finish(generate_one(model, ids, cache))
         if saved is not None:
             saved.wait(60)  # the prefix is a host entry once its save completed
-
-        def hit() -> None:
-            c = kvt.cache(ids)
-            _generate(model, ids, c)
-            c.finish(None)  # the blocks go back; nothing new is saved
-
-        return _median_ms(hit, dev)
+        yield kvt
     finally:
         kvt.close()
 
 
 @torch.no_grad()
-def _median_ms(fn, dev: torch.device) -> float:
+def median_ms(fn, dev: torch.device) -> float:
     samples = []
     for i in range(REPS + 1):  # the first run warms up
         if dev.type == "cuda":

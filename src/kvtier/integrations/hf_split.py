@@ -157,7 +157,9 @@ def plan_request(
     first_use: where options give no efficiency or forward_floor_ms (no calibration), take them
     from this model's costs on this machine (`hf_costs.model_costs`: measured on first use, then
     read from a file), so the first plan already knows the fixed cost of a forward, how it grows
-    with the prefix, and the fixed cost of a hit."""
+    with the prefix, and the fixed cost of a hit. A hit in a lower tier is planned at the read
+    rate the store measured on its earlier loads from that tier (`KVStore.read_rate`), once it has
+    one."""
     import tempfile
 
     from kvtier.hfconfig import from_hf_config
@@ -181,5 +183,8 @@ def plan_request(
         g = get_gpu(gpu, ceilings) if isinstance(gpu, str) else gpu
         dtypes = {k: options[k] for k in ("dtype", "kv_dtype") if k in options}
         options = planner_options(model, spec, g, **dtypes) | options  # given options win
+    if tier != "host" and "read_gbps" not in options:
+        # the tier's rate as this store's loads saw it; before its first read, the probe's
+        options["read_gbps"] = kvt.store.read_rate.gbps(tier)
     n_new = len(_tokens(input_ids)) - hit.tokens
     return plan(spec, gpu, tier, hit.tokens, n_new, ceilings, chunk_tokens=kvt.chunk_tokens, **options)

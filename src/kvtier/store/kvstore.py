@@ -41,6 +41,7 @@ from .handles import LoadHandle, Lookup, SaveHandle
 from .host import HostEntry, HostTier
 from .keys import KeyExtra, chunk_keys
 from .metrics import StoreMetrics
+from .read_rate import ReadRate
 from .reaper import Reaper
 from .tier import Tier
 from .tier_walk import delete_everywhere, read_first, where
@@ -127,6 +128,7 @@ class KVStore:
         )
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
+        self.read_rate = ReadRate()  # each lower tier's delivered GB/s, for the planner
         self._writer = Writer(fmt.header, self.host, self._release_slot, self._count)
         self._reaper = Reaper(self._completed, self._count)
         self._reap, self._track = self._reaper.reap, self._reaper.track
@@ -339,6 +341,8 @@ class KVStore:
         for tier in self._tiers:
             try:
                 out[tier.name] = tier.stats()
+                if (rate := self.read_rate.gbps(tier.name)) is not None:
+                    out[tier.name]["read_gbps"] = rate  # as this store's loads saw it (read_rate.py)
             except Exception as exc:  # a tier's stats are a report; its failure must not hide the others
                 log.warning("kvstore: stats of %s failed: %s", tier.name, exc)
         p = self.engine.pool.stats()
@@ -443,7 +447,10 @@ class KVStore:
             if entry is not None:
                 self.host.cancel(entry)  # no slot: nothing was read into it
             return None
+        t0 = time.perf_counter()
         found = read_first(key, slot.tensor, self._tiers, self.fmt, self._count)
+        if found is not None:
+            self.read_rate.record(self._tiers[found].name, t0, time.perf_counter(), self.fmt.nbytes)
         if found is None:
             if entry is not None:
                 self.host.attach(entry, slot)

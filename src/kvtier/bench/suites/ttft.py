@@ -27,7 +27,9 @@ of generate (a streamer; torch.cuda.synchronize first); one warm-up and 3 timed 
 median. Rows: bytes = KV bytes of the prefix; ceiling h2d_pinned (GPU) or host_memcpy (CPU),
 disk_read for disk rows (gbps = prefix KV bytes / TTFT). Params: predicted_ms (the planner with
 this run's ceilings: device copy, bf16 matmul, pinned H2D, disk read, throttle rate as the remote's
-GET hop; each row planned just before its runs, from a lookup of the prefix in its tier),
+GET hop; each row planned just before its runs, from a lookup of the prefix in its tier; a
+lower tier's read at the rate the store measured on its earlier loads from it, once it has read
+from it: params planner_read_gbps, planner_read_source),
 error_pct = predicted / measured - 1, calibrated (whether a
 calibration file fed the planner) and planner_costs (where its per-model costs came from), the
 plan's choice and split, and plan_why (the plan's one line). `correct`: every run's tokens equal
@@ -172,6 +174,7 @@ def _tier_rows(rig: Rig, kvt, tier: str, n: int):
             "path": f"{mode} from {tier}",
             "plan_choice": plan.choice,
             "plan_split_tokens": plan.split_tokens,
+            **rig.read_params(plan),
             "split_tokens": infos[-1].get("split_tokens", s) if mode != "load" else 0,
             "tokens_identical": tokens_ok,
             "source_ok": source_ok,

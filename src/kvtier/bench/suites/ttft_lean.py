@@ -11,7 +11,9 @@ engine's.
 On CUDA a hit's tail runs as per-layer CUDA graphs, captured in the warm-up run (params graphs,
 captures, capture_ms, gqa_flash). predicted_ms: the planner with no floor for the tail's forward
 and, with graphs, the split's front (their graphs have next to none beyond the floor's growth with
-the prefix); the lean recompute, an eager forward, keeps the floor. Load rows: speedup_vs_recompute
+the prefix), and the lean runner's own hit cost (`lean_costs`: a one-chunk hit measured on first
+use, beyond the planner's prediction of it; param planner_hit_fixed_ms); the lean recompute, an
+eager forward, keeps the floor. Load rows: speedup_vs_recompute
 (lean recompute / lean load). Split rows: split_vs_best (over min(lean load, lean recompute)),
 load_vs_recompute, its two halves each timed alone in this run (split_front_ms: the forward over [0,
 s); split_back_ms: [s, n) loaded, then the tail's forward; split_vs_longer_half) and split_why; and
@@ -35,6 +37,7 @@ def lean_rows(rig: Rig, kvt, tier: str, n: int, runs):
     """Yield the lean rows of prefix n from `tier`; `runs` is the suite's `_runs`."""
     from kvtier.integrations.hf_split import split_cache
     from kvtier.integrations.lean import LeanRunner
+    from kvtier.integrations.lean_costs import planner_options as lean_planner_options
     from kvtier.planner import plan
 
     lean = LeanRunner(rig.model)
@@ -42,9 +45,10 @@ def lean_rows(rig: Rig, kvt, tier: str, n: int, runs):
     want = int(rig.reference[n][0, ids.shape[1]])  # the transformers recompute's first new token
     # With graphs the tail after a hit and a split's front replay CUDA graphs: no floor of their
     # own (the front only up to FRONT_GRAPH_TOKENS; a longer one computes longer than any floor).
-    # A hit's fixed host cost is generate's (its cache machinery); the lean runner's overlaps the load.
-    floors = {"tail_floor_ms": 0.0, "hit_fixed_ms": 0.0} | ({"front_floor_ms": 0.0} if lean.graphs else {})
-    opts = rig.plan_opts | floors
+    # A hit's fixed host cost is the lean runner's own, measured on first use (lean_costs.py).
+    opts = rig.plan_opts | lean_planner_options(lean, rig.spec, rig.gpu, rig.plan_opts, rig.ceilings)
+    if tier != "host":  # the tier's rate as the store's loads saw it (the rows before read from it)
+        opts["read_gbps"] = kvt.store.read_rate.gbps(tier)
     p = plan(rig.spec, rig.gpu, tier, n, rig.new, rig.ceilings, chunk_tokens=rig.chunk, **opts)
     split = p.options["split"].recompute_tokens if "split" in p.options else None
 
@@ -111,6 +115,8 @@ def lean_rows(rig: Rig, kvt, tier: str, n: int, runs):
             "capture_ms": lean.capture_s * 1e3,
             "plan_choice": p.choice,
             "plan_split_tokens": p.split_tokens,
+            "planner_hit_fixed_ms": opts["hit_fixed_ms"],  # the lean runner's, not generate's
+            **rig.read_params(p),
             "split_tokens": {"split": split, "recompute": n}.get(option, 0),
         }
         if option == "load":

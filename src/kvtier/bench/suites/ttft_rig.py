@@ -261,6 +261,15 @@ class Rig:
 
         return before
 
+    @staticmethod
+    def read_params(plan) -> dict:
+        """The lower tier's read rate a plan used and where it came from (the store's own loads,
+        the probe, the datasheet): planner_read_gbps, planner_read_source."""
+        if plan.path.tier == "host":
+            return {}
+        hop = plan.path.hops[0]
+        return {"planner_read_gbps": hop.gbps, "planner_read_source": hop.source}
+
     def params(self, n: int, tier: str, mode: str, predicted: float, measured: float) -> dict:
         p = dict(
             model=self.shape,
