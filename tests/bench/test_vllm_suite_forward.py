@@ -29,7 +29,7 @@ def test_paged_prefix_reads_the_requests_blocks_in_token_order(order):
         prefix, n, d = PagedPrefix(r), r.blocks * TINY["N"], TINY["D"]
         assert prefix.hit_tokens == n
         for layer in range(TINY["L"]):
-            k, v = prefix._arrive(layer, torch.empty(1))
+            k, v = prefix.gather(layer)
             assert k.shape == v.shape == (1, TINY["H"], n, d)
             want = torch.stack([r.cache[layer, r.dst[p // 16], :, p % 16] for p in range(n)], 1)  # [H, n, C]
             assert torch.equal(k[0], want[..., :d]) and torch.equal(v[0], want[..., d:])
@@ -40,7 +40,7 @@ def test_paged_prefix_reads_the_requests_blocks_in_token_order(order):
 @pytest.mark.parametrize("order", ["LBHNC", "LBNHC", "BLHNC", "BHLNC"])
 def test_a_hit_through_the_hooks_gives_the_recomputed_logits(order):
     from kvtier.bench.suites.vllm import TINY, Replay
-    from kvtier.bench.suites.vllm_rows import Forward, PagedPrefix
+    from kvtier.bench.suites.vllm_rows import Forward, GraphedTail, PagedPrefix
 
     shape = TINY | {"dtype": torch.float32}  # fp32: the two forwards agree to rounding
     ctx = _ctx()
@@ -56,10 +56,15 @@ def test_a_hit_through_the_hooks_gives_the_recomputed_logits(order):
         r.step(r.meta(save=True))  # saved to the host tier from the source blocks
         r.settle_saves()
         r.poison()  # the hit's blocks: only the load can make them right
-        logits, hit = fwd.hit(r, ids, PagedPrefix(r), r.meta(load=True))
+        tail = GraphedTail(fwd.lean, PagedPrefix(r), ids)
+        logits, hit = fwd.hit(r, ids, tail, r.meta(load=True))
         want = fwd.lean.logits(ids)  # recompute: the whole prompt's prefill
         assert hit
         torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
         assert r.exact()
+        r.poison()  # again, through the same static inputs: the second hit must load them too
+        logits, hit = fwd.hit(r, ids, tail, r.meta(load=True))
+        assert hit and r.exact()
+        torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
     finally:
         r.close()

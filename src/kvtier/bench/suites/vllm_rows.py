@@ -10,7 +10,9 @@ shape on the CPU).
                                 projections, SDPA over the layer's K, V gathered for the request's
                                 blocks from vLLM's 4-D view of that layer [blocks, heads, tokens,
                                 K||V] in logical order, MLP -> save_kv_layer, a no-op in kvtier)
-                                -> wait_for_save -> get_finished ... -> the first token on the host
+                                -> wait_for_save -> get_finished ... -> the first token on the host;
+                                on a GPU the forward's steps replay CUDA graphs (`GraphedTail`),
+                                as vLLM replays its compiled forward, the hooks between them
   ttft_recompute <n>            the same model's prefill of all n + NEW tokens, to the first token
                                 (one row per n: no cache, so no layout order)
   forward_beside_save <order>   a FORWARD-token prefill while the connector saves the smallest
@@ -31,6 +33,7 @@ save_gbps_beside, overlap_pct (the share of the save inside the prefill's span).
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 
@@ -41,11 +44,8 @@ NEW, FORWARD = 64, 2048  # CPU: 16 and 256
 
 
 class PagedPrefix:
-    """A hit's prefix as `LeanRunner` reads it (`KVTierCache`'s protocol: `hit_tokens`,
-    `_arrive`): per layer, vLLM's wait_for_layer_load, then that layer's K and V of the
+    """A hit's prefix as vLLM's attention reads it: per layer, that layer's K and V of the
     request's blocks gathered from the 4-D view vLLM hands the connector."""
-
-    front, front_kv = 0, None  # no split: the whole prefix comes from the cache
 
     def __init__(self, r):
         self.r = r
@@ -53,15 +53,87 @@ class PagedPrefix:
         # Made once, before any timed run: a device tensor made from a list waits for the stream.
         self.ids = torch.tensor(r.dst[: r.blocks], device=r.ctx.device)
 
-    def _arrive(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        r = self.r
-        r.ws.wait_layer(r.names[layer])  # wait_for_layer_load: compute waits for this layer's copies
-        if not r.ctx.on_gpu:
-            r.dev.current_stream().synchronize()  # the host reads the layer next: its copies must have landed
-        kv = r.cache[layer].permute(1, 0, 2, 3)[:, self.ids]  # [H, blocks, N, C]: one gather of the blocks
+    def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V of the request's blocks, queued on the current stream."""
+        view = self.r.cache[layer].permute(1, 0, 2, 3)  # [H, blocks, N, C]
+        kv = view[:, self.ids]  # one gather of the request's blocks
         kv = kv.reshape(1, kv.shape[0], -1, kv.shape[-1])  # [1, H, tokens, K||V]
         d = kv.shape[-1] // 2
         return kv[..., :d], kv[..., d:]
+
+
+class GraphedTail:
+    """A hit's forward over the new tokens the way vLLM runs it, compiled: CUDA graphs, one per
+    step (the embedding, each decoder layer with its read of the prefix from vLLM's view, the final
+    norm and lm_head), the connector's hook between them on the host: per layer,
+    wait_for_layer_load, then that layer's replay. ~35 launches a hit instead of ~1,200 eager ones.
+    The first hit runs the steps eagerly and captures them after; on a CPU device the same steps
+    run eagerly through the same static inputs."""
+
+    def __init__(self, lean, prefix: PagedPrefix, ids: torch.Tensor) -> None:
+        hit, n, dev = prefix.hit_tokens, ids.shape[1], ids.device
+        self.lean, self.prefix, self.hit = lean, prefix, hit
+        self.ids = ids[:, hit:].clone()  # static input: rewritten per hit in stream order
+        self.pos = torch.arange(hit, n, device=dev)[None]
+        self.mask = lean.tail_mask(hit, n - hit, dev)
+        self.layers = len(lean.inner.layers)
+        self.x: list[torch.Tensor | None] = [None] * (self.layers + 1)
+        self.cos = self.sin = self.out = None
+        self.steps = [self._embed] + [partial(self._layer, i) for i in range(self.layers)] + [self._head]
+        self.graphs: list | None = None
+
+    def _embed(self) -> None:
+        self.x[0], self.cos, self.sin = self.lean.embed(self.ids, self.pos)
+
+    def _layer(self, i: int) -> None:
+        self.x[i + 1] = self.lean.layer(
+            i, self.x[i], self.cos, self.sin, partial(self.prefix.gather, i), self.mask
+        )
+
+    def _head(self) -> None:
+        self.out = self.lean.head(self.x[-1])
+
+    def _step(self, j: int) -> None:
+        if self.graphs is None:
+            self.steps[j]()
+        else:
+            self.graphs[j].replay()
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """The last position's logits of this hit, queued on the compute stream."""
+        r = self.prefix.r
+        self.ids.copy_(ids[:, self.hit :])  # in stream order: the previous hit's replays read it before
+        self._step(0)
+        for i in range(self.layers):
+            r.ws.wait_layer(r.names[i])  # wait_for_layer_load: layer i must not read blocks still landing
+            if not r.ctx.on_gpu:
+                r.dev.current_stream().synchronize()  # the host reads the layer next: its copies landed
+            self._step(i + 1)
+        self._step(self.layers + 1)
+        return self.out.clone()  # the next hit's replay rewrites self.out
+
+    @torch.no_grad()
+    def capture(self) -> None:
+        """Capture every step as a CUDA graph (one memory pool, replayed in capture order)."""
+        # The eager hit before has run and its loads landed: the warm-up reads settled blocks.
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(
+            torch.cuda.current_stream()
+        )  # the warm-up reads inputs written on the caller's stream
+        with torch.cuda.stream(side):  # warm-up on a side stream before capture, as torch asks
+            for step in self.steps:
+                step()
+        torch.cuda.synchronize()  # the warm-up is done before its buffers are captured over
+        pool, graphs = torch.cuda.graph_pool_handle(), []
+        for step in self.steps:
+            g = torch.cuda.CUDAGraph()
+            # thread_local: the store's threads (the reaper, the writer) keep calling CUDA meanwhile.
+            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+                step()
+            graphs.append(g)
+        self.graphs = graphs
 
 
 class Forward:
@@ -80,7 +152,7 @@ class Forward:
         if got != (shape["L"], shape["H"], shape["D"]):
             raise ValueError(f"the model's KV shape (L, H, D) = {got} is not the suite's {shape}")
         self.preset = "llama-3-8b" if ctx.on_gpu else "tiny"
-        self.lean = LeanRunner(self.model, graphs=False)  # eager: the hooks run between the layers
+        self.lean = LeanRunner(self.model, graphs=False)  # its own graphs: none (GraphedTail graphs a hit)
         self.new, self.forward_tokens = (NEW, FORWARD) if ctx.on_gpu else (16, 256)
         self.warmup, self.reps = 1, 2 if ctx.quick else 3
         self.pairs = 3 if ctx.quick else 8
@@ -144,14 +216,18 @@ class Forward:
         r.step(r.meta(save=True))  # the chunks the hit loads, held by the host tier
         r.settle_saves()  # a load must not read a slot its save is still filling
         ids, prefix, load = self.prompt(n + self.new), PagedPrefix(r), r.meta(load=True)
+        tail = GraphedTail(self.lean, prefix, ids)
         hits = []
 
         def once() -> float:
             t0 = time.perf_counter()
-            logits, hit = self.hit(r, ids, prefix, load)
+            logits, hit = self.hit(r, ids, tail, load)
             int(logits.argmax())  # the host has the token, so the GPU made it
             dt = time.perf_counter() - t0
             hits.append(hit)
+            if self.ctx.on_gpu and tail.graphs is None:
+                r.sync()  # the eager warm-up hit's loads landed: the capture reads settled blocks
+                tail.capture()
             return dt
 
         t = self._runs(f"vllm/ttft_hit/{label}", once, before=r.sync)  # no run's copies overlap the next
@@ -162,13 +238,13 @@ class Forward:
         ok = all(hits) and r.exact()
         yield self.ctx.row(f"ttft_hit {label}", r.nbytes, t, self.link, correct=ok, **p)
 
-    def hit(self, r, ids: torch.Tensor, prefix: PagedPrefix, load) -> tuple[torch.Tensor, bool]:
+    def hit(self, r, ids: torch.Tensor, tail: GraphedTail, load) -> tuple[torch.Tensor, bool]:
         """One engine step of a hit through the worker's hooks in vLLM 0.33's order, `load` its
         metadata: (the first token's logits, queued; whether every chunk came from the host)."""
         ws = r.ws
         ws.handle_preemptions(load)
         ws.start_load(load)  # start_load_kv (bind_connector_metadata: the hooks read `load`)
-        logits = self.lean.logits(ids, prefix)  # per layer: wait_for_layer_load, then the layer
+        logits = tail.logits(ids)  # per layer: wait_for_layer_load, then the layer's replay
         ws.save(load)  # wait_for_save: no new full chunk
         ws.finished(set())  # get_finished
         errors = ws.load_errors()
