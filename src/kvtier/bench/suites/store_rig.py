@@ -157,13 +157,19 @@ def path_model(ctx: Context, tier: str, direction: str, nbytes: int) -> tuple[st
 def redis_server(stack: ExitStack, workdir: Path) -> tuple[str | None, str]:
     """(url of a redis-server started here on a free loopback port, "") or (None, why not).
     The server is stopped by `stack`; it saves nothing to disk."""
+    url, why, _ = redis_process(stack, workdir)
+    return url, why
+
+
+def redis_process(stack: ExitStack, workdir: Path) -> tuple[str | None, str, subprocess.Popen | None]:
+    """`redis_server`, with its process: (url, "", process) or (None, why not, None)."""
     binary = shutil.which("redis-server")
     if binary is None:
-        return None, "redis-server is not on PATH (apt-get install redis-server)"
+        return None, "redis-server is not on PATH (apt-get install redis-server)", None
     try:
         import redis  # noqa: F401
     except ImportError as e:
-        return None, f"redis-py is not importable: {e}"
+        return None, f"redis-py is not importable: {e}", None
     from kvtier.store.redis_client import make_client
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -181,13 +187,13 @@ def redis_server(stack: ExitStack, workdir: Path) -> tuple[str | None, str]:
         # Poll until it answers: a tier used before the listener is up would look dead.
         while True:
             if proc.poll() is not None:
-                return None, f"redis-server exited with code {proc.returncode} (see its log)"
+                return None, f"redis-server exited with code {proc.returncode} (see its log)", None
             try:
                 client.ping()
-                return url, ""
+                return url, "", proc
             except Exception:
                 if time.monotonic() > deadline:
-                    return None, f"redis-server on port {port} did not answer PING within 10 s"
+                    return None, f"redis-server on port {port} did not answer PING within 10 s", None
                 time.sleep(0.02)
     finally:
         client.close()

@@ -23,6 +23,9 @@ head_size 128, bf16, 16-token blocks; 8K and 32K tokens, 32 and 128 chunks of 16
   or of every layer in a B-first order), with `submit_us` its CPU time to submit.
 - ttft_hit / ttft_recompute / forward_beside_save: the hooks beside a Llama forward
   (`vllm_rows.py`).
+- redis_killed_mid_load: a Redis tier killed in the middle of a load, then vLLM's recompute of
+  what did not arrive, the first token checked against recomputing the prompt
+  (`vllm_failover.py`; skipped without redis-server and redis-py).
 
 On a CPU (`--quick`): a tiny shape on `SimDevice` (the forward rows: a tiny Llama of that KV
 shape), timed on the host clock; the batched copy is skipped.
@@ -37,6 +40,7 @@ import torch
 
 from kvtier import layout
 from kvtier.bench.suite import Context, GiB, register
+from kvtier.bench.suites.vllm_failover import killed_row
 
 LLAMA = dict(L=32, H=8, D=128, N=16, dtype=torch.bfloat16)  # Llama-3-8B's KV
 TINY = dict(L=2, H=2, D=16, N=16, dtype=torch.bfloat16)
@@ -45,9 +49,10 @@ HOST_SLACK_CHUNKS = 4  # host pool room past one request's chunks: a timed save 
 
 
 class Replay:
-    """One worker over a vLLM 0.33 cache in `order`, holding `blocks` blocks (two requests)."""
+    """One worker over a vLLM 0.33 cache in `order`, holding `blocks` blocks (two requests);
+    tiers: its store's lower tiers (default none: the host alone)."""
 
-    def __init__(self, ctx: Context, order: str, shape: dict, tokens: int):
+    def __init__(self, ctx: Context, order: str, shape: dict, tokens: int, tiers=()):
         from kvtier.integrations.vllm.settings import VllmSettings
         from kvtier.integrations.vllm.worker import WorkerSide
 
@@ -78,7 +83,7 @@ class Replay:
             from kvtier.device import SimDevice
 
             dev = SimDevice()
-        self.ws = WorkerSide(s, "replay", order=order, block_size=N, tiers=[], device=dev)
+        self.ws = WorkerSide(s, "replay", order=order, block_size=N, tiers=list(tiers), device=dev)
         self.ws.register({name: self.cache[i] for i, name in enumerate(self.names)})
         self.dev, self.kv = self.ws.dev, self.ws.kv
         self.ids = [i.to_bytes(32, "little") for i in range(self.chunks)]  # stand-ins for block hashes
@@ -86,6 +91,7 @@ class Replay:
         self.nbytes = self.kv.chunk_nbytes(self.blocks)
         self.q = torch.randn(1, 2 * D, dtype=shape["dtype"], device=ctx.device)
         self.counts: Counter = Counter()  # the worker's stats of every step (vLLM's get_kv_connector_stats)
+        self.last_errors: set[int] = set()  # the blocks the last step's loads did not deliver
         self._step = 0
 
     def close(self) -> None:
@@ -114,7 +120,7 @@ class Replay:
         t2 = time.perf_counter()
         ws.save(bound)
         ws.finished({rid})  # get_transfer_results
-        ws.load_errors()
+        self.last_errors = ws.load_errors()  # get_block_ids_with_load_errors
         self.counts.update(ws.stats())
         ws.report()  # build_connector_worker_meta
         spent += time.perf_counter() - t2
@@ -347,6 +353,8 @@ def vllm(ctx: Context):
                         yield from fwd.beside_save_row(r, label, params)
             finally:
                 r.close()
+            if fwd is not None and tokens == token_counts[0]:
+                yield from killed_row(ctx, fwd, order, shape, tokens)
             if ctx.on_gpu:
                 torch.cuda.empty_cache()
     del fwd

@@ -45,13 +45,15 @@ NEW, FORWARD = 64, 2048  # CPU: 16 and 256
 
 class PagedPrefix:
     """A hit's prefix as vLLM's attention reads it: per layer, that layer's K and V of the
-    request's blocks gathered from the 4-D view vLLM hands the connector."""
+    request's first `blocks` blocks (default: all of them) gathered from the 4-D view vLLM hands
+    the connector."""
 
-    def __init__(self, r):
+    def __init__(self, r, blocks: int | None = None):
         self.r = r
-        self.hit_tokens = r.blocks * r.kv.block_size
+        blocks = r.blocks if blocks is None else blocks
+        self.hit_tokens = blocks * r.kv.block_size
         # Made once, before any timed run: a device tensor made from a list waits for the stream.
-        self.ids = torch.tensor(r.dst[: r.blocks], device=r.ctx.device)
+        self.ids = torch.tensor(r.dst[:blocks], device=r.ctx.device)
 
     def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V of the request's blocks, queued on the current stream."""

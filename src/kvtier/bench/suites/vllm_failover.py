@@ -1,0 +1,136 @@
+"""The `vllm` suite's failover row: a Redis tier killed in the middle of a load, through the
+connector's worker hooks, and the first token after vLLM's recompute of what did not arrive.
+
+  redis_killed_mid_load <order> <n>
+      The request's blocks hold the prompt's own KV (the model's forward over it); a step saves
+      its chunks (write-through: the host and a redis-server started here on a loopback port),
+      the host is emptied, and a load step reads them back from Redis. After a third of the
+      chunks have been read the server is killed (SIGKILL, from inside the tier's read, so the
+      point is the same every run): the rest fail. What vLLM does with
+      kv_load_failure_policy="recompute" follows: the tokens from the first block the worker
+      reported (get_block_ids_with_load_errors) on are prefilled over the blocks that did load.
+      correct: the blocks reported are exactly those after the loaded ones, the loaded ones equal
+      the saved bit for bit, no exception reached the hooks, and the first token equals the one
+      recomputing the whole prompt gives (bf16: the token; fp32 on the CPU: the logits too).
+      Params: chunks, chunks_loaded, error_blocks, expected_error_blocks, load_errors (the
+      worker's count), first_token, recompute_token, logits_max_abs_diff. Time: the load step's
+      host time (the hooks, the reads, the failures).
+
+Skipped without a redis-server binary on PATH or redis-py.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+
+from kvtier.bench.stats import summarize
+from kvtier.bench.suite import Context
+
+
+class KillAfter:
+    """A tier that kills its server (``proc``) at the start of its ``reads + 1``-th read: every
+    read from then on meets a dead server, whichever thread (the load's, read-ahead) makes it."""
+
+    def __init__(self, tier, proc, reads: int) -> None:
+        self.tier, self.proc, self.left = tier, proc, reads
+        self.name = tier.name
+
+    def get_into(self, key, dest):
+        self.left -= 1
+        if self.left == -1:
+            self.proc.kill()
+            self.proc.wait()  # dead before this read starts: no read after it reaches a live server
+        return self.tier.get_into(key, dest)
+
+    def __getattr__(self, name):
+        return getattr(self.tier, name)
+
+
+def killed_row(ctx: Context, fwd, order: str, shape: dict, tokens: int):
+    """Yield the redis_killed_mid_load row of `order` (or its skip)."""
+    from kvtier.bench.suites.store_rig import redis_process
+    from kvtier.bench.suites.vllm import Replay
+    from kvtier.bench.suites.vllm_rows import GraphedTail, PagedPrefix
+    from kvtier.store.redis_tier import RedisTier
+
+    case = f"redis_killed_mid_load {order} {tokens} tokens"
+    with ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-vllm-redis-")))
+        url, why, proc = redis_process(stack, workdir)
+        if url is None:
+            ctx.skip(case, why)
+            return
+        redis = RedisTier(url=url, timeout_s=1.0)
+        stack.callback(redis.close)
+        killer = KillAfter(redis, proc, 1 << 62)  # armed below, once the save is in
+        r = Replay(ctx, order, shape, tokens, tiers=[killer])
+        stack.callback(r.close)
+        if ctx.on_progress:
+            ctx.on_progress(f"vllm/{case}")
+        n, nb, h = r.blocks * shape["N"], r.blocks, shape["H"]
+        ids = fwd.prompt(n + fwd.new)
+        src = torch.tensor(r.src[:nb], device=r.cache.device)
+        with torch.no_grad():
+            for layer, (k, v) in enumerate(fwd.lean.prefill_kv(ids[:, :n])):  # the prompt's own KV
+                pages = torch.cat([k, v], -1)[0].view(h, nb, shape["N"], -1).permute(1, 0, 2, 3)
+                r.cache[layer][src] = pages  # [blocks, H, N, K||V], as vLLM's attention writes it
+        r.step(r.meta(save=True))
+        r.settle_saves()
+        if not r.ws.store.flush(120):  # write-through: every chunk in Redis before the host lets go
+            ctx.skip(case, "the save to Redis did not finish within 120 s")
+            return
+        r.settle()  # the host drops them: every chunk must come from Redis
+        r.poison()
+        killer.left = max(1, r.chunks // 3)  # the server dies as the load's next read starts
+        before = r.counts["load_errors"]
+        t0 = time.perf_counter()
+        r.step(r.meta(load=True))
+        spent = time.perf_counter() - t0
+        errors = r.last_errors  # get_block_ids_with_load_errors, as the step asked for it
+        r.sync()  # the copies of what did load have landed before the blocks are compared
+        per = nb // r.chunks
+        good = nb - len(errors)
+        want_errors = set(r.dst[good:nb])
+        loaded_ok = torch.equal(
+            r.cache[:, r.dst[:good]].contiguous().view(torch.uint8),
+            r.cache[:, r.src[:good]].contiguous().view(torch.uint8),
+        )
+        # vLLM's recompute: the tokens from the first failed block on, over the blocks that loaded
+        with torch.no_grad():
+            logits = GraphedTail(fwd.lean, PagedPrefix(r, good), ids).logits(ids)
+            want = fwd.lean.logits(ids)
+        tok, want_tok = int(logits.argmax()), int(want.argmax())
+        diff = float((logits - want).abs().max())
+        ok = (
+            errors == want_errors
+            and 0 < good < nb
+            and good % per == 0
+            and loaded_ok
+            and tok == want_tok
+            and (ctx.on_gpu or diff < 1e-3)
+        )
+        clock = "perf_counter"
+        yield ctx.row(
+            case,
+            r.nbytes,
+            summarize([spent * 1e3], clock),
+            "h2d_pinned" if ctx.on_gpu else "host_memcpy",
+            correct=ok,
+            order=order,
+            tokens=n,
+            chunks=r.chunks,
+            chunks_loaded=good // per,
+            error_blocks=len(errors),
+            expected_error_blocks=len(want_errors),
+            load_errors=r.counts["load_errors"] - before,
+            loaded_blocks_exact=loaded_ok,
+            first_token=tok,
+            recompute_token=want_tok,
+            logits_max_abs_diff=diff,
+            direction="load",
+        )

@@ -1,0 +1,70 @@
+"""The `vllm` suite's failover row on the CPU against a real redis-server: killed mid-load, the
+blocks after the loaded ones are reported, the loaded ones are exact, and the first token after
+vLLM's recompute of the rest equals recomputing the whole prompt."""
+
+import shutil
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("redis")
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
+
+
+def _ctx():
+    from kvtier.bench.suite import Context
+
+    ctx = Context("cpu", quick=True)
+    ctx.suite = "vllm"
+    return ctx
+
+
+@pytest.mark.parametrize("order", ["LBHNC", "BLHNC"])
+def test_a_redis_killed_mid_load_turns_into_recompute_with_the_same_token(order):
+    from kvtier.bench.suites.vllm import TINY
+    from kvtier.bench.suites.vllm_failover import killed_row
+    from kvtier.bench.suites.vllm_rows import Forward
+
+    shape = TINY | {"dtype": torch.float32}  # fp32: the logits are compared too
+    ctx = _ctx()
+    fwd = Forward(ctx, shape)
+    rows = list(killed_row(ctx, fwd, order, shape, 128))  # 8 blocks: two chunks of 4
+    assert len(rows) == 1, ctx.skipped
+    row = rows[0]
+    p = row.params
+    assert p["chunks"] >= 2 and 0 < p["chunks_loaded"] < p["chunks"]
+    assert p["error_blocks"] == p["expected_error_blocks"] > 0
+    assert p["loaded_blocks_exact"] and p["first_token"] == p["recompute_token"]
+    assert p["logits_max_abs_diff"] < 1e-3 and p["load_errors"] == 0  # a miss, not an exception
+    assert row.correct is True
+
+
+def test_kill_after_kills_at_the_read_it_was_told():
+    from kvtier.bench.suites.vllm_failover import KillAfter
+
+    class Proc:
+        killed = 0
+
+        def kill(self):
+            self.killed += 1
+
+        def wait(self):
+            return 0
+
+    class Tier:
+        name = "t"
+        reads = 0
+
+        def get_into(self, key, dest):
+            self.reads += 1
+            return None
+
+    proc, tier = Proc(), Tier()
+    k = KillAfter(tier, proc, 2)
+    k.get_into(b"a", None)
+    k.get_into(b"b", None)
+    assert proc.killed == 0
+    k.get_into(b"c", None)
+    k.get_into(b"d", None)
+    assert proc.killed == 1 and tier.reads == 4 and k.name == "t"
