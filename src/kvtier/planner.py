@@ -25,10 +25,12 @@ submission, each layer's arrival).
   overlap (the per-layer copies share the SMs and the host's launches with it), so on the host
   tier, whose load is all copies, a split is its two halves one after the other.
 
-The choice: the fastest of load and recompute, or the split when it is predicted at least
-SPLIT_MARGIN faster than both: a split's halves slow each other in ways a roofline does not see
-(the host launching both, a reader thread beside the forward), so a close call goes to the option
-with one forward.
+The choice: the fastest of load and recompute, or the split when it is predicted at least a margin
+faster than both, so that a close call goes to the option with one forward. From the host the
+margin is SPLIT_MARGIN: there the split's halves are both device work (its copies and the front
+share the copy engine's bandwidth, the SMs and the host's launches) and slow each other in ways a
+roofline does not see. From a lower tier it is SPLIT_MARGIN_READ: there the second half is a read
+off the device, at the rate the store measured (`read_gbps`), on a thread beside the front.
 
 The best split is found among the chunk boundaries in O(log(n / chunk)) evaluations: the split's
 time is convex in s (a convex prefill, a linear read, a convex pipeline of a linear copy), so a
@@ -48,9 +50,11 @@ from kvtier.specs import GPU, Link, get_gpu, get_link, measured_host_link
 
 MAX_TOKENS = 1 << 40  # the most tokens a request's prefix or new part may hold: beyond any context
 CHOICES = ("load", "recompute", "split")  # in order of preference when two predict the same time
-# A split is chosen only when predicted this much faster than both load and recompute: its halves
-# slow each other in ways the model does not see (see the module docstring).
+# A split is chosen only when predicted this much faster than both load and recompute (see the
+# module docstring): from the host, whose split is two halves of device work that slow each other
+# in ways the model does not see; from a lower tier, whose second half is a read off the device.
 SPLIT_MARGIN = 0.2
+SPLIT_MARGIN_READ = 0.05
 TIER_ALIASES = {"host": "host", "disk": "disk", "remote": "remote", "redis": "remote"}
 READ_SOURCE = "measured by the store on its own loads (KVStore.read_rate)"
 
@@ -106,7 +110,8 @@ class Plan:
                 continue
             note = ""
             if name == "split" and self.choice != "split":
-                note = f", chosen only when {SPLIT_MARGIN:.0%} faster than load and recompute"
+                margin = split_margin(self.path.tier)
+                note = f", chosen only when {margin:.0%} faster than load and recompute"
             parts.append(f"{name}: {o.ms:.1f} ms ({o.bound}{note})")
         return f"chosen: {self.choice} | " + " | ".join(parts)
 
@@ -316,7 +321,7 @@ def plan(
     if n > chunk_tokens:  # a boundary inside the hit
         options["split"] = _best_split(lambda k: split_at(k * chunk_tokens, "split"), n // chunk_tokens)
     choice = min((c for c in ("load", "recompute") if c in options), key=lambda c: options[c].ms)
-    if "split" in options and options["split"].ms <= (1 - SPLIT_MARGIN) * options[choice].ms:
+    if "split" in options and options["split"].ms <= (1 - split_margin(p.tier)) * options[choice].ms:
         choice = "split"
     best = options[choice]
     reasons = _reasons(options, choice, p, per_token, n, m, chunk_tokens)
@@ -332,6 +337,11 @@ def plan(
         kv_bytes_per_token=per_token,
         reasons=tuple(reasons),
     )
+
+
+def split_margin(tier: str) -> float:
+    """How much faster than load and recompute a split from `tier` must be predicted to be chosen."""
+    return SPLIT_MARGIN if TIER_ALIASES.get(tier, tier) == "host" else SPLIT_MARGIN_READ
 
 
 def _best_split(at, chunks: int) -> Option:
@@ -381,7 +391,7 @@ def _reasons(options: dict[str, Option], choice: str, p: Path, per_token: float,
         out.append(
             f"split: recompute [0, {o.recompute_tokens}) ({o.recompute_ms:.3f} ms) while reading "
             f"[{o.recompute_tokens}, {n}) from the tier, then its copies ({o.load_ms:.3f} ms with the read) "
-            f"under {m} new tokens = {o.ms:.3f} ms; chosen only when {SPLIT_MARGIN:.0%} faster than "
+            f"under {m} new tokens = {o.ms:.3f} ms; chosen only when {split_margin(p.tier):.0%} faster than "
             "load and recompute"
         )
     elif n:
