@@ -216,6 +216,8 @@ def plan(
     floor_ms_per_token: float = 0.0,
     tail_floor_ms: float | None = None,
     front_floor_ms: float | None = None,
+    tail_overhead_ms: float | None = None,
+    front_overhead_ms: float | None = None,
     hit_fixed_ms: float = 0.0,
     read_gbps: float | None = None,
 ) -> Plan:
@@ -240,6 +242,8 @@ def plan(
     (e.g. 0) while its eager forwards from scratch (a split's front) keep forward_floor_ms.
     front_floor_ms: the same for a split's front, the forward over [0, s) (None:
     forward_floor_ms); a runner that replays its front as a CUDA graph passes its own.
+    tail_overhead_ms, front_overhead_ms: prefill_overhead_ms for those two forwards (None:
+    prefill_overhead_ms); a graph replay has no framework cost per forward (e.g. 0).
     hit_fixed_ms: the host cost of a hit that no forward hides (the lookup, the allocation, the
     submission of the copies, each layer's arrival), added once to a load and to a split.
     read_gbps: the tier's read rate as the store measured it on its loads (`KVStore.read_rate`;
@@ -264,12 +268,16 @@ def plan(
         raise ValueError(f"efficiency: must be within (0, 1], got {efficiency!r}")
     tail_floor = forward_floor_ms if tail_floor_ms is None else tail_floor_ms
     front_floor = forward_floor_ms if front_floor_ms is None else front_floor_ms
+    tail_fixed = prefill_overhead_ms if tail_overhead_ms is None else tail_overhead_ms
+    front_fixed = prefill_overhead_ms if front_overhead_ms is None else front_overhead_ms
     for name, v in (
         ("prefill_overhead_ms", prefill_overhead_ms),
         ("forward_floor_ms", forward_floor_ms),
         ("floor_ms_per_token", floor_ms_per_token),
         ("tail_floor_ms", tail_floor),
         ("front_floor_ms", front_floor),
+        ("tail_overhead_ms", tail_fixed),
+        ("front_overhead_ms", front_fixed),
         ("hit_fixed_ms", hit_fixed_ms),
     ):
         if isinstance(v, bool) or not isinstance(v, int | float) or not (0 <= v < float("inf")):
@@ -280,19 +288,21 @@ def plan(
     copy_hops = p.hops if p.tier == "host" or p.gpudirect or len(p.hops) < 2 else p.hops[1:]
     bottleneck = min(copy_hops, key=lambda h: h.gbps).name.split(" (")[0]
 
-    def pre(tokens: int, prefix: int = 0, floor0: float = forward_floor_ms) -> tuple[float, str]:
+    def pre(
+        tokens: int, prefix: int = 0, floor0: float = forward_floor_ms, overhead: float = prefill_overhead_ms
+    ) -> tuple[float, str]:
         """(ms, what bounds it) of one forward over `tokens` after `prefix` cached ones."""
         if not tokens:
             return 0.0, "nothing"
         b = prefill(model, g, tokens, prefix, dtype, kv_dtype, efficiency)
-        ms = b.ms + prefill_overhead_ms
+        ms = b.ms + overhead
         floor = floor0 + floor_ms_per_token * prefix
         if floor > ms:
             return floor, f"forward floor {floor:.1f}"
-        fixed = f" + fixed {prefill_overhead_ms:.1f}" if prefill_overhead_ms else ""
+        fixed = f" + fixed {overhead:.1f}" if overhead else ""
         return ms, f"{b.bound}-bound {b.ms:.1f}{fixed}"
 
-    new_ms, new_bound = pre(m, n, tail_floor)
+    new_ms, new_bound = pre(m, n, tail_floor, tail_fixed)
     hit = f" + hit {hit_fixed_ms:.1f}" if hit_fixed_ms else ""
 
     def pipelined(read: float, copy: float) -> tuple[float, str]:
@@ -304,7 +314,7 @@ def plan(
         return read + t, f"{head}the first layer {copy / layers:.1f} + new tokens {new_bound}"
 
     def split_at(s: int, name: str) -> Option:
-        (r, r_bound), (read, copy) = pre(s, 0, front_floor), transfer_parts(p, n - s, per_token)
+        (r, r_bound), (read, copy) = pre(s, 0, front_floor, front_fixed), transfer_parts(p, n - s, per_token)
         tail, tail_bound = pipelined(0.0, copy)
         if not s:  # a load
             ms, bound = pipelined(read, copy)

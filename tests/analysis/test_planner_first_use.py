@@ -56,10 +56,25 @@ def test_first_use_measures_once_says_so_and_plans_with_it(kvt_model, capsys):
 def test_given_options_win_and_first_use_can_be_off(kvt_model, capsys):
     kvt, model, cache = kvt_model
     ids = torch.randint(1, 1000, (1, 300))
-    p = plan_request(kvt, model, ids, CPU, FIGURES, efficiency=1.0, forward_floor_ms=0.0)
+    given = dict(efficiency=1.0, forward_floor_ms=0.0, floor_ms_per_token=0.0, hit_fixed_ms=0.0)
+    p = plan_request(kvt, model, ids, CPU, FIGURES, **given)
     assert not cache.exists() and capsys.readouterr().err == ""
     q = plan_request(kvt, model, ids, CPU, FIGURES, first_use=False)
     assert not cache.exists() and q.predicted_ms == p.predicted_ms
+
+
+def test_a_calibration_keeps_the_first_use_growth_and_hit_cost(kvt_model, capsys):
+    """A calibration gives the prefill rate and the floor; the floor's growth with the prefix and a
+    hit's fixed cost it does not measure: those still come from first use."""
+    kvt, model, cache = kvt_model
+    ids = torch.randint(1, 1000, (1, 300))
+    cal = dict(efficiency=1.0, forward_floor_ms=0.0)
+    p = plan_request(kvt, model, ids, CPU, FIGURES, **cal)
+    assert "on first use" in capsys.readouterr().err
+    opts = hf_costs.planner_options(model, hf_costs_spec(model), CPU)
+    assert opts["efficiency"] != 1.0 or opts["forward_floor_ms"] != 0.0  # the first-use ones differ
+    same = plan_request(kvt, model, ids, CPU, FIGURES, **opts | cal)
+    assert p.predicted_ms == same.predicted_ms and capsys.readouterr().err == ""
 
 
 def test_a_stale_or_broken_file_is_measured_again(kvt_model, capsys):

@@ -87,3 +87,27 @@ def test_a_graph_tail_keeps_the_eager_front_floor():
     assert p.options["load"].new_ms < 30.0 and p.options["split"].recompute_ms >= 30.0
     with pytest.raises(ValueError, match="tail_floor_ms"):
         plan("llama-3-8b", GPU, "host", 2048, 64, RUN, tail_floor_ms=-1.0)
+
+
+def test_a_graphed_tail_and_front_pay_no_per_forward_overhead():
+    """A calibration's prefill overhead is generate's fixed cost per forward: a graph replay pays
+    none, so a runner that graphs its tail (and front) passes 0 for them; recompute keeps it."""
+    kw = dict(forward_floor_ms=0.0, prefill_overhead_ms=10.0)
+    eager = plan("llama-3-8b", GPU, "host", 2048, 64, RUN, EFFICIENCY, **kw)
+    graphed = plan(
+        "llama-3-8b",
+        GPU,
+        "host",
+        2048,
+        64,
+        RUN,
+        EFFICIENCY,
+        tail_overhead_ms=0.0,
+        front_overhead_ms=0.0,
+        **kw,
+    )
+    assert eager.options["load"].new_ms == pytest.approx(graphed.options["load"].new_ms + 10.0)
+    assert eager.options["split"].recompute_ms == pytest.approx(graphed.options["split"].recompute_ms + 10.0)
+    assert eager.options["recompute"].ms == graphed.options["recompute"].ms
+    with pytest.raises(ValueError, match="tail_overhead_ms"):
+        plan("llama-3-8b", GPU, "host", 2048, 64, RUN, tail_overhead_ms=-1.0)

@@ -34,10 +34,12 @@ def test_measured_once_said_once_and_planned_with(monkeypatch, tmp_path, capsys)
     from kvtier.bench import calibrate
 
     spec = calibrate.model_spec(model)
-    base = dict(efficiency=1.0, forward_floor_ms=5.0)
+    base = dict(efficiency=1.0, forward_floor_ms=5.0, prefill_overhead_ms=3.0)  # a calibration's overhead
     opts = lean_costs.planner_options(lean, spec, CPU, base, FIGURES)
-    assert opts["tail_floor_ms"] == 0.0 and "front_floor_ms" not in opts  # no graphs: an eager front
-    bare = plan(spec, CPU, "host", 256, 16, FIGURES, chunk_tokens=256, **base | {"tail_floor_ms": 0.0})
+    assert opts["tail_floor_ms"] == opts["tail_overhead_ms"] == 0.0
+    assert "front_floor_ms" not in opts and "front_overhead_ms" not in opts  # no graphs: an eager front
+    tail = {"tail_floor_ms": 0.0, "tail_overhead_ms": 0.0}
+    bare = plan(spec, CPU, "host", 256, 16, FIGURES, chunk_tokens=256, **base | tail)
     assert opts["hit_fixed_ms"] == pytest.approx(max(0.0, doc["hit_ms"] - bare.options["load"].ms))
     # a slower measured hit is a larger fixed cost, never a negative one
     slow = lean_costs.planner_options(

@@ -148,18 +148,23 @@ def split_cache(kvt: KVTier, model, input_ids: torch.Tensor, split_tokens: int, 
     return cache
 
 
+# The options `plan_request` takes from the first-use costs when not given (a calibration gives
+# the first two)
+FIRST_USE = frozenset({"efficiency", "forward_floor_ms", "floor_ms_per_token", "hit_fixed_ms"})
+
+
 def plan_request(
     kvt: KVTier, model, input_ids: torch.Tensor, gpu, ceilings=None, *, first_use: bool = True, **options
 ):
     """`planner.plan` for this request: the model's shape from ``model.config``, the hit's length
     from a lookup, its tier the slowest one holding part of it (the store lists tiers fastest
     first). gpu: a key or `specs.GPU`; options: `plan`'s (efficiency, link, kv_dtype, ...).
-    first_use: where options give no efficiency or forward_floor_ms (no calibration), take them
-    from this model's costs on this machine (`hf_costs.model_costs`: measured on first use, then
-    read from a file), so the first plan already knows the fixed cost of a forward, how it grows
-    with the prefix, and the fixed cost of a hit. A hit in a lower tier is planned at the read
-    rate the store measured on its earlier loads from that tier (`KVStore.read_rate`), once it has
-    one."""
+    first_use: what options do not give of the efficiency, the forward floor, its growth with the
+    prefix and a hit's fixed cost (`FIRST_USE`), take from this model's costs on this machine
+    (`hf_costs.model_costs`: measured on first use, then read from a file), so the first plan
+    already knows them; a calibration gives the first two, not the growth or the hit's cost. A
+    hit in a lower tier is planned at the read rate the store measured on its earlier loads from
+    that tier (`KVStore.read_rate`), once it has one."""
     import tempfile
 
     from kvtier.hfconfig import from_hf_config
@@ -177,7 +182,7 @@ def plan_request(
     with tempfile.TemporaryDirectory() as d:  # the config as transformers writes it: one parser
         cfg.to_json_file(f"{d}/config.json")
         spec = from_hf_config(d)
-    if first_use and not {"efficiency", "forward_floor_ms"} <= options.keys():
+    if first_use and not options.keys() >= FIRST_USE:
         from kvtier.integrations.hf_costs import planner_options
 
         g = get_gpu(gpu, ceilings) if isinstance(gpu, str) else gpu

@@ -95,13 +95,17 @@ def measure(runner) -> dict:
 
 def planner_options(runner, spec, gpu, plan_opts: dict, ceilings=None, costs=None) -> dict:
     """`plan`'s options for ``runner``'s hits, over ``plan_opts`` (the model's: efficiency, floor,
-    dtypes): no floor for the graphed tail after a hit (nor for a graphed split's front), and
+    dtypes): no floor nor fixed cost for the tail after a hit (nor for a graphed split's front), and
     ``hit_fixed_ms``, what the measured one-chunk hit (`lean_costs`, or ``costs``) took beyond the
     planner's prediction of it with no fixed cost."""
     from kvtier.planner import plan
 
     c = costs or lean_costs(runner)
-    floors = {"tail_floor_ms": 0.0} | ({"front_floor_ms": 0.0} if runner.graphs else {})
+    # graph replays: no floor and no per-forward framework cost (a calibration's prefill overhead is
+    # generate's); without graphs the front is an eager forward like the others
+    floors = {"tail_floor_ms": 0.0, "tail_overhead_ms": 0.0}
+    if runner.graphs:
+        floors |= {"front_floor_ms": 0.0, "front_overhead_ms": 0.0}
     opts = {k: v for k, v in plan_opts.items() if k != "read_gbps"} | floors | {"hit_fixed_ms": 0.0}
     bare = plan(
         spec,

@@ -60,15 +60,18 @@ class Rig:
         name = torch.cuda.get_device_name(ctx.device) if self.on_gpu else None
         self.ceilings = Ceilings(figures, gpu=name, source="kvtier bench ttft (this run)")
         self.gpu = calibrate.machine_gpu(ctx.device, self.ceilings)
-        self.planner_costs = f"calibration {self.calibration}"
-        growth = hit = 0.0  # a calibration has neither: its fits already hold what it measured
-        if not self.calibrated:  # what a user's first plan_request uses: measured on first use, cached
-            from kvtier.integrations.hf_costs import cache_path, planner_options
+        # What a user's plan_request uses: the first-use costs (measured once, cached), of which a
+        # calibration replaces the prefill rate and the floor; the floor's growth with the prefix
+        # and a hit's fixed cost come from first use either way (a calibration measures neither).
+        from kvtier.integrations.hf_costs import cache_path, planner_options
 
-            got = planner_options(self.model, self.spec, self.gpu, wdt, self.kv_dtype)
+        got = planner_options(self.model, self.spec, self.gpu, wdt, self.kv_dtype)
+        growth, hit = got["floor_ms_per_token"], got["hit_fixed_ms"]
+        first_use = f"measured on first use ({cache_path(self.model)})"
+        self.planner_costs = f"calibration {self.calibration}; floor growth and hit cost {first_use}"
+        if not self.calibrated:
             efficiency, floor = got["efficiency"], got["forward_floor_ms"]
-            growth, hit = got["floor_ms_per_token"], got["hit_fixed_ms"]
-            self.planner_costs = f"measured on first use ({cache_path(self.model)})"
+            self.planner_costs = first_use
         self.plan_opts = dict(
             efficiency=efficiency,
             dtype=wdt,
