@@ -150,13 +150,15 @@ def tier_path(
     gpudirect: bool = False,
     shared_by: int = 1,
     read_gbps: float | None = None,
+    read_fixed_ms: float = 0.0,
 ) -> Path:
     """The load path from `tier` ("host", "disk", "remote" or its alias "redis") to `gpu`, its
     hops replaced by measured figures where `ceilings` has them: pinned H2D for the PCIe hop
     (unless `link` names one), the disk's read rate, Redis' GET rate (an extra hop).
     read_gbps: the lower tier's read rate as the store measured it on its own loads
     (`KVStore.read_rate`), which replaces the disk hop or the GET hop: the rate a probe of the
-    raw device gives is not what a load of chunk files or keys reaches."""
+    raw device gives is not what a load of chunk files or keys reaches. read_fixed_ms: the fixed
+    part of such a load (`ReadRate.fit`), that hop's latency."""
     t = TIER_ALIASES.get(tier)
     if t is None:
         raise ValueError(f"tier: unknown tier {tier!r}; known: {', '.join(TIER_ALIASES)}")
@@ -170,10 +172,17 @@ def tier_path(
         or not 0 < read_gbps < float("inf")
     ):
         raise ValueError(f"read_gbps: must be a number > 0, got {read_gbps!r}")
+    if (
+        isinstance(read_fixed_ms, bool)
+        or not isinstance(read_fixed_ms, int | float)
+        or not (0 <= read_fixed_ms < float("inf"))
+    ):
+        raise ValueError(f"read_fixed_ms: must be a number >= 0, got {read_fixed_ms!r}")
     if ceilings is None and (read_gbps is None or t == "host"):
         return p
     hops = list(p.hops)
     nvme = get_link("nvme")
+    lat_us = read_fixed_ms * 1e3 if read_gbps is not None else None
     disk_rate = (read_gbps, READ_SOURCE) if read_gbps is not None else None
     get_rate = disk_rate
     if ceilings is not None:
@@ -184,14 +193,16 @@ def tier_path(
             get_rate = (rate, where)
     if t == "disk" and disk_rate is not None:
         hops = [
-            Hop(h.name, disk_rate[0], h.latency_us, disk_rate[1]) if h.name.startswith(nvme.name) else h
+            Hop(h.name, disk_rate[0], h.latency_us if lat_us is None else lat_us, disk_rate[1])
+            if h.name.startswith(nvme.name)
+            else h
             for h in hops
         ]
     if t == "remote" and get_rate is not None:
         name = (
             "remote read (this store's loads)" if read_gbps is not None else "Redis GET (loopback, redis-py)"
         )
-        hops.insert(0, Hop(name, get_rate[0], 0.0, get_rate[1]))
+        hops.insert(0, Hop(name, get_rate[0], lat_us or 0.0, get_rate[1]))
     return dataclasses.replace(p, hops=tuple(hops))
 
 
@@ -220,6 +231,7 @@ def plan(
     front_overhead_ms: float | None = None,
     hit_fixed_ms: float = 0.0,
     read_gbps: float | None = None,
+    read_fixed_ms: float = 0.0,
 ) -> Plan:
     """Predict recompute, load and the best chunk-aligned split for one request; choose the fastest.
 
@@ -248,7 +260,7 @@ def plan(
     submission of the copies, each layer's arrival), added once to a load and to a split.
     read_gbps: the tier's read rate as the store measured it on its loads (`KVStore.read_rate`;
     `hf_split.plan_request` passes it once the store has read from the tier); None: the probed
-    ceiling or the datasheet.
+    ceiling or the datasheet. read_fixed_ms: the fixed part of such a read (`ReadRate.fit`).
     """
     if isinstance(model, str):
         from kvtier.hfconfig import resolve_model
@@ -282,7 +294,7 @@ def plan(
     ):
         if isinstance(v, bool) or not isinstance(v, int | float) or not (0 <= v < float("inf")):
             raise ValueError(f"{name}: must be a number >= 0, got {v!r}")
-    p = tier_path(g, tier, ceilings, link, nic, gpudirect, shared_by, read_gbps)
+    p = tier_path(g, tier, ceilings, link, nic, gpudirect, shared_by, read_gbps, read_fixed_ms)
     layers, m, per_token = model.layers, new_tokens, model.kv_bytes_per_token(kv_dtype)
     # the copies' own bottleneck (after a lower tier's read: the hops past the first), short name
     copy_hops = p.hops if p.tier == "host" or p.gpudirect or len(p.hops) < 2 else p.hops[1:]

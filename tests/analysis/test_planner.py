@@ -280,3 +280,11 @@ def test_a_store_measured_read_rate_replaces_the_probed_one():
     for bad in (0, -1.0, float("inf"), True, "fast"):
         with pytest.raises(ValueError, match="read_gbps"):
             plan("llama-3-8b", "h200", "disk", 8192, 64, c, read_gbps=bad)
+    # a load's fixed part (ReadRate.fit) is the read hop's latency, paid once per load
+    fixed = plan("llama-3-8b", "h200", "disk", 8192, 64, c, read_gbps=1.0, read_fixed_ms=40.0)
+    assert fixed.path.hops[0].latency_us == 40e3
+    assert fixed.predicted_ms["load"] - measured.predicted_ms["load"] == pytest.approx(40.0, abs=0.5)
+    assert tier_path(g, "remote", c, read_gbps=0.8, read_fixed_ms=5.0).hops[0].latency_us == 5e3
+    for bad in (-1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="read_fixed_ms"):
+            plan("llama-3-8b", "h200", "disk", 8192, 64, c, read_gbps=1.0, read_fixed_ms=bad)

@@ -124,7 +124,7 @@ def test_plan_request_reads_the_hit_and_its_split_runs_exactly(tmp_path):
         if cache.hit_tokens:  # the split read chunks from the disk: later plans use that rate
             again = plan_request(kvt, model, b, "h200", link="pcie3")
             assert again.path.hops[0].source == READ_SOURCE
-            assert again.path.hops[0].gbps == kvt.store.read_rate.gbps("disk")
+            assert again.path.hops[0].gbps == kvt.store.read_rate.fit("disk")[0]
         run(kvt, model, b)  # a load from the disk, whatever the split was
         kvt.store.evict()
         measured = plan_request(kvt, model, b, "h200", link="pcie3")

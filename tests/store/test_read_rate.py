@@ -57,3 +57,29 @@ def test_concurrent_records():
     for t in threads:
         t.join()
     assert r.gbps("disk") > 0 and time.perf_counter() > t0
+
+
+def test_fit_splits_a_loads_fixed_part_from_its_rate():
+    from kvtier.store.read_rate import SPREAD
+
+    r = ReadRate()
+    assert r.fit("disk") is None
+    # loads of 2, 8 and 32 chunks of 32 MB: 40 ms to start, then 1.5 GB/s
+    t = 0.0
+    for chunks in (2, 8, 32, 2, 8, 32):
+        nbytes = chunks * 32e6
+        r.record("disk", t, t + 0.040 + nbytes / 1.5e9, int(nbytes))
+        t += 10.0
+    rate, fixed = r.fit("disk")
+    assert rate == pytest.approx(1.5, rel=1e-6) and fixed == pytest.approx(0.040, rel=1e-6)
+    # one size only: the plain rate, no fixed part
+    same = ReadRate()
+    for i in range(4):
+        same.record("disk", 10.0 * i, 10.0 * i + 0.5, 10**9)
+    assert same.fit("disk") == (pytest.approx(2.0), 0.0)
+    assert SPREAD > 1
+    # a line that would start below zero (noise): the plain rate
+    odd = ReadRate()
+    odd.record("disk", 0.0, 1.0, 10**8)
+    odd.record("disk", 10.0, 10.5, 10**9)
+    assert odd.fit("disk") == (pytest.approx(1.1e9 / 1.5 / 1e9), 0.0)

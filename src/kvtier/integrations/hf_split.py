@@ -153,6 +153,13 @@ def split_cache(kvt: KVTier, model, input_ids: torch.Tensor, split_tokens: int, 
 FIRST_USE = frozenset({"efficiency", "forward_floor_ms", "floor_ms_per_token", "hit_fixed_ms"})
 
 
+def read_options(store, tier: str) -> dict:
+    """`plan`'s read_gbps and read_fixed_ms for a hit in ``tier``: as ``store``'s loads from it saw
+    them (`ReadRate.fit`); before its first read, none (the probe's rate, or the datasheet's)."""
+    fit = store.read_rate.fit(tier)
+    return {} if fit is None else {"read_gbps": fit[0], "read_fixed_ms": fit[1] * 1e3}
+
+
 def plan_request(
     kvt: KVTier, model, input_ids: torch.Tensor, gpu, ceilings=None, *, first_use: bool = True, **options
 ):
@@ -189,7 +196,6 @@ def plan_request(
         dtypes = {k: options[k] for k in ("dtype", "kv_dtype") if k in options}
         options = planner_options(model, spec, g, **dtypes) | options  # given options win
     if tier != "host" and "read_gbps" not in options:
-        # the tier's rate as this store's loads saw it; before its first read, the probe's
-        options["read_gbps"] = kvt.store.read_rate.gbps(tier)
+        options |= read_options(kvt.store, tier)
     n_new = len(_tokens(input_ids)) - hit.tokens
     return plan(spec, gpu, tier, hit.tokens, n_new, ceilings, chunk_tokens=kvt.chunk_tokens, **options)

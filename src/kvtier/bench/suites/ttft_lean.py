@@ -35,7 +35,7 @@ from kvtier.bench.suites.ttft_rig import Rig, regret
 
 def lean_rows(rig: Rig, kvt, tier: str, n: int, runs):
     """Yield the lean rows of prefix n from `tier`; `runs` is the suite's `_runs`."""
-    from kvtier.integrations.hf_split import split_cache
+    from kvtier.integrations.hf_split import read_options, split_cache
     from kvtier.integrations.lean import LeanRunner
     from kvtier.integrations.lean_costs import planner_options as lean_planner_options
     from kvtier.planner import plan
@@ -47,8 +47,8 @@ def lean_rows(rig: Rig, kvt, tier: str, n: int, runs):
     # own (the front only up to FRONT_GRAPH_TOKENS; a longer one computes longer than any floor).
     # A hit's fixed host cost is the lean runner's own, measured on first use (lean_costs.py).
     opts = rig.plan_opts | lean_planner_options(lean, rig.spec, rig.gpu, rig.plan_opts, rig.ceilings)
-    if tier != "host":  # the tier's rate as the store's loads saw it (the rows before read from it)
-        opts["read_gbps"] = kvt.store.read_rate.gbps(tier)
+    if tier != "host":  # the tier's reads as the store's loads saw them (the rows before read from it)
+        opts |= read_options(kvt.store, tier)
     p = plan(rig.spec, rig.gpu, tier, n, rig.new, rig.ceilings, chunk_tokens=rig.chunk, **opts)
     split = p.options["split"].recompute_tokens if "split" in p.options else None
 

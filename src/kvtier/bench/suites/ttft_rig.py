@@ -271,7 +271,11 @@ class Rig:
         if plan.path.tier == "host":
             return {}
         hop = plan.path.hops[0]
-        return {"planner_read_gbps": hop.gbps, "planner_read_source": hop.source}
+        return {
+            "planner_read_gbps": hop.gbps,
+            "planner_read_fixed_ms": hop.latency_us / 1e3,
+            "planner_read_source": hop.source,
+        }
 
     def params(self, n: int, tier: str, mode: str, predicted: float, measured: float) -> dict:
         p = dict(
