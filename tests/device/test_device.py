@@ -232,6 +232,29 @@ def test_sim_copy_delay_makes_data_late():
         assert torch.all(dst == 3)
 
 
+def test_sim_batch_copy_lands_late_and_exact():
+    """`copy_batch` (a SimDevice emulating cudaMemcpyBatchAsync): every (dst, src, size) moved,
+    as one copy landing after copy_delay; refused on a SimDevice made without batch_copy."""
+    with SimDevice(copy_delay=0.2, batch_copy=True) as d:
+        s = d.new_stream("s")
+        src = torch.arange(64, dtype=torch.uint8)
+        dst = torch.zeros(64, dtype=torch.uint8)
+        base_d, base_s = dst.data_ptr(), src.data_ptr()
+        d.copy_batch([base_d + 40, base_d], [base_s, base_s + 8], [8, 16], s)
+        time.sleep(0.05)
+        assert torch.all(dst == 0)  # still in flight
+        s.synchronize()
+        want = torch.zeros(64, dtype=torch.uint8)
+        want[40:48], want[0:16] = src[0:8], src[8:24]
+        assert torch.equal(dst, want)
+        with pytest.raises(ValueError, match="equally long"):
+            d.copy_batch([base_d], [base_s, base_s], [1], s)
+    with SimDevice() as d, pytest.raises(ValueError, match="batch_copy"):
+        d.copy_batch([0], [0], [0], d.new_stream())
+    with pytest.raises(ValueError, match="batch_copy"):
+        SimDevice(batch_copy=1)
+
+
 def test_events_reject_bad_timeouts_and_ends(dev):
     """On every device: a timeout that is not seconds >= 0, or an end that is not an event,
     raises ValueError naming it (the events' own checks, not an error from deep inside)."""

@@ -19,6 +19,7 @@ finalization is killed while it takes the GIL back, through C++ frames that may 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import itertools
 import queue
 import random
@@ -28,6 +29,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from kvtier.device.base import (
@@ -168,12 +170,20 @@ class SimDevice(Device):
             given submission order).
         launch_delay: the same for `launch`ed work (a kernel that takes time).
         seed: seeds the delay draws.
+        batch_copy: emulate the copy engine's batched copy (`cudaMemcpyBatchAsync`, CUDA >= 12.8):
+            `copy_batch` works, and the engine's "batch" path with it (False: refused, as on a
+            runtime without the call).
     """
 
-    def __init__(self, copy_delay: Delay = 0.0, launch_delay: Delay = 0.0, seed: int = 0):
+    def __init__(
+        self, copy_delay: Delay = 0.0, launch_delay: Delay = 0.0, seed: int = 0, batch_copy: bool = False
+    ):
         self.name = "sim"
         self.copy_delay = _check_delay(copy_delay, "copy_delay")
         self.launch_delay = _check_delay(launch_delay, "launch_delay")
+        if batch_copy is not True and batch_copy is not False:
+            raise ValueError(f"batch_copy must be True or False, got {batch_copy!r}")
+        self.batch_copy = batch_copy
         self._rng = random.Random(seed)
         self._rng_lock = threading.Lock()
         self._cv = threading.Condition()
@@ -243,6 +253,26 @@ class SimDevice(Device):
             if delay:
                 time.sleep(delay)  # the copy engine is busy: the bytes land late on purpose
             d.copy_(sv)
+
+        s._put(run)
+
+    def copy_batch(self, dsts, srcs, sizes, stream: Stream) -> None:
+        """One batched copy, as `cudaMemcpyBatchAsync` takes it: `sizes[i]` bytes from CPU address
+        `srcs[i]` to `dsts[i]` (int64 arrays of equal length), landing late as one copy. The
+        caller keeps the memory alive until the stream is past it (an event recorded after)."""
+        if not self.batch_copy:
+            raise ValueError("copy_batch: this SimDevice was made without batch_copy=True")
+        s = self._own(stream, "stream")
+        d, r, n = (np.ascontiguousarray(a, dtype=np.int64) for a in (dsts, srcs, sizes))
+        if not len(d) == len(r) == len(n) or (len(n) and int(n.min()) < 0):
+            raise ValueError("copy_batch: dsts, srcs, sizes must be equally long, sizes >= 0")
+        delay = self._draw(self.copy_delay)
+
+        def run() -> None:
+            if delay:
+                time.sleep(delay)  # the copy engine is busy: the bytes land late on purpose
+            for dst, src, size in zip(d.tolist(), r.tolist(), n.tolist(), strict=True):
+                ctypes.memmove(dst, src, size)  # what the copy engine does with one descriptor
 
         s._put(run)
 

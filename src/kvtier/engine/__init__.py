@@ -7,7 +7,9 @@ store (`kvtier.store.KVStore`):
 
     save(block_ids, after) -> SaveJob      gather blocks into a new slot; READY once its event completed
     load(slot, block_ids)  -> LoadJob      scatter a READY slot into blocks; one event per layer
-    load_slots(slots, block_ids) -> [LoadJob]  several slots into one request's blocks, layer-major
+    save_slots(block_ids, counts, after) -> [SaveJob]  blocks into several new slots, one submission
+    load_slots(slots, block_ids) -> [LoadJob]  several slots into one request's blocks, one submission
+                                           (kernel path: layer-major; batch: one batched copy)
     compute_read / compute_write(blocks, event)  what compute does to the blocks; later jobs wait for it
     job.wait_on(stream) / job.wait_layer(l, stream)  compute waits for a job (no host blocking)
     poll() / wait(job)                     settle completed jobs (never on a timeout)

@@ -11,6 +11,10 @@ is made to wait for before the engine records the job's event:
   on a persistent grid of `uva_ctas` CTAs;
 - batch: `fastpath/batch.py` (cudaMemcpyBatchAsync), on the copy stream itself.
 
+A job over several slots (`TransferEngine.save_slots`, `load_slots`): on the batch path one
+batched call for every slot's copies; on the kernel path a load is layer-major (one launch per
+layer for every slot); otherwise the slots are submitted one after the other within the call.
+
 Block ids arrive as `CheckedIds` (checked at the engine's entry) and reach the GPU as one
 `ops.BlockIds` per job (`ops.checks.trusted_block_ids`): one H2D copy, no second check.
 
@@ -171,6 +175,29 @@ class CudaMover:
                 if layer < kv.num_layers - 1:  # the event: layer `layer` of every slot has landed
                     events.append(stream.record(f"{label}:layer{layer}"))
         return events
+
+    def save_slots(self, path: Path, ids: CheckedIds, counts, slots, stream: Stream) -> None:
+        """Enqueue the save of `ids` into `slots` (slot j: the next counts[j] blocks) on `stream`;
+        the engine records the one event after. Batch: every copy of every slot in one call;
+        staged / kernel: slot by slot, each as its own `save` would (no `done`: a graph replay
+        must not record the shared event before the later slots' copies)."""
+        if path is Path.BATCH:
+            batch.copy_slots(self.kv, ids.ids, ids.last_valid, slots, counts, stream.raw, save=True)
+            return
+        for part, slot in zip(ids.split(counts, self.kv.block_size), slots, strict=True):
+            self.save(path, part, slot, stream)
+
+    def load_slots_whole(
+        self, path: Path, ids: CheckedIds, counts, slots, stream: Stream, label: str
+    ) -> None:
+        """Enqueue the load of `slots` into `ids` (slot j: the next counts[j] blocks) on `stream`,
+        one event for the whole job (the engine's, recorded after). Batch: one call; staged:
+        slot by slot, as `save_slots`."""
+        if path is Path.BATCH:
+            batch.copy_slots(self.kv, ids.ids, ids.last_valid, slots, counts, stream.raw, save=False)
+            return
+        for part, slot in zip(ids.split(counts, self.kv.block_size), slots, strict=True):
+            self.load(path, part, slot, stream, False, label)
 
     def synchronize(self) -> None:
         self.gather_stream.synchronize()  # helper streams: their work must land before close

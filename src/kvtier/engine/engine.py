@@ -6,6 +6,8 @@ Save (GPU blocks -> a new pool slot), on `save_stream`:
 Load (slot -> GPU blocks), on `load_stream`:
   wait pending readers/writers/savers/loaders of the blocks -> copy + scatter, an event per
   layer -> record e_load; slot READING(e_load); the read ends only once e_load completed.
+Several slots at once (`save_slots`, `load_slots`): the same steps once for all of them -- one
+lock, one set of waits, one event -- and a job per slot, each settled when that event completed.
 
 One code path holds the protocol (waits, events, tracker moves); the bytes move through a
 per-device mover (`movers.py`), which gets a narrow `MoverContext`, never the engine. Block ids
@@ -35,7 +37,7 @@ from kvtier.engine.paths import Path, choose_path, parse_path
 from kvtier.engine.trace import SubmitTrace
 from kvtier.layout import PagedKV
 from kvtier.lifecycle import Access, BlockTracker, LifecycleError, SlotState, SlotTracker, sanitize_enabled
-from kvtier.pool import PinnedPool, Slot
+from kvtier.pool import PinnedPool, PoolExhausted, Slot
 
 _NOTES_MIN = 64  # a stream's wait notes kept before the completed ones are first dropped
 
@@ -173,20 +175,92 @@ class TransferEngine:
         job.submit_s = time.perf_counter() - t0
         return job
 
-    def load_slots(self, slots, block_ids, *, num_tokens: int | None = None) -> list[LoadJob]:
-        """Copy READY slots `slots` (each a chunk of whole blocks) into `block_ids` (slot by slot,
-        in order) layer-major: layer l of every slot lands before layer l + 1 of any, one launch
-        per layer (kernel path). One LoadJob per slot, sharing layer events and e_load.
+    def save_slots(
+        self,
+        block_ids,
+        counts,
+        *,
+        after: Event | None,
+        num_tokens: int | None = None,
+        path: str | None = None,
+        timeout: float | None = None,
+    ) -> list[SaveJob]:
+        """Copy blocks `block_ids` into len(counts) new slots in one submission: slot j gets the
+        next counts[j] ids (kv.chunk_nbytes(counts[j]) bytes). One SaveJob per slot, in order,
+        all sharing e_save (each slot READY once it completed): the store's chunks of a request
+        cost one lock, one wait of the save stream and one event, and on the batch path one
+        batched copy for every slot (staged, kernel: the slots one after the other in the call).
 
-        Chunk-major loads (one job per slot) land layer 0 of a request only when almost every
-        byte has landed; here layer 0 of every chunk lands first, so attention of layer 0 may
-        start after 1/L of the bytes and the copy hides under the forward. The store tracks
-        chunks one by one, hence a job per slot; each settles when e_load completes.
+        block_ids: sum(counts) ids, as in `save`. counts: positive ints.
+        after, path: as in `save`. num_tokens: valid tokens of all the ids together, as in `save`
+            (only the last slot's last block may be partial; None: all).
+        timeout: seconds to wait for pool room for each slot, as in `save`. Slots are taken in
+            order; where the pool has no room for slot j, slots j.. are not saved and fewer jobs
+            than counts come back (PoolExhausted, nothing submitted, when slot 0 has none).
+        """
+        t0 = time.perf_counter()
+        if self._closed:
+            self._check_open()
+        counts = _check_counts(counts)
+        ids = self._ids.checked(block_ids, False, num_tokens)
+        if sum(counts) != len(ids):
+            raise ValueError(f"block_ids: {len(ids)} ids for counts adding up to {sum(counts)}")
+        p = self._auto.get(("save", False)) if path is None else None  # decided once: see `_path`
+        if p is None:
+            p = self._path("save", path, False)
+        per_block, slots = self._block_nbytes, []
+        try:
+            for c in counts:
+                try:
+                    slots.append(self.slots.alloc(c * per_block, timeout or 0.0, self._on_pressure))
+                except PoolExhausted:
+                    if not slots:
+                        raise
+                    break  # the slots taken so far are saved: a full pool ends the job there
+            if len(slots) < len(counts):  # cut: the last slot saved holds whole blocks
+                counts = counts[: len(slots)]
+                ids = CheckedIds(ids.ids[: sum(counts)], ids.bound, False, self.kv.block_size)
+            with self._lock:
+                k, waited = self._save_waits(ids, after)
+                e_save = self.device.new_event(f"e_save#{k}")
+                self.mover.save_slots(p, ids, counts, slots, self.save_stream)
+                e_save.record(self.save_stream)  # after every slot's copies: then each slot is READY
+                self.blocks.register(Access.SAVE, ids, e_save, waited)
+                jobs, at = [], 0
+                for s, c in zip(slots, counts, strict=True):
+                    self.slots.begin_fill(s, e_save)  # READY only once e_save has completed
+                    jobs.append(SaveJob(self, s, e_save, ids.ids[at : at + c], c * per_block, p._value_, 0.0))
+                    at += c
+                self._jobs.extend(jobs)
+        except BaseException:
+            self._undo_save(*slots)
+            raise
+        spent = time.perf_counter() - t0
+        for j in jobs:
+            j.submit_s = spent / len(jobs)
+        return jobs
+
+    def load_slots(
+        self, slots, block_ids, *, num_tokens: int | None = None, path: str | None = None
+    ) -> list[LoadJob]:
+        """Copy READY slots `slots` (each a chunk of whole blocks) into `block_ids` (slot by slot,
+        in order) in one submission. One LoadJob per slot, sharing their layer events and e_load;
+        the store tracks chunks one by one, hence a job per slot; each settles when e_load completes.
+
+        path "kernel" (None): layer-major -- layer l of every slot lands before layer l + 1 of
+            any, one launch per layer. Chunk-major loads (one job per slot) land layer 0 of a
+            request only when almost every byte has landed; here layer 0 of every chunk lands
+            first, so attention of layer 0 may start after 1/L of the bytes and the copy hides
+            under the forward.
+        path "batch": every slot's copies in one batched copy; "staged": the slots one after the
+            other within the call. On both every layer's event is e_load (as a load with
+            per_layer=False). "auto": the engine's rule for a per-layer load (`load_path`).
 
         block_ids: as many distinct ids as the slots hold blocks, together.
         """
         t0 = time.perf_counter()
         self._check_open()
+        p = Path.KERNEL if path is None else self._path("load", path, True)
         slots = list(slots) if not isinstance(slots, Slot) else None
         if not slots or not all(isinstance(s, Slot) for s in slots):
             raise ValueError("slots: expected a non-empty sequence of pool Slots")
@@ -212,7 +286,11 @@ class TransferEngine:
             stream = self.load_stream
             waits = self._wait_all(stream, self.blocks.waits_for(Access.LOAD, ids, stream))
             try:
-                layers = self.mover.load_slots(ids, counts, slots, stream, f"e_load#{k}")
+                if p is Path.KERNEL:
+                    layers = self.mover.load_slots(ids, counts, slots, stream, f"e_load#{k}")
+                else:
+                    self.mover.load_slots_whole(p, ids, counts, slots, stream, f"e_load#{k}")
+                    layers = []
             except BaseException:
                 self._quiesce(stream)  # its enqueued layers must not outlive the error (they read the slots)
                 raise
@@ -220,11 +298,11 @@ class TransferEngine:
             for s in slots:
                 self.slots.begin_read(s, e_load)  # each slot may be freed only after e_load
             self.blocks.begin_load(ids, e_load, waited=waits)
-            events = [*layers, e_load]
+            events = [*layers, e_load] if layers else [e_load] * self._num_layers
             jobs, at = [], 0
             for s, c in zip(slots, counts, strict=True):
                 part = ids.ids[at : at + c]
-                job = LoadJob(self, s, e_load, part, s.nbytes, Path.KERNEL.value, 0.0, layer_events=events)
+                job = LoadJob(self, s, e_load, part, s.nbytes, p._value_, 0.0, layer_events=events)
                 jobs.append(job)
                 at += c
             self._jobs.extend(jobs)
@@ -383,10 +461,12 @@ class TransferEngine:
         self._jobs.append(job)
         return job
 
-    def _undo_save(self, slot: Slot) -> None:
-        # A failed mover may have enqueued copies into the slot: they land before it is reused.
-        if self.slots.state(slot) is SlotState.ALLOCATED and self._quiesce(self.save_stream):
-            self.slots.release(slot)  # nothing of the job is in flight any more
+    def _undo_save(self, *slots: Slot) -> None:
+        # A failed mover may have enqueued copies into the slots: they land before one is reused.
+        left = [s for s in slots if self.slots.state(s) is SlotState.ALLOCATED]
+        if left and self._quiesce(self.save_stream):
+            for s in left:
+                self.slots.release(s)  # nothing of the job is in flight any more
 
     def _load_ids(self, slot: Slot, block_ids, num_tokens: int | None, per_layer: bool) -> CheckedIds:
         """The arguments of a load checked (each error names its argument); its ids."""
@@ -558,6 +638,14 @@ def _make_mover(ctx: MoverContext):
     from kvtier.engine.cuda_mover import CudaMover
 
     return CudaMover(ctx)
+
+
+def _check_counts(counts) -> list[int]:
+    """`counts` (blocks per slot of a `save_slots`) as a list of positive ints."""
+    got = list(counts) if isinstance(counts, list | tuple | range) else None
+    if not got or not all(type(c) is int and c > 0 for c in got):
+        raise ValueError(f"counts: expected a non-empty list of positive ints, got {counts!r}")
+    return got
 
 
 def _check_slot(slot) -> None:

@@ -50,6 +50,16 @@ class CheckedIds(CheckedBlocks):
     def __len__(self) -> int:
         return self.ids.shape[0]
 
+    def split(self, counts, block_size: int) -> list[CheckedIds]:
+        """The ids chunk by chunk, `counts[j]` of them each, in order (views of `ids`): only the
+        last part keeps `last_valid`, the others hold whole blocks of `block_size` tokens."""
+        parts, at = [], 0
+        for j, c in enumerate(counts):
+            valid = self.last_valid if j == len(counts) - 1 else block_size
+            parts.append(CheckedIds(self.ids[at : at + c], self.bound, self.unique, valid))
+            at += c
+        return parts
+
 
 class IdCheck:
     """Checks ids against a cache of `num_blocks` blocks of `block_size` tokens. Thread-safe."""

@@ -2,6 +2,12 @@
 
 Staged: a gather "kernel" into a staging tensor, then a late copy into the slot (and the
 inverse). Kernel: the "kernel" reads/writes the slot itself, one launch per layer on loads.
+Batch (a `SimDevice(batch_copy=True)` only): the copies `fastpath/batch.py` computes on the host
+for cudaMemcpyBatchAsync, handed to `SimDevice.copy_batch` as one late copy -- the CUDA mover's
+descriptors themselves, run by memmove.
+
+A job over several slots (`save_slots`, `load_slots_whole`) is one batched copy on the batch
+path; elsewhere its slots are submitted one after the other within the one call.
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvtier.device.base import Event, Stream
+from kvtier.engine.fastpath import batch
 from kvtier.engine.ids import CheckedIds
 from kvtier.engine.movers import MoverContext, layer_kv
 from kvtier.engine.paths import Path
@@ -21,26 +28,29 @@ def _tokens(n: int, block_size: int, last_valid: int) -> int | None:
 
 
 class SimMover:
-    batch_available = False
-    batch_run_nbytes = 0  # no batch path: no copy of its own to weigh
-
     def __init__(self, ctx: MoverContext):
         self.dev, self.kv = ctx.device, ctx.kv
         if self.kv.device.type != "cpu":
             raise ValueError(f"kv: SimDevice needs a CPU cache, got {self.kv.device}")
+        self.batch_available = bool(getattr(self.dev, "batch_copy", False))
+        # The run the batch path's rule weighs (`choose_path`), as on CUDA; none without the path.
+        self.batch_run_nbytes = batch.run_nbytes(self.kv) if self.batch_available else 0
 
     def set_trace(self, trace) -> None:
         pass  # no phases of its own: every copy is one launch
 
     def check_path(self, path: Path) -> None:
-        if path is Path.BATCH:
-            why = "needs CUDA >= 12.8 (cudaMemcpyBatchAsync); SimDevice has no copy engine"
+        if path is Path.BATCH and not self.batch_available:
+            why = "needs CUDA >= 12.8 (cudaMemcpyBatchAsync); this SimDevice emulates none (batch_copy=False)"
             raise ValueError(f"path 'batch' {why}")
 
     def save(self, path: Path, ids: CheckedIds, slot: Slot, stream: Stream, done=None) -> None:
         """Enqueue the save of blocks `ids` into `slot` on `stream` (the engine records `done`)."""
         from kvtier.reference import gather_ref
 
+        if path is Path.BATCH:  # addresses from the host's ids, as on CUDA
+            self._batch(ids, [slot], [len(ids)], stream, save=True)
+            return
         kv, t = self.kv, torch.as_tensor(ids.ids)  # the job's numpy ids as a tensor view
         tokens = _tokens(len(t), kv.block_size, ids.last_valid)
         dst = slot.tensor if path is Path.KERNEL else torch.empty(slot.nbytes, dtype=torch.uint8)
@@ -58,6 +68,9 @@ class SimMover:
         """Enqueue the load; return the events of layers 0..L-2 (the engine records the last)."""
         from kvtier.reference import scatter_ref
 
+        if path is Path.BATCH:  # one batched copy: every layer's event is the job's
+            self._batch(ids, [slot], [len(ids)], stream, save=False)
+            return []
         kv, t = self.kv, torch.as_tensor(ids.ids)  # the job's numpy ids as a tensor view
         n, tokens = len(t), _tokens(len(t), kv.block_size, ids.last_valid)
         src = slot.tensor
@@ -100,6 +113,31 @@ class SimMover:
             if layer < kv.num_layers - 1:
                 events.append(stream.record(f"{label}:layer{layer}"))  # layer `layer` of every slot landed
         return events
+
+    def save_slots(self, path: Path, ids: CheckedIds, counts, slots, stream: Stream) -> None:
+        """Enqueue the save of `ids` into `slots` (slot j: the next counts[j] blocks) on `stream`;
+        the engine records the one event after. Batch: one batched copy for every slot."""
+        if path is Path.BATCH:
+            self._batch(ids, slots, counts, stream, save=True)
+            return
+        for part, slot in zip(ids.split(counts, self.kv.block_size), slots, strict=True):
+            self.save(path, part, slot, stream)
+
+    def load_slots_whole(
+        self, path: Path, ids: CheckedIds, counts, slots, stream: Stream, label: str
+    ) -> None:
+        """Enqueue the load of `slots` into `ids` (slot j: the next counts[j] blocks) on `stream`,
+        one event for the whole job (the engine's, recorded after). Batch: one batched copy."""
+        if path is Path.BATCH:
+            self._batch(ids, slots, counts, stream, save=False)
+            return
+        for part, slot in zip(ids.split(counts, self.kv.block_size), slots, strict=True):
+            self.load(path, part, slot, stream, False, label)
+
+    def _batch(self, ids: CheckedIds, slots, counts, stream: Stream, *, save: bool) -> None:
+        """The batch path: the copies cudaMemcpyBatchAsync would be handed, as one late copy."""
+        copies = batch.prepare_slots(self.kv, ids.ids, ids.last_valid, slots, counts, save=save)
+        self.dev.copy_batch(*copies, stream)
 
     def synchronize(self) -> None:
         pass  # all work is on the engine's streams

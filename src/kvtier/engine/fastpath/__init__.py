@@ -11,5 +11,6 @@ package only where a staged job is replayed from a CUDA graph or a job goes as a
     ring.HostRing          pinned ids buffers, each reused only after its copy has read it
     fast                   the optional C helper (`_fast.c`): the replay, and the id check
                            that `engine/ids.py` uses at the engine's entry
-    batch                  `cudaMemcpyBatchAsync`: every piece of a job in one call
+    batch                  `cudaMemcpyBatchAsync`: every piece of a job (of one slot or several)
+                           in one call; the sim mover runs the same copies on a `SimDevice`
 """

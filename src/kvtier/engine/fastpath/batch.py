@@ -1,4 +1,5 @@
-"""The copy engine's batched copy: `cudaMemcpyBatchAsync` (CUDA runtime >= 12.8), one call per job.
+"""The copy engine's batched copy: `cudaMemcpyBatchAsync` (CUDA runtime >= 12.8), one call per job
+(a job of several slots, `TransferEngine.load_slots` / `save_slots`, included: `copy_slots`).
 
 Called through ctypes on the CUDA runtime torch has loaded, not through cuda-bindings: the C
 signature is stable per runtime major (12.8/12.9 take a `failIdx` pointer, 13.x do not) and the
@@ -68,10 +69,12 @@ def why_unavailable() -> str:
     return _runtime()[2] or "available"
 
 
-def pieces(kv: PagedKV, ids, last_valid: int, host_ptr: int):
+def pieces(kv: PagedKV, ids, last_valid: int, host_ptr):
     """(paged addresses, host addresses, sizes): int64 numpy arrays, one entry per copy; `ids`:
-    the job's block ids (a numpy array, CPU tensor or list). Numpy, not torch: a job's few
-    dozen small array steps cost a few microseconds each there, several times that in torch.
+    the job's block ids (a numpy array, CPU tensor or list); `host_ptr`: the chunk's address, or
+    an int64 array [n] of each block's address in its chunk (a job of several slots,
+    `block_addresses`). Numpy, not torch: a job's few dozen small array steps cost a few
+    microseconds each there, several times that in torch.
 
     A copy is a run of the job's pieces adjacent in the cache and in the chunk alike: a full
     block as its runs (`_block_runs`), the last block of a partial request as its valid rows,
@@ -83,7 +86,10 @@ def pieces(kv: PagedKV, ids, last_valid: int, host_ptr: int):
     n = len(ids)
     full = n if last_valid == bs else n - 1
     blk = kv.layers[kv.base].data_ptr() + ids * (kv.block_stride * es)  # each block's (layer base, kv 0)
-    hblk = host_ptr + np.arange(n, dtype=np.int64) * kv.block_nbytes  # its slot in the chunk
+    if isinstance(host_ptr, np.ndarray):
+        hblk = host_ptr  # each block's address in its own slot
+    else:
+        hblk = host_ptr + np.arange(n, dtype=np.int64) * kv.block_nbytes  # its place in the chunk
     paged = (blk[:full, None] + r.paged).reshape(-1)
     host = (hblk[:full, None] + r.host).reshape(-1)
     sizes = np.tile(r.sizes, full)
@@ -128,12 +134,53 @@ def prepare(kv: PagedKV, ids, last_valid: int, host: torch.Tensor, *, save: bool
 
     A save first zeroes the tokens past `last_valid` in the slot's last block: a chunk holds
     zeros there and no copy writes them (the slot is ALLOCATED: nothing is in flight into it)."""
-    if save and last_valid < kv.block_size:
-        chunk = host.view(kv.dtype).view(kv.chunk_shape(len(ids)))
-        tail = chunk[-1].narrow(2 + kv.token_dim, last_valid, kv.block_size - last_valid)
-        tail.view(torch.uint8).zero_()
+    if save:
+        _zero_tail(kv, len(ids), last_valid, host)
     paged, hostp, sizes = pieces(kv, ids, last_valid, host.data_ptr())
     return (hostp, paged, sizes) if save else (paged, hostp, sizes)
+
+
+def _zero_tail(kv: PagedKV, n: int, last_valid: int, host: torch.Tensor) -> None:
+    """Zero the tokens past `last_valid` in the last of the `n` blocks of chunk `host`."""
+    if last_valid < kv.block_size:
+        chunk = host.view(kv.dtype).view(kv.chunk_shape(n))
+        tail = chunk[-1].narrow(2 + kv.token_dim, last_valid, kv.block_size - last_valid)
+        tail.view(torch.uint8).zero_()
+
+
+def block_addresses(kv: PagedKV, ptrs, counts) -> np.ndarray:
+    """int64 [sum(counts)]: the host address of each block of a job over several chunks, chunk j
+    at address ptrs[j] holding counts[j] blocks (block ids go chunk by chunk, in order)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    starts = np.repeat(np.asarray(ptrs, dtype=np.int64), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)  # each block's chunk's first index
+    return starts + (np.arange(len(starts), dtype=np.int64) - first) * kv.block_nbytes
+
+
+def prepare_slots(kv: PagedKV, ids, last_valid: int, slots, counts, *, save: bool):
+    """`prepare` for a job over several pool slots: `slots[j]` (a `Slot`; its address `.ptr`, no
+    tensor made) holds the next `counts[j]` blocks of `ids`; only the last block of the last
+    slot may be partial. One list of copies for them all (copies adjacent on both sides join
+    across slots too)."""
+    if save and last_valid < kv.block_size:
+        _zero_tail(kv, counts[-1], last_valid, slots[-1].tensor)  # only the last slot may be partial
+    hblk = block_addresses(kv, [s.ptr for s in slots], counts)
+    paged, hostp, sizes = pieces(kv, ids, last_valid, hblk)
+    return (hostp, paged, sizes) if save else (paged, hostp, sizes)
+
+
+def copy_slots(
+    kv: PagedKV, ids, last_valid: int, slots, counts, stream: torch.cuda.Stream, *, save: bool
+) -> None:
+    """`copy` for a job over several slots (chunk j: slots[j], counts[j] blocks): every copy of
+    every slot in one batched call on `stream`."""
+    lib, _ver, why = _runtime()
+    if lib is None:  # refused before `prepare_slots` touches a slot
+        raise ValueError(f"path 'batch' unavailable: {why}")
+    if stream.cuda_stream == 0:
+        raise ValueError("path 'batch': cudaMemcpyBatchAsync refuses the legacy default stream")
+    dsts, srcs, sizes = prepare_slots(kv, ids, last_valid, slots, counts, save=save)
+    launch(dsts, srcs, sizes, stream, kv.device)
 
 
 def copy(kv: PagedKV, ids, last_valid: int, slot: Slot, stream: torch.cuda.Stream, *, save: bool) -> None:
