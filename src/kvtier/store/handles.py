@@ -66,9 +66,13 @@ class SaveHandle:
         return ok
 
     def wait_on(self, stream: Stream) -> None:
-        """Later work on ``stream`` (e.g. compute overwriting these blocks) waits for the saves."""
+        """Later work on ``stream`` (e.g. compute overwriting these blocks) waits for the saves.
+        The jobs of one engine call share their event: it is waited for once."""
+        last = None
         for j in self.jobs:
-            j.wait_on(stream)  # the blocks must not be overwritten before their copy read them
+            if j.event is not last:
+                j.wait_on(stream)  # the blocks must not be overwritten before their copy read them
+                last = j.event
 
     def wait_durable(self, timeout: float | None = None) -> bool:
         """Write-through: block until every saved chunk was pushed to the lower tiers; True only

@@ -7,14 +7,17 @@ KV of another model, dtype, layout or TP rank never matches.
 
 - ``lookup``: the longest prefix of chunks some tier holds (chunks after a gap are useless).
 - ``save``: one engine save job per chunk not held yet, into a pool slot that becomes a host
-  entry once its event completed. Write-through pushes each saved chunk down from the writer
-  thread; write-back pushes it only when the host evicts it.
+  entry once its event completed; the request's new chunks go in one engine call
+  (``engine.save_slots``). Write-through pushes each saved chunk down from the writer thread;
+  write-back pushes it only when the host evicts it.
 - ``load``: the walk, chunk by chunk from ``first_chunk``: a host hit is pinned; a lower-tier
   hit is read into a pool slot (``get_into``), its header checked against this cache's
   shape/dtype/layout, and promoted into the host. Then the copies: per layer across every
-  chunk (``engine.load_slots``, one launch per layer) where loads take the kernel path, else an
-  engine load job per chunk. The first chunk no tier delivers ends the load: ``handle.tokens``
-  is what will arrive; the caller recomputes the rest.
+  chunk (``engine.load_slots``, one launch per layer) where loads take the kernel path; else
+  a lower tier's chunk is submitted as soon as the walk holds it, and host hits go together
+  (``engine.load_slots`` on the staged / batch path: one engine call) when the walk reaches a
+  lower tier's chunk or ends. A job per chunk either way. The first chunk no tier delivers
+  ends the load: ``handle.tokens`` is what will arrive; the caller recomputes the rest.
 - ``prefetch``: the same walk in the background, promoting without loading.
 
 Failures of tiers (errors, timeouts, full, bad checksum or header) are misses, counted and
@@ -30,6 +33,8 @@ import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
+
+import torch
 
 from kvtier.engine import Path, parse_path
 from kvtier.lifecycle import LifecycleError, SlotState
@@ -132,6 +137,7 @@ class KVStore:
         self._writer = Writer(fmt.header, self.host, self._release_slot, self._count)
         self._reaper = Reaper(self._completed, self._count)
         self._reap, self._track = self._reaper.reap, self._reaper.track
+        self._track_many = self._reaper.track_many
         for state in ("capacity", "used", "in_flight"):  # read at scrape time, never stale
             self.metrics.pool_bytes.labels(state).set_function(lambda s=state: getattr(pool.stats(), s))
         self._prefetcher = ThreadPoolExecutor(cfg.prefetch_workers, thread_name_prefix="kvtier-prefetch")
@@ -198,37 +204,53 @@ class KVStore:
         return handle
 
     def _save_chunks(self, keys, ids, after, handle: SaveHandle, through: bool, held: list) -> None:
+        """Reserve the chunks from the first, then save the new ones in one engine submission
+        (`engine.save_slots`: a slot and a job per chunk). The first chunk that gets no host
+        entry or no pool slot ends the save; it and the chunks after it count as failed."""
+        dirty = self.write_back and bool(self._tiers)
+        plan: list[HostEntry | None] = []  # per chunk from 0: its new entry, or None (held already)
+        stop, why = len(keys), ""
         for i, key in enumerate(keys):
-            entry, status = self.host.reserve(key, self.fmt.span, dirty=self.write_back and bool(self._tiers))
+            entry, status = self.host.reserve(key, self.fmt.span, dirty=dirty)
             if status == "present":  # held, or being saved or fetched by another request
-                handle.skipped += 1
-                handle.tokens += self.fmt.tokens
                 if (got := self.host.hold(key)) is not None:
                     held.append(got)  # the later chunks of this save must not evict it either
-                continue
-            try:
-                if entry is None:
-                    raise PoolExhausted("the host tier is full of pinned chunks")
-                job = self.engine.save(self._chunk(ids, i), after=after, timeout=self.alloc_timeout_s)
-            except PoolExhausted as exc:  # back-pressure: the rest is recomputed next time
-                if entry is not None:
-                    self.host.cancel(entry)  # no slot was allocated: nothing to wait for
-                log.info("kvstore: save stops at chunk %d of %d: %s", i, len(keys), exc)
-                handle.failed = len(keys) - i
+            elif entry is None:
+                stop, why = i, "the host tier is full of pinned chunks"
                 break
+            plan.append(entry)
+        new = [i for i, e in enumerate(plan) if e is not None]
+        jobs = []
+        if new:
+            counts, wait_s = [self.fmt.blocks] * len(new), self.alloc_timeout_s
+            try:
+                jobs = self.engine.save_slots(self._chunks(ids, new), counts, after=after, timeout=wait_s)
+            except PoolExhausted as exc:  # back-pressure: the rest is recomputed next time
+                why = str(exc)
             except BaseException:
-                self.host.cancel(entry)  # nothing was submitted into a slot of this entry
+                for i in new:
+                    self.host.cancel(plan[i])  # nothing was submitted into a slot of these entries
                 raise
+            if len(jobs) < len(new):
+                stop, why = new[len(jobs)], why or "the pool is full"
+                for i in new[len(jobs) :]:
+                    self.host.cancel(plan[i])  # no slot was allocated: nothing to wait for
+        saved = [(job, plan[i], "save") for i, job in zip(new[: len(jobs)], jobs, strict=True)]
+        for job, entry, _ in saved:  # the saved chunks: a prefix of the new ones
             self.host.attach(entry, job.slot, job)
             if through:
                 self.host.add_pin(entry)  # the push reads the slot: it must not be evicted before
                 handle.pushes.append(self._writer.submit(Push(entry, self._tiers, after=job)))
             self.host.add_pin(entry)  # the later chunks of this save must not evict it
             held.append(entry)
-            self._track(job, entry, "save")
-            handle.jobs.append(job)
-            handle.saved += 1
-            handle.tokens += self.fmt.tokens
+        self._track_many(saved)  # each entry READY (its fill's pin dropped) once e_save completed
+        handle.jobs.extend(jobs)
+        handle.saved += len(jobs)
+        handle.skipped += sum(e is None for e in plan[:stop])
+        handle.tokens += stop * self.fmt.tokens  # each chunk before `stop` is saved or held already
+        if stop < len(keys):
+            log.info("kvstore: save stops at chunk %d of %d: %s", stop, len(keys), why)
+            handle.failed = len(keys) - stop
 
     def load(
         self, tokens, block_ids, *, per_layer: bool = True, first_chunk: int = 0, path: str | None = None
@@ -262,20 +284,19 @@ class KVStore:
         handle = LoadHandle(num_layers=self.kv.num_layers, _on_done=self._reap)
         # The walk ends at the first chunk no tier delivers: the rest of the prefix is useless.
         layer_major = per_layer and (path or self.engine.load_path(per_layer=True)) is Path.KERNEL
+        whole = None if layer_major else path or self.engine.load_path(per_layer=False)
         got_all: list[_Taken] = []
         jobs = []
         try:
             for got in self._walk(keys[: len(ids) // self.fmt.blocks]):
                 got_all.append(got)
-                if not layer_major:
-                    # Submitted as soon as the walk holds it: the first copy starts after one
-                    # chunk's lookup, not every chunk's (staged and batch loads give each layer
-                    # the job's own event anyway: no chunk is held back for layering).
-                    job = self.engine.load(
-                        got.entry.slot, self._chunk(ids, len(jobs)), per_layer=False, path=path
-                    )
-                    self._track(job, got.entry, got.kind)  # its pin drops once e_load completed
-                    jobs.append(job)
+                if not layer_major and got.tier != "host":
+                    # A lower tier's chunk goes as soon as the walk holds it, with the host hits
+                    # held back before it: the next chunks' reads overlap its copy. Host hits
+                    # wait for it or the walk's end, and then go in one engine call.
+                    jobs += self._load_whole(got_all[len(jobs) :], ids, len(jobs), path, whole)
+            if not layer_major and len(jobs) < len(got_all):
+                jobs += self._load_whole(got_all[len(jobs) :], ids, len(jobs), path, whole)
         except BaseException:
             self._give_back(got_all[len(jobs) :])  # fetched, never submitted
             raise
@@ -299,6 +320,19 @@ class KVStore:
         chunks = Counter(f"load_chunks_{t}" for t in handle.tiers)
         self._count(loads=1, load_tokens=handle.tokens, _call=("load", t0), **chunks)
         return handle
+
+    def _load_whole(self, taken: list[_Taken], ids, first: int, path, whole) -> list:
+        """Submit the chunks ``taken`` (chunk ``first`` on) in one engine call on path ``whole``
+        (every layer's event the job's own): ``engine.load_slots``, or ``engine.load`` for one
+        chunk (``path``: the caller's, None for the engine's own). Returns their jobs, tracked."""
+        block = ids[first * self.fmt.blocks : (first + len(taken)) * self.fmt.blocks]
+        if len(taken) == 1:
+            jobs = [self.engine.load(taken[0].entry.slot, block, per_layer=False, path=path)]
+        else:
+            jobs = self.engine.load_slots([got.entry.slot for got in taken], block, path=whole)
+        # Their pins drop (temporary slots go back) only once e_load completed.
+        self._track_many([(job, got.entry, got.kind) for job, got in zip(jobs, taken, strict=True)])
+        return jobs
 
     def prefetch(self, tokens) -> Future:
         """Bring the chunks of ``tokens`` (``[num_tokens]``) from lower tiers into the host, in
@@ -509,6 +543,14 @@ class KVStore:
     def _chunk(self, ids, i: int):
         """Block ids of chunk ``i``: block_ids[i*bpc:(i+1)*bpc]."""
         return ids[i * self.fmt.blocks : (i + 1) * self.fmt.blocks]
+
+    def _chunks(self, ids, chunks: list[int]):
+        """Block ids of ``chunks`` (ascending chunk indices), one after the other: a slice of
+        ``ids`` where they are consecutive (the usual case), else the chunks' slices joined."""
+        bpc = self.fmt.blocks
+        if chunks[-1] - chunks[0] == len(chunks) - 1:
+            return ids[chunks[0] * bpc : (chunks[-1] + 1) * bpc]
+        return torch.cat([self._chunk(ids, i) for i in chunks])
 
     def _check_open(self) -> float:
         """The call's start time; a call after close() is a caller bug."""

@@ -41,6 +41,13 @@ class Reaper:
             self._inflight.append((job, entry, kind))
         self._wake.set()
 
+    def track_many(self, items) -> None:
+        """`track` for each (job, entry, kind) of `items`, in order: one lock, one wake-up (the
+        jobs of one engine call)."""
+        with self._lock:
+            self._inflight.extend(items)
+        self._wake.set()
+
     def jobs(self) -> list:
         with self._lock:
             return [job for job, _, _ in self._inflight]
