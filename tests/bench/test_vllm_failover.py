@@ -22,14 +22,14 @@ def _ctx():
 
 @pytest.mark.parametrize("order", ["LBHNC", "BLHNC"])
 def test_a_redis_killed_mid_load_turns_into_recompute_with_the_same_token(order):
-    from kvtier.bench.suites.vllm import TINY
+    from kvtier.bench.suites.vllm import TINY, Replay
     from kvtier.bench.suites.vllm_failover import killed_row
     from kvtier.bench.suites.vllm_rows import Forward
 
     shape = TINY | {"dtype": torch.float32}  # fp32: the logits are compared too
     ctx = _ctx()
     fwd = Forward(ctx, shape)
-    rows = list(killed_row(ctx, fwd, order, shape, 128))  # 8 blocks: two chunks of 4
+    rows = list(killed_row(ctx, fwd, Replay, order, shape, 128))  # 8 blocks: two chunks of 4
     assert len(rows) == 1, ctx.skipped
     row = rows[0]
     p = row.params

@@ -354,7 +354,7 @@ def vllm(ctx: Context):
             finally:
                 r.close()
             if fwd is not None and tokens == token_counts[0]:
-                yield from killed_row(ctx, fwd, order, shape, tokens)
+                yield from killed_row(ctx, fwd, Replay, order, shape, tokens)
             if ctx.on_gpu:
                 torch.cuda.empty_cache()
     del fwd

@@ -51,10 +51,9 @@ class KillAfter:
         return getattr(self.tier, name)
 
 
-def killed_row(ctx: Context, fwd, order: str, shape: dict, tokens: int):
-    """Yield the redis_killed_mid_load row of `order` (or its skip)."""
+def killed_row(ctx: Context, fwd, replay, order: str, shape: dict, tokens: int):
+    """Yield the redis_killed_mid_load row of `order` (or its skip); replay: `vllm.Replay`."""
     from kvtier.bench.suites.store_rig import redis_process
-    from kvtier.bench.suites.vllm import Replay
     from kvtier.bench.suites.vllm_rows import GraphedTail, PagedPrefix
     from kvtier.store.redis_tier import RedisTier
 
@@ -68,7 +67,7 @@ def killed_row(ctx: Context, fwd, order: str, shape: dict, tokens: int):
         redis = RedisTier(url=url, timeout_s=1.0)
         stack.callback(redis.close)
         killer = KillAfter(redis, proc, 1 << 62)  # armed below, once the save is in
-        r = Replay(ctx, order, shape, tokens, tiers=[killer])
+        r = replay(ctx, order, shape, tokens, tiers=[killer])
         stack.callback(r.close)
         if ctx.on_progress:
             ctx.on_progress(f"vllm/{case}")
