@@ -68,3 +68,15 @@ def test_kill_after_kills_at_the_read_it_was_told():
     k.get_into(b"c", None)
     k.get_into(b"d", None)
     assert proc.killed == 1 and tier.reads == 4 and k.name == "t"
+
+
+def test_kill_after_is_a_tier_by_its_class():
+    """isinstance() of the Tier protocol looks at the class on Python 3.12 (not __getattr__)."""
+    import inspect
+
+    from kvtier.bench.suites.vllm_failover import KillAfter
+    from kvtier.store.tier import Tier
+
+    wanted = [n for n, v in vars(Tier).items() if inspect.isfunction(v) and not n.startswith("_")]
+    missing = [n for n in wanted if n not in vars(KillAfter)]
+    assert not missing, missing

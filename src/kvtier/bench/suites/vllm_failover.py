@@ -47,6 +47,26 @@ class KillAfter:
             self.proc.wait()  # dead before this read starts: no read after it reaches a live server
         return self.tier.get_into(key, dest)
 
+    # The rest of the `Tier` protocol, spelled out: isinstance() of a protocol (Python 3.12) looks
+    # the methods up on the class, not through __getattr__.
+    def put(self, key, header, payload):
+        return self.tier.put(key, header, payload)
+
+    def get(self, key):
+        return self.tier.get(key)
+
+    def contains(self, key):
+        return self.tier.contains(key)
+
+    def delete(self, key):
+        return self.tier.delete(key)
+
+    def stats(self):
+        return self.tier.stats()
+
+    def close(self) -> None:
+        pass  # the wrapped tier is closed by whoever made it (killed_row's stack)
+
     def __getattr__(self, name):
         return getattr(self.tier, name)
 
