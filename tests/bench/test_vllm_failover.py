@@ -80,3 +80,13 @@ def test_kill_after_is_a_tier_by_its_class():
     wanted = [n for n, v in vars(Tier).items() if inspect.isfunction(v) and not n.startswith("_")]
     missing = [n for n in wanted if n not in vars(KillAfter)]
     assert not missing, missing
+
+
+def test_the_orders_asked_by_the_environment():
+    from kvtier.bench.suites.vllm import orders_asked
+    from kvtier.layout import VLLM_ORDERS
+
+    assert orders_asked(None) == orders_asked("") == VLLM_ORDERS
+    assert orders_asked("lbhnc, BLHNC") == ("LBHNC", "BLHNC")
+    with pytest.raises(ValueError, match="KVTIER_VLLM_ORDERS"):
+        orders_asked("LBHNC,XYZ")

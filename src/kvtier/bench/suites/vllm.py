@@ -27,12 +27,15 @@ head_size 128, bf16, 16-token blocks; 8K and 32K tokens, 32 and 128 chunks of 16
   what did not arrive, the first token checked against recomputing the prompt
   (`vllm_failover.py`; skipped without redis-server and redis-py).
 
+$KVTIER_VLLM_ORDERS (comma-separated, e.g. "LBHNC,BLHNC") measures only those orders.
+
 On a CPU (`--quick`): a tiny shape on `SimDevice` (the forward rows: a tiny Llama of that KV
 shape), timed on the host clock; the batched copy is skipped.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 
@@ -325,7 +328,7 @@ def vllm(ctx: Context):
     else:
         shape, token_counts = TINY, (128,)
     fwd = _forward(ctx, shape)
-    for order in layout.VLLM_ORDERS:
+    for order in orders_asked(os.environ.get("KVTIER_VLLM_ORDERS")):
         for tokens in token_counts:
             r = Replay(ctx, order, shape, tokens)
             try:
@@ -360,6 +363,19 @@ def vllm(ctx: Context):
     del fwd
     if ctx.on_gpu:
         torch.cuda.empty_cache()  # the model's memory goes back before the next suite
+
+
+def orders_asked(value: str | None) -> tuple[str, ...]:
+    """The layout orders $KVTIER_VLLM_ORDERS names (comma-separated; unset or empty: all six)."""
+    if not value:
+        return layout.VLLM_ORDERS
+    asked = tuple(o.strip().upper() for o in value.split(",") if o.strip())
+    bad = [o for o in asked if o not in layout.VLLM_ORDERS]
+    if bad:
+        raise ValueError(
+            f"KVTIER_VLLM_ORDERS: unknown order(s) {bad}; known: {', '.join(layout.VLLM_ORDERS)}"
+        )
+    return asked
 
 
 def _forward(ctx: Context, shape: dict):
