@@ -87,29 +87,39 @@ def cache_path(model) -> Path:
 
 def model_costs(model, *, refresh: bool = False) -> dict:
     """The costs of `model` here: read from the cache, or measured now (a few forwards) and saved."""
-    path = cache_path(model)
+
+    def said(doc: dict, where: str) -> str:
+        (p0, f0), (p1, f1) = doc["floor_points"][0], doc["floor_points"][-1]
+        return (
+            f"kvtier: measured this model's forward floor ({f0:.1f} ms over {p0} cached tokens, {f1:.1f} "
+            f"over {p1}), a host hit's fixed cost ({doc['hit_fixed_ms']:.1f} ms) and prefill "
+            f"({doc['prefill_tokens']} tokens in {doc['prefill_ms']:.1f} ms) on first use, {where}; "
+            "`kvtier calibrate` measures more"
+        )
+
+    tag = ("kvtier_model_costs", FORMAT)
+    return cached(cache_path(model), tag, machine_and_model(model), lambda: measure(model), said, refresh)
+
+
+def cached(path: Path, tag: tuple[str, int], machine: dict, measure, said, refresh: bool = False) -> dict:
+    """The document at ``path`` when it carries ``tag`` (key, format) and ``machine``; else
+    ``measure()``'s, written there (an unwritable cache only says so) and announced once on
+    stderr with ``said(doc, where)``."""
     if not refresh and path.exists():
         try:
             doc = json.loads(path.read_text())
-            if doc.get("kvtier_model_costs") == FORMAT and doc.get("machine") == machine_and_model(model):
+            if doc.get(tag[0]) == tag[1] and doc.get("machine") == machine:
                 return doc
         except (OSError, json.JSONDecodeError):
             pass  # unreadable: measured again and rewritten
-    doc = measure(model)
+    doc = measure()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(doc, indent=1) + "\n")
         where = f"saved to {path}"
     except OSError as e:
         where = f"not saved ({e})"
-    (p0, f0), (p1, f1) = doc["floor_points"][0], doc["floor_points"][-1]
-    print(
-        f"kvtier: measured this model's forward floor ({f0:.1f} ms over {p0} cached tokens, {f1:.1f} "
-        f"over {p1}), a host hit's fixed cost ({doc['hit_fixed_ms']:.1f} ms) and prefill "
-        f"({doc['prefill_tokens']} tokens in {doc['prefill_ms']:.1f} ms) on first use, {where}; "
-        "`kvtier calibrate` measures more",
-        file=sys.stderr,
-    )
+    print(said(doc, where), file=sys.stderr)
     return doc
 
 

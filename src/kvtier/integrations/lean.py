@@ -316,25 +316,32 @@ class Pieces:
             o.compute.record("lean-logits").synchronize()  # a CPU device runs the steps on its own thread
         return out[0]
 
-    @torch.no_grad()
     def capture(self) -> None:
-        """Capture every step as a CUDA graph (one memory pool, replayed in capture order)."""
+        """Capture every step as a CUDA graph (`capture_steps`)."""
         # The eager hit that built these pieces has run: its loads landed, its blocks are still
-        # held by its cache, so the warm-up below reads the right bytes and races no load.
-        torch.cuda.synchronize()
-        side = torch.cuda.Stream()
-        with torch.cuda.stream(side):  # warm-up on a side stream before capture, as torch asks
-            for step in self.steps:
-                step()
-        torch.cuda.synchronize()  # the warm-up is done before its buffers are captured over
-        pool, graphs = torch.cuda.graph_pool_handle(), []
-        for step in self.steps:
-            g = torch.cuda.CUDAGraph()
-            # thread_local: the store's threads (a reader, the reaper) keep calling CUDA meanwhile.
-            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
-                step()
-            graphs.append(g)
-        self.graphs = graphs
+        # held by its cache, so the warm-up reads the right bytes and races no load.
+        self.graphs = capture_steps(self.steps)
+
+
+@torch.no_grad()
+def capture_steps(steps) -> list:
+    """One CUDA graph per step of ``steps`` (callables), in one memory pool, to be replayed in
+    the same order; each step runs once first, as a warm-up on a side stream, as torch asks."""
+    torch.cuda.synchronize()  # what ran before (an eager hit, its loads) is done before the warm-up
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # the warm-up reads inputs written on the caller's stream
+    with torch.cuda.stream(side):
+        for step in steps:
+            step()
+    torch.cuda.synchronize()  # the warm-up is done before its buffers are captured over
+    pool, graphs = torch.cuda.graph_pool_handle(), []
+    for step in steps:
+        g = torch.cuda.CUDAGraph()
+        # thread_local: the store's threads (a reader, the reaper) keep calling CUDA meanwhile.
+        with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+            step()
+        graphs.append(g)
+    return graphs
 
 
 class FrontGraph:

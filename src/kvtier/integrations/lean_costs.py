@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sys
 import time
 
 import torch
@@ -40,27 +39,15 @@ def cache_path(runner):
 
 def lean_costs(runner, *, refresh: bool = False) -> dict:
     """The costs of ``runner`` (a `LeanRunner`) here: read from the cache, or measured now and saved."""
-    path = cache_path(runner)
-    if not refresh and path.exists():
-        try:
-            doc = json.loads(path.read_text())
-            if doc.get("kvtier_lean_costs") == FORMAT and doc.get("machine") == _machine(runner):
-                return doc
-        except (OSError, json.JSONDecodeError):
-            pass  # unreadable: measured again and rewritten
-    doc = measure(runner)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=1) + "\n")
-        where = f"saved to {path}"
-    except OSError as e:
-        where = f"not saved ({e})"
-    print(
-        f"kvtier: measured the lean runner's hit ({doc['hit_ms']:.1f} ms over {doc['prefix_tokens']} cached "
-        f"tokens + {doc['new_tokens']} new) on first use, {where}",
-        file=sys.stderr,
-    )
-    return doc
+
+    def said(doc: dict, where: str) -> str:
+        return (
+            f"kvtier: measured the lean runner's hit ({doc['hit_ms']:.1f} ms over {doc['prefix_tokens']} "
+            f"cached tokens + {doc['new_tokens']} new) on first use, {where}"
+        )
+
+    tag = ("kvtier_lean_costs", FORMAT)
+    return hf_costs.cached(cache_path(runner), tag, _machine(runner), lambda: measure(runner), said, refresh)
 
 
 def measure(runner) -> dict:

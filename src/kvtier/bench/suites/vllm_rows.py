@@ -115,27 +115,12 @@ class GraphedTail:
         self._step(self.layers + 1)
         return self.out.clone()  # the next hit's replay rewrites self.out
 
-    @torch.no_grad()
     def capture(self) -> None:
-        """Capture every step as a CUDA graph (one memory pool, replayed in capture order)."""
+        """Capture every step as a CUDA graph (`lean.capture_steps`)."""
+        from kvtier.integrations.lean import capture_steps
+
         # The eager hit before has run and its loads landed: the warm-up reads settled blocks.
-        torch.cuda.synchronize()
-        side = torch.cuda.Stream()
-        side.wait_stream(
-            torch.cuda.current_stream()
-        )  # the warm-up reads inputs written on the caller's stream
-        with torch.cuda.stream(side):  # warm-up on a side stream before capture, as torch asks
-            for step in self.steps:
-                step()
-        torch.cuda.synchronize()  # the warm-up is done before its buffers are captured over
-        pool, graphs = torch.cuda.graph_pool_handle(), []
-        for step in self.steps:
-            g = torch.cuda.CUDAGraph()
-            # thread_local: the store's threads (the reaper, the writer) keep calling CUDA meanwhile.
-            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
-                step()
-            graphs.append(g)
-        self.graphs = graphs
+        self.graphs = capture_steps(self.steps)
 
 
 class Forward:
