@@ -295,6 +295,20 @@ def test_stats_and_prometheus_export(rig):
     assert 'kvtier_store_call_seconds_count{op="load"} 1.0' in text
 
 
+def test_host_occupancy_is_read_when_scraped(rig):
+    """The host tier's occupancy gauges are read at scrape time (not set on every change): a
+    scrape right after a save, with no stats() call between, sees its chunks."""
+    a = toks(14, 3 * CT)
+    before = rig.store.metrics.text().decode()
+    assert 'kvtier_tier_entries{tier="host"} 0.0' in before
+    rig.store.save(a, range(6), after=rig.write(a, range(6))).wait(5)
+    text = rig.store.metrics.text().decode()
+    assert 'kvtier_tier_entries{tier="host"} 3.0' in text
+    assert 'kvtier_tier_used_bytes{tier="host"} 3072.0' in text
+    assert rig.store.stats()["host"]["entries"] == 3 and rig.store.evict() == 3
+    assert 'kvtier_tier_entries{tier="host"} 0.0' in rig.store.metrics.text().decode()
+
+
 def test_bad_arguments_raise_value_errors_naming_them(rig):
     a = toks(13, 2 * CT)
     with pytest.raises(ValueError, match="block_ids"):

@@ -67,7 +67,7 @@ class HostTier:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # an entry became ready or went away
         self._entries: dict[bytes, HostEntry] = {}
-        self._publish()
+        self._m.live_occupancy(self._occupancy)
 
     # -- filling -----------------------------------------------------------------------------
 
@@ -89,7 +89,6 @@ class HostTier:
             entry = HostEntry(key, span, dirty=dirty)
             self._entries[key] = entry
             gone = [self._entries.pop(v) for v in victims]
-            self._publish()
         self._dispose(gone)
         return entry, "reserved"
 
@@ -105,7 +104,6 @@ class HostTier:
             self._m.stored(entry.span, 0.0)
             self._changed.notify_all()
             gone = None if keep_pin else self._unpin_locked(entry)
-            self._publish()
         if gone is not None:
             self._release(gone.slot)  # deleted while it filled: the fill has landed, nobody reads it
 
@@ -116,7 +114,6 @@ class HostTier:
             gone = self._drop_locked(entry) if not self._policy.is_pinned(entry.key) else None
             entry.doomed = gone is None  # a concurrent pin (cannot happen while pending) drops it later
             self._changed.notify_all()
-            self._publish()
         if gone is not None and gone.slot is not None:
             self._release(gone.slot)  # retired by the engine: freed once no copy touches it
 
@@ -134,7 +131,6 @@ class HostTier:
                     self._policy.touch(key)
                     self._policy.pin(key)  # the caller's transfer reads the slot until unpin
                     self._m.hit(entry.span, 0.0)
-                    self._publish()
                     return entry
                 left = deadline - time.monotonic()
                 if entry is None or entry.doomed or left <= 0:
@@ -157,7 +153,6 @@ class HostTier:
             if self._entries.get(entry.key) is not entry or not entry.ready or entry.doomed:
                 return False
             self._policy.pin(entry.key)
-            self._publish()
             return True
 
     def hold(self, key: bytes) -> HostEntry | None:
@@ -168,7 +163,6 @@ class HostTier:
             if entry is None or entry.doomed:
                 return None
             self._policy.pin(key)
-            self._publish()
             return entry
 
     def add_pin(self, entry: HostEntry) -> None:
@@ -179,7 +173,6 @@ class HostTier:
     def unpin(self, entry: HostEntry) -> None:
         with self._lock:
             gone = self._unpin_locked(entry)
-            self._publish()
         if gone is not None and gone.slot is not None:
             self._release(gone.slot)  # last pin of a deleted entry: no transfer uses it now
 
@@ -204,7 +197,6 @@ class HostTier:
                 return False
             gone = None if self._policy.is_pinned(key) else self._drop_locked(entry)
             entry.doomed = gone is None
-            self._publish()
         if gone is not None and gone.slot is not None:
             self._release(gone.slot)  # unpinned: no transfer or push uses the slot
         return True
@@ -218,7 +210,6 @@ class HostTier:
                 e = self._entries.get(key)
                 if e is not None and e.ready and not self._policy.is_pinned(key):
                     gone.append(self._drop_locked(e))
-            self._publish()
         self._dispose(gone)
         return len(gone)
 
@@ -232,7 +223,6 @@ class HostTier:
                 if freed < nbytes and e.ready and not e.dirty and not self._policy.is_pinned(key):
                     gone.append(self._drop_locked(e))
                     freed += e.span
-            self._publish()
         self._dispose(gone)
         return bool(gone)
 
@@ -245,7 +235,6 @@ class HostTier:
                 while self._policy.is_pinned(e.key):
                     self._policy.unpin(e.key)  # close: the store waited for every transfer first
                 self._policy.remove(e.key)
-            self._publish()
             return out
 
     def entries(self) -> list[HostEntry]:
@@ -254,7 +243,6 @@ class HostTier:
 
     def stats(self) -> dict[str, int | float]:
         with self._lock:
-            self._publish()
             pending = sum(not e.ready for e in self._entries.values())
             dirty = sum(e.dirty for e in self._entries.values())
         out = self._m.snapshot()
@@ -285,6 +273,8 @@ class HostTier:
             else:
                 self._release(e.slot)  # unpinned and READY: no transfer reads or writes it
 
-    def _publish(self) -> None:
+    def _occupancy(self) -> tuple[int, int, int, int]:
+        """(used, capacity, entries, pinned bytes), read at scrape time without the lock: each a
+        single read of a number the lock holders keep up to date."""
         p = self._policy
-        self._m.occupancy(p.used_bytes, p.capacity_bytes, len(p), p.pinned_bytes)
+        return p.used_bytes, p.capacity_bytes, len(p), p.pinned_bytes

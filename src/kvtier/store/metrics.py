@@ -81,6 +81,9 @@ class StoreMetrics:
         start_http_server(port, addr=addr, registry=self.registry)
 
 
+OCCUPANCY = ("used", "capacity", "entries", "pinned")  # the gauge families, in `occupancy`'s order
+
+
 @dataclass(slots=True)
 class TierMetrics:
     """Records one tier's events into plain counters (``snapshot``) and the Prometheus families."""
@@ -91,6 +94,7 @@ class TierMetrics:
     _gauges: dict = field(default_factory=dict, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     _children: dict = field(default_factory=dict, init=False, repr=False)
+    _read: object = field(default=None, init=False, repr=False)  # live occupancy: () -> 4 numbers
 
     def _c(self, family: str, *labels: str):
         """The labelled child of a family, looked up once (``labels()`` validates on every call:
@@ -164,6 +168,14 @@ class TierMetrics:
         self._c("entries", self.name).set(entries)
         self._c("pinned", self.name).set(pinned)
 
+    def live_occupancy(self, read) -> None:
+        """The occupancy gauges read ``read()`` -> (used, capacity, entries, pinned) when scraped
+        or snapshotted, instead of being set on every change (a tier on the hot path changed them
+        several times per chunk)."""
+        self._read = read
+        for i, gauge in enumerate(OCCUPANCY):
+            self._c(gauge, self.name).set_function(lambda i=i: read()[i])
+
     def snapshot(self) -> dict[str, int | float]:
         """All counters (zeros included, so callers can rely on the keys) and the last gauges."""
         base: dict[str, int | float] = dict.fromkeys(
@@ -184,4 +196,7 @@ class TierMetrics:
         with self._lock:
             base.update(self._counts)
             base.update(self._gauges)
+        if self._read is not None:
+            names = ("used_bytes", "capacity_bytes", "entries", "pinned_bytes")
+            base.update(zip(names, self._read(), strict=True))
         return base
