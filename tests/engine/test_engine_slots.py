@@ -37,6 +37,14 @@ def rig(kv, slots=8, nbytes=None, **delays):
     return dev, pool, eng
 
 
+def finish(eng, pool, slots=()):
+    """Give the slots back and close the engine: every pool byte is free then."""
+    for s in slots:
+        eng.release(s)
+    eng.close()
+    assert pool.stats().used == 0
+
+
 def round_trip(kv, eng, path, src_groups, dst, ntok):
     """save_slots of `src_groups` (the last may be partial: ntok tokens in all) into poisoned
     slots, each slot checked against the reference; load_slots of them into poisoned `dst`,
@@ -87,10 +95,7 @@ def test_batch_round_trip_in_every_vllm_order(order, shape, mla):
         # spread ids, the last block partial
         slots = round_trip(kv, eng, "batch", [[9], [1, 16]], [0, 18, 5], 2 * N + 1)
         assert counted.calls == 4
-        for s in slots:
-            eng.release(s)
-        eng.close()
-        assert pool.stats().used == 0
+        finish(eng, pool, slots)
     finally:
         dev.close()
 
@@ -102,10 +107,7 @@ def test_every_path_round_trips_several_slots(fmt, path):
     dev, pool, eng = rig(kv, copy_delay=0.002, launch_delay=(0.0, 0.002))
     try:
         slots = round_trip(kv, eng, path, [[7, 1, 4], [2], [9, 3]], [0, 11, 5, 13, 20, 21], 5 * 4 + 3)
-        for s in slots:
-            eng.release(s)
-        eng.close()
-        assert pool.stats().used == 0
+        finish(eng, pool, slots)
     finally:
         dev.close()
 
@@ -181,10 +183,7 @@ def test_refused_arguments_submit_nothing():
             eng2.close()
         finally:
             no_batch.close()
-        for s in slots:
-            eng.release(s)
-        eng.close()
-        assert pool.stats().used == 0
+        finish(eng, pool, slots)
     finally:
         dev.close()
 
@@ -202,10 +201,7 @@ def test_save_slots_saves_what_the_pool_has_room_for():
         assert bits_equal(got, want)  # whole blocks: the partial last one was not in the part saved
         with pytest.raises(PoolExhausted):
             eng.save_slots([7, 8], [2], after=None)  # not even one slot: nothing submitted
-        for j in saves:
-            eng.release(j.slot)
-        eng.close()
-        assert pool.stats().used == 0
+        finish(eng, pool, [j.slot for j in saves])
     finally:
         dev.close()
 
@@ -236,10 +232,7 @@ def test_a_failed_save_slots_gives_every_slot_back(path):
         del eng.mover.save_slots
         saves = eng.save_slots([1, 2, 3, 4, 5, 6], [2, 2, 2], after=None, path=path)  # works again
         assert all(j.wait(5) for j in saves)
-        for j in saves:
-            eng.release(j.slot)
-        eng.close()
-        assert pool.stats().used == 0
+        finish(eng, pool, [j.slot for j in saves])
     finally:
         dev.close()
 
