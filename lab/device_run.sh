@@ -21,6 +21,9 @@
 #   noisy: ($GPU_TESTS) suite submit_overhead beside lab/host_load.py workers, for each count
 #       in $NOISY_PROCS (default "0 8 14"; kind $NOISY_KIND, default copy, or count:kind items such as
 #       "15:spin 14:copy"): P6 on a host made slow on purpose; writes noisy<count><kind>.json and noisy.log
+#   vllm: ($GPU_TESTS) `kvtier bench --suite vllm $VLLM_ARGS` (the connector's replay harness, #28) into
+#       $out/vllm.json and vllm.bench.log; KVTIER_VLLM_ORDERS limits the orders; the Redis row needs a
+#       redis-server on PATH and redis-py importable (carried: see lab/RUNS.md)
 #   multi: (2+ GPUs) handoff/probe GPU tests, memcheck/racecheck of a handoff, probe --all-gpus,
 #          suites handoff + contention, `kvtier path` with the measured sharing
 # The probe scripts of earlier modes (p6, states, calls, cold, ab, events-ab, lean, ttft-probe,
@@ -30,7 +33,7 @@ mode=${1:-full}
 shift || true
 out=${OUT:-out}
 mkdir -p "$out"
-export PYTHONPATH=src:. PYTHONUNBUFFERED=1
+export PYTHONPATH=src:.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # carried wheels' folder kept
 # a tree copied to a GPU box has no .git: pass the commit in: KVTIER_COMMIT=<sha> bash lab/device_run.sh
 export KVTIER_COMMIT=${KVTIER_COMMIT:-$(git rev-parse HEAD 2>/dev/null)}
 py=${PYTHON:-python3}
@@ -133,6 +136,15 @@ if [ "$mode" = planner ]; then
     timeout ${BENCH_TIMEOUT:-250} $py -m kvtier bench --out "$tmp" --suite ttft 2>&1 | tee "$out/$side.bench.log" | tail -50
     cp "$tmp"/*.json "$out/$side.json" 2>/dev/null
   done
+  exit 0
+fi
+if [ "$mode" = vllm ]; then
+  gpu_tests
+  echo "== bench vllm ${VLLM_ARGS:-}"
+  tmp=$(mktemp -d)  # the plot stays there: the device tool returns 8 files at most
+  timeout ${BENCH_TIMEOUT:-480} $py -m kvtier bench --out "$tmp" --suite vllm ${VLLM_ARGS:-} 2>&1 \
+    | tee "$out/vllm.bench.log" | tail -70
+  cp "$tmp"/*.json "$out/vllm.json" 2>/dev/null
   exit 0
 fi
 if [ "$mode" = verdict ]; then

@@ -58,11 +58,13 @@ def round_trip(kv, eng, path, src_groups, dst, ntok):
     at = 0
     for j, c in zip(saves, counts, strict=True):
         assert eng.slots.state(j.slot) is SlotState.READY and list(j.ids) == src[at : at + c]
-        assert bits_equal(j.slot.view(kv.dtype, kv.chunk_shape(c)), want[at : at + c])
+        assert bits_equal(j.slot.view(kv.dtype, kv.chunk_shape(c)).to(want.device), want[at : at + c])
         at += c
     poison_blocks_(kv, dst)  # a block the load missed keeps poison bits
     keep = [b for b in range(kv.num_blocks) if b not in dst]
     before, last_before = gather_ref(kv, keep), gather_ref(kv, dst[-1:])
+    if kv.device.type == "cuda":
+        torch.cuda.synchronize()  # the poison and the snapshots (compute stream) land before the load writes
     slots = [j.slot for j in saves]
     loads = eng.load_slots(slots, dst, num_tokens=ntok, path=path)
     assert len(loads) == len(slots) and all(j.event is loads[0].event and j.path == path for j in loads)
