@@ -35,7 +35,7 @@ def test_a_redis_killed_mid_load_turns_into_recompute_with_the_same_token(order)
     p = row.params
     assert p["chunks"] >= 2 and 0 < p["chunks_loaded"] < p["chunks"]
     assert p["error_blocks"] == p["expected_error_blocks"] > 0
-    assert p["loaded_blocks_exact"] and p["first_token"] == p["recompute_token"]
+    assert p["loaded_blocks_exact"] and p["first_token"] == p["healthy_token"] == p["recompute_token"]
     assert p["logits_max_abs_diff"] < 1e-3 and p["load_errors"] == 0  # a miss, not an exception
     assert row.correct is True
 

@@ -46,14 +46,15 @@ NEW, FORWARD = 64, 2048  # CPU: 16 and 256
 class PagedPrefix:
     """A hit's prefix as vLLM's attention reads it: per layer, that layer's K and V of the
     request's first `blocks` blocks (default: all of them) gathered from the 4-D view vLLM hands
-    the connector."""
+    the connector; saved=True reads the blocks the KV was saved from (`r.src`) instead of those it
+    was loaded into (`r.dst`)."""
 
-    def __init__(self, r, blocks: int | None = None):
+    def __init__(self, r, blocks: int | None = None, *, saved: bool = False):
         self.r = r
         blocks = r.blocks if blocks is None else blocks
         self.hit_tokens = blocks * r.kv.block_size
         # Made once, before any timed run: a device tensor made from a list waits for the stream.
-        self.ids = torch.tensor(r.dst[:blocks], device=r.ctx.device)
+        self.ids = torch.tensor((r.src if saved else r.dst)[:blocks], device=r.ctx.device)
 
     def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V of the request's blocks, queued on the current stream."""
