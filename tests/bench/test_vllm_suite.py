@@ -72,3 +72,21 @@ def test_vllm_quick_forward_beside_save_per_order(rows):
         assert p["forward_ms_alone"] > 0 and p["forward_ms_beside"] > 0 and p["save_gbps_beside"] > 0
         assert p["slowdown_pct"] == pytest.approx((p["forward_ms_beside"] / p["forward_ms_alone"] - 1) * 100)
         assert 0 <= p["overlap_pct"] <= 100
+
+
+def test_vllm_quick_loads_layer_major_by_default_and_whole_beside(rows):
+    """The default rows load on the layer-major path (a true event per layer); load_whole and
+    ttft_hit_whole run the same request with layerwise: false, on the whole-job DMA paths."""
+    from kvtier.layout import VLLM_ORDERS
+
+    for kind in ("load", "ttft_hit"):
+        assert {x["params"]["load_path"] for x in rows if _kind(x) == kind} == {"kernel"}
+    for kind in ("load_whole", "ttft_hit_whole"):
+        whole = [x for x in rows if _kind(x) == kind]
+        assert sorted(x["params"]["order"] for x in whole) == sorted(VLLM_ORDERS)
+        for x in whole:
+            assert x["correct"] is True and x["params"]["layerwise"] is False, x["case"]
+            assert x["params"]["load_path"] in ("staged", "batch"), x["case"]
+    for x in rows:
+        if _kind(x).startswith("ttft_hit"):
+            assert 0 < x["params"]["tail_ms"], x["case"]

@@ -23,13 +23,15 @@ BUDGET = DELAY / 4  # far below one copy's delay: no hook waited for a copy
 
 
 class Rig:
-    def __init__(self):
+    def __init__(self, **settings):
         self.dev = SimDevice(copy_delay=DELAY)
         buf = torch.randn(LAYERS, 2 * CHUNKS, HEADS, BLOCK, 2 * HEAD).to(torch.bfloat16)  # LBHNC
         self.cache = buf
         self.names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
         per_chunk = LAYERS * 2 * HEADS * BLOCK * HEAD * 2
-        s = VllmSettings(chunk_tokens=BLOCK, host_bytes=4 * CHUNKS * per_chunk, staging_bytes=1 << 20)
+        s = VllmSettings(
+            chunk_tokens=BLOCK, host_bytes=4 * CHUNKS * per_chunk, staging_bytes=1 << 20, **settings
+        )
         self.ws = WorkerSide(s, "host-time", order="LBHNC", block_size=BLOCK, tiers=[], device=self.dev)
         self.ws.register({n: buf[i] for i, n in enumerate(self.names)})
         self.ids = [i.to_bytes(32, "little") for i in range(CHUNKS)]

@@ -23,8 +23,12 @@ head_size 128, bf16, 16-token blocks; 8K and 32K tokens, 32 and 128 chunks of 16
   or of every layer in a B-first order), with `submit_us` its CPU time to submit.
 - ttft_hit / ttft_recompute / forward_beside_save: the hooks beside a Llama forward
   (`vllm_rows.py`).
+- The save, load and ttft_hit rows run the connector's default settings (`layerwise: true`: loads
+  on the engine's layer-major path, a true event per layer); load_whole / ttft_hit_whole run the
+  same request with `layerwise: false` (whole-job DMA loads: staged, or batch in a B-first order,
+  one wait before the forward). Param `load_path`: the path the loads took.
 - redis_killed_mid_load: a Redis tier killed in the middle of a load, then vLLM's recompute of
-  what did not arrive, the first token checked against recomputing the prompt
+  what did not arrive, checked against a healthy hit of the same length
   (`vllm_failover.py`; skipped without redis-server and redis-py).
 
 $KVTIER_VLLM_ORDERS (comma-separated, e.g. "LBHNC,BLHNC") measures only those orders.
@@ -53,9 +57,10 @@ HOST_SLACK_CHUNKS = 4  # host pool room past one request's chunks: a timed save 
 
 class Replay:
     """One worker over a vLLM 0.33 cache in `order`, holding `blocks` blocks (two requests);
-    tiers: its store's lower tiers (default none: the host alone)."""
+    tiers: its store's lower tiers (default none: the host alone); layerwise: the connector's
+    setting (True, its default: layer-major loads; False: whole-job DMA loads)."""
 
-    def __init__(self, ctx: Context, order: str, shape: dict, tokens: int, tiers=()):
+    def __init__(self, ctx: Context, order: str, shape: dict, tokens: int, tiers=(), layerwise: bool = True):
         from kvtier.integrations.vllm.settings import VllmSettings
         from kvtier.integrations.vllm.worker import WorkerSide
 
@@ -80,6 +85,7 @@ class Replay:
             # keeps an eighth of the pool as headroom (`StoreConfig.host_capacity`)
             host_bytes=(self.chunks + HOST_SLACK_CHUNKS) * per_chunk * 8 // 7 + (64 << 20),
             staging_bytes=min(256 << 20, max(2 * per_chunk, 1 << 20)),
+            layerwise=layerwise,
         )
         dev = None
         if not ctx.on_gpu:
@@ -210,7 +216,7 @@ def _save_rows(ctx: Context, r: Replay, label: str, params: dict):
     )
 
 
-def _load_rows(ctx: Context, r: Replay, label: str, params: dict):
+def _load_rows(ctx: Context, r: Replay, label: str, params: dict, name: str = "load"):
     ceiling = "h2d_pinned" if ctx.on_gpu else "host_memcpy"
     r.step(r.meta(save=True))  # the chunks the loads read, held by the host tier
     r.settle_saves()  # a load must not read a slot its save is still filling
@@ -229,11 +235,11 @@ def _load_rows(ctx: Context, r: Replay, label: str, params: dict):
     ok = r.exact()
     waits = r.ring_waits(), r.counts["save_errors"]
     submit.clear()
-    t = ctx.time(load_step, setup=before, name=f"vllm/load/{label}")
+    t = ctx.time(load_step, setup=before, name=f"vllm/{name}/{label}")
     r.sync()
     ok = ok and r.exact()
     yield ctx.row(
-        f"load {label}",
+        f"{name} {label}",
         r.nbytes,
         t,
         ceiling,
@@ -344,7 +350,7 @@ def vllm(ctx: Context):
                     block_size=shape["N"],
                     dtype="bf16",
                     block_run_bytes=run or 0,
-                    load_path=r.ws.store.engine.load_path(per_layer=True).value,
+                    load_path=_load_path(r),
                     idle_step_us=_idle_us(r),
                 )
                 yield from _save_rows(ctx, r, label, params)
@@ -356,6 +362,7 @@ def vllm(ctx: Context):
                         yield from fwd.beside_save_row(r, label, params)
             finally:
                 r.close()
+            yield from _whole_rows(ctx, fwd, order, shape, tokens, params)
             if fwd is not None and tokens == token_counts[0]:
                 yield from killed_row(ctx, fwd, Replay, order, shape, tokens)
             if ctx.on_gpu:
@@ -363,6 +370,24 @@ def vllm(ctx: Context):
     del fwd
     if ctx.on_gpu:
         torch.cuda.empty_cache()  # the model's memory goes back before the next suite
+
+
+def _load_path(r: Replay) -> str:
+    """The engine path the worker's loads take (its setting, else the engine's whole-job one)."""
+    return r.ws.load_path() or r.ws.store.engine.load_path(per_layer=False).value
+
+
+def _whole_rows(ctx: Context, fwd, order: str, shape: dict, tokens: int, params: dict):
+    """load_whole / ttft_hit_whole: the same request with ``layerwise: false`` (whole-job DMA
+    loads, one wait before the forward), beside the default's layer-major rows."""
+    r = Replay(ctx, order, shape, tokens, layerwise=False)
+    try:
+        label, p = f"{order} {tokens} tokens", params | {"load_path": _load_path(r), "layerwise": False}
+        yield from _load_rows(ctx, r, label, p, name="load_whole")
+        if fwd is not None:
+            yield from fwd.hit_row(r, label, p, name="ttft_hit_whole")
+    finally:
+        r.close()
 
 
 def orders_asked(value: str | None) -> tuple[str, ...]:

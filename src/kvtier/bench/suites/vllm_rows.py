@@ -21,7 +21,8 @@ shape on the CPU).
 
 TTFT: perf_counter from the first hook to the token on the host, one warm-up and 3 timed runs
 (quick: 2), the device idle before each. Hit params: hit_ms, recompute_ms, recompute_over_hit
-(recompute / hit), new_tokens; `correct`: every run hit every chunk in the host tier and the
+(recompute / hit), tail_ms (the same graphed forward alone, every layer in place: what a
+hit costs past its load), new_tokens; `correct`: every run hit every chunk in the host tier and the
 loaded blocks equal the saved ones bit for bit. The cache holds normal(0, 1) values for these
 rows (random bits would put NaNs into the attention). forward_beside_save: device events on the
 compute stream around each prefill (its own first kernel to its last) and on the save stream
@@ -195,8 +196,9 @@ class Forward:
         p = self.params(n) | {"path": "recompute: LeanRunner prefill of every token"}
         yield self.ctx.row(f"ttft_recompute {n} tokens", self.kv_bytes(n), t, self.link, **p)
 
-    def hit_row(self, r, label: str, params: dict):
-        """The first token of a hit of the request's chunks from the host tier (`r` holds them)."""
+    def hit_row(self, r, label: str, params: dict, name: str = "ttft_hit"):
+        """The first token of a hit of the request's chunks from the host tier (`r` holds them);
+        tail_ms: the same forward alone, every layer already in place (no load)."""
         n = r.blocks * r.kv.block_size
         yield from self.recompute_rows(n)
         r.settle()  # the host drops the earlier rows' chunks: the copies reading them have landed
@@ -218,13 +220,26 @@ class Forward:
                 tail.capture()
             return dt
 
-        t = self._runs(f"vllm/ttft_hit/{label}", once, before=r.sync)  # no run's copies overlap the next
+        t = self._runs(f"vllm/{name}/{label}", once, before=r.sync)  # no run's copies overlap the next
         r.sync()  # the last hit's loads landed before the blocks are compared
-        rec = self.recompute[n]
-        times = dict(hit_ms=t.median_ms, recompute_ms=rec, recompute_over_hit=rec / t.median_ms)
-        p = params | self.params(n) | times | {"path": "hit: the hooks + LeanRunner over the new tokens"}
         ok = all(hits) and r.exact()
-        yield self.ctx.row(f"ttft_hit {label}", r.nbytes, t, self.link, correct=ok, **p)
+        r.ws.finished(set())  # the landed loads settle: the tail alone waits for none
+
+        def alone() -> float:
+            t0 = time.perf_counter()
+            int(tail.logits(ids).argmax())
+            return time.perf_counter() - t0
+
+        tail_t = self._runs(f"vllm/{name}/{label}/tail", alone)
+        rec = self.recompute[n]
+        times = dict(
+            hit_ms=t.median_ms,
+            tail_ms=tail_t.median_ms,
+            recompute_ms=rec,
+            recompute_over_hit=rec / t.median_ms,
+        )
+        p = params | self.params(n) | times | {"path": "hit: the hooks + LeanRunner over the new tokens"}
+        yield self.ctx.row(f"{name} {label}", r.nbytes, t, self.link, correct=ok, **p)
 
     def hit(self, r, ids: torch.Tensor, tail: GraphedTail, load) -> tuple[torch.Tensor, bool]:
         """One engine step of a hit through the worker's hooks in vLLM 0.33's order, `load` its

@@ -26,8 +26,11 @@ class VllmSettings:
     write_policy: "write_through" (each saved chunk pushed down at once) or "write_back".
     model: the identity keys are salted with (None: vLLM's model name and revision).
     salt: a per-tenant secret string mixed into every key. hash_name: kvtier's key hash.
-    layerwise: layer-pipelined loads (``wait_for_layer_load`` waits for one layer); needs
-        vLLM's PIECEWISE CUDA graphs. False: one wait for the whole load before the forward.
+    layerwise: layer-pipelined loads (``wait_for_layer_load`` waits for one layer): they take
+        the engine's layer-major "kernel" path (a UVA kernel per layer over every chunk, on a
+        quarter of the SMs), so attention of layer l starts once l + 1 layers landed; needs vLLM's
+        PIECEWISE CUDA graphs. False: the whole-job DMA paths (staged / batch: no SM but short
+        scatters, closer to the link), one wait for the whole load before the forward.
     prefetch_timeout_s: how long a request waits ("ask again") for a lower tier's read
         before it is scheduled with what the host holds.
     index_entries: chunks the scheduler remembers as held (an LRU, ~100 B each).

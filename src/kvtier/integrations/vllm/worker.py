@@ -7,7 +7,8 @@ Per step, in vLLM's call order (`KVTierMetadata` bound first):
     start_load(meta)           prefetches start; each load: lower-tier reads, then the copies on
                                the copy stream, one event per layer; what no tier delivered is
                                reported as load errors (vLLM recomputes those blocks)
-    wait_layer(name)           compute waits for that layer only (layerwise), no host blocking
+    wait_layer(name)           compute waits for that layer only (layerwise: the loads take the
+                               engine's layer-major path, a true event per layer), no host blocking
     save(meta)                 after the forward: each new full chunk saved from its blocks, the
                                copy waiting for the compute stream's event; blocks held (the
                                request's free delayed) until the copy's event completed
@@ -156,7 +157,7 @@ class WorkerSide:
         bpc, t0, got = self.store.fmt.blocks, time.perf_counter(), 0
         try:
             self.store.engine.compute_write(run.block_ids, zeroed)  # the copy waits for the zeroing
-            h = self.store.load(run.ids, run.block_ids)
+            h = self.store.load(run.ids, run.block_ids, path=self.load_path())
             got = h.tokens // self.store.fmt.tokens
             self._loads.append((h, run, t0))
             self._counts.update(f"hit_chunks_{t}" for t in h.tiers)
@@ -171,6 +172,15 @@ class WorkerSide:
         if got < len(run.ids):
             self._counts["miss_chunks"] += len(run.ids) - got
             self._errors.update(run.block_ids[got * bpc :])
+
+    def load_path(self) -> str | None:
+        """Layerwise: the engine's layer-major path ("kernel": one launch per layer over every
+        chunk, so layer l's event completes after l + 1 of L layers' bytes, not all of them);
+        else the engine's whole-job path (staged / batch: DMA, closest to the link, every layer's
+        event the job's last). A path the settings name wins."""
+        if self.settings.engine_path != "auto":
+            return self.settings.engine_path
+        return "kernel" if self.settings.layerwise else None
 
     def wait_layer(self, layer_name: str) -> None:
         if not self._loads or not self.settings.layerwise:
