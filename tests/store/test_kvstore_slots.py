@@ -1,7 +1,8 @@
 """KVStore.save / load submit a request's chunks together (issue #28): a save's new chunks in one
 `engine.save_slots`, a load's host hits in one `engine.load_slots` (staged and batch paths), while
 a lower tier's chunk is submitted as soon as the walk holds it, so the next chunk's read overlaps
-its copy. Every loaded byte checked; failures give every pin and slot back."""
+its copy; with the lead on (`kvstore.LEAD_CHUNKS`, the default), a request's first chunks go in a
+submission of their own first. Every loaded byte checked; failures give every pin and slot back."""
 
 import pytest
 import torch
@@ -11,10 +12,17 @@ from kvtier.device import SimDevice
 from kvtier.engine import EngineConfig, TransferEngine
 from kvtier.pool import PinnedPool
 from kvtier.reference import bits_equal, gather_ref, poison_blocks_
-from kvtier.store import KVStore
+from kvtier.store import KVStore, kvstore
 from kvtier.store.throttle import MemoryTier
 
 from test_kvstore import CT, Rig, toks
+
+
+@pytest.fixture(autouse=True)
+def no_lead(request, monkeypatch):
+    """A request's chunks in one submission (the lead off), but where a test asks for the lead."""
+    if "lead" not in request.keywords:
+        monkeypatch.setattr(kvstore, "LEAD_CHUNKS", 1 << 30)
 
 
 class Calls:
@@ -268,3 +276,55 @@ def test_batch_store_round_trip_in_every_vllm_order(order, monkeypatch):
         assert pool.stats().used == 0
     finally:
         dev.close()
+
+
+@pytest.mark.lead
+def test_the_first_chunks_go_first_and_the_rest_in_one_more_call(monkeypatch):
+    """The lead: the first LEAD_CHUNKS chunks' copies start while the host prepares the rest;
+    held chunks count towards it; a request no longer than the lead is one call."""
+    assert kvstore.LEAD_CHUNKS == 4
+    r = Rig()
+    try:
+        a = toks(1, 6 * CT)
+        calls = Calls(monkeypatch, r.eng)
+        h = r.store.save(a, range(12), after=r.write(a, range(12)))
+        assert calls.log == [("save_slots", 4), ("save_slots", 2)] and h.saved == 6 and h.tokens == 6 * CT
+        assert h.wait(5)
+        calls.log.clear()
+        r.poison(range(40, 52))
+        lh = r.store.load(a, range(40, 52))
+        assert calls.log == [("load_slots", 4), ("load_slots", 2)] and lh.tiers == ("host",) * 6
+        assert lh.wait(5) and r.check(a, range(40, 52), 6)
+        calls.log.clear()
+        b = a[: 2 * CT] + toks(2, 3 * CT)  # two held, three new: two of the lead's four are new
+        h = r.store.save(b, range(20, 30), after=r.write(b, range(20, 30)))
+        assert calls.log == [("save_slots", 2), ("save_slots", 1)] and (h.skipped, h.saved) == (2, 3)
+        assert h.wait(5)
+        calls.log.clear()
+        c = toks(3, 4 * CT)
+        assert r.store.save(c, range(30, 38), after=r.write(c, range(30, 38))).wait(5)
+        assert calls.log == [("save_slots", 4)]
+    finally:
+        r.close()
+
+
+@pytest.mark.lead
+def test_a_full_pool_in_the_lead_ends_the_save_there(monkeypatch):
+    r = Rig()
+    try:
+        a = toks(4, 6 * CT)
+        real, left = r.eng.save_slots, [3]
+
+        def short(block_ids, counts, **kw):  # the pool has room for three slots, then none
+            n = min(len(counts), left[0])
+            left[0] -= n
+            return real(block_ids[: sum(counts[:n])], counts[:n], **kw) if n else []
+
+        monkeypatch.setattr(r.eng, "save_slots", short)
+        h = r.store.save(a, range(12), after=r.write(a, range(12)))
+        assert (h.saved, h.failed, h.tokens) == (3, 3, 3 * CT)
+        assert h.wait(5)
+        assert r.store.lookup(a).tokens == 3 * CT  # the three saved chunks, held; nothing leaked
+        assert r.store.stats()["host"]["pinned_bytes"] == 0
+    finally:
+        r.close()
