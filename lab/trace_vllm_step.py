@@ -1,6 +1,11 @@
 """Where the vLLM connector's save and load of a request go: chunk size swept, one step traced.
 
     python -m lab.trace_vllm_step [--tokens 8192] [--orders LBHNC BLHNC] [--chunk-blocks 16 64 512]
+                                  [--leads 4 0] [--rounds 2] [--layerwise] [--no-trace]
+
+--leads: values of `kvtier.store.kvstore.LEAD_CHUNKS` (0: off, a request in one submission), each
+timed in turn, --rounds times (an A/B on one box). --layerwise: the connector's default loads
+(layer-major); without it loads are whole-job (`layerwise: false`), where the lead applies.
 
 For each order and chunk size (blocks per chunk): the worker side (`WorkerSide`, as the connector
 drives it) saves then loads a request of --tokens at the Llama-3-8B KV shape; each timed with
@@ -29,7 +34,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunk-blocks", type=int, nargs="+", default=[16, 64, 512])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="out")
+    ap.add_argument("--leads", type=int, nargs="+", default=[4])
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--layerwise", action="store_true")
+    ap.add_argument("--no-trace", action="store_true")
     a = ap.parse_args(argv)
+    from kvtier.store import kvstore
+
     if not torch.cuda.is_available():
         raise SystemExit("trace_vllm_step: needs a CUDA GPU")
     out = Path(a.out)
@@ -40,18 +51,22 @@ def main(argv: list[str] | None = None) -> None:
     print(f"pinned copy of {nbytes / 2**30:.2f} GiB: D2H {gbps(nbytes, d2h)}, H2D {gbps(nbytes, h2d)}")
     for order in a.orders:
         for cb in a.chunk_blocks:
-            rig = Rig(order, n, cb)
+            rig = Rig(order, n, cb, a.layerwise)
             try:
-                save_ms, save_host = rig.timed("save", a.reps)
-                load_ms, load_host = rig.timed("load", a.reps)
-                ok = rig.exact()
-                print(
-                    f"{order} chunk {cb:4d} blocks: save {gbps(nbytes, save_ms)} ({d2h / save_ms:.1%} of "
-                    f"D2H, hooks {save_host:7.0f} us)  load {gbps(nbytes, load_ms)} ({h2d / load_ms:.1%} of "
-                    f"H2D, hooks {load_host:7.0f} us)  exact {ok}",
-                    flush=True,
-                )
-                if cb == a.chunk_blocks[0]:
+                for _ in range(a.rounds):
+                    for lead in a.leads:
+                        kvstore.LEAD_CHUNKS = lead or 1 << 30
+                        save_ms, save_host = rig.timed("save", a.reps)
+                        load_ms, load_host = rig.timed("load", a.reps)
+                        ok = rig.exact()
+                        print(
+                            f"{order} chunk {cb:4d} blocks lead {lead}: save {gbps(nbytes, save_ms)} "
+                            f"({d2h / save_ms:.1%} of D2H, hooks {save_host:7.0f} us)  load "
+                            f"{gbps(nbytes, load_ms)} ({h2d / load_ms:.1%} of H2D, "
+                            f"hooks {load_host:7.0f} us)  exact {ok}",
+                            flush=True,
+                        )
+                if cb == a.chunk_blocks[0] and not a.no_trace:
                     for kind in ("save", "load"):
                         trace(rig, kind, out / f"vllm-{order}-{kind}.trace.json.gz")
             finally:
@@ -61,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
 class Rig:
     """A worker over a vLLM 0.33 cache in `order` holding two requests of n blocks."""
 
-    def __init__(self, order: str, n: int, chunk_blocks: int):
+    def __init__(self, order: str, n: int, chunk_blocks: int, layerwise: bool = False):
         from kvtier.integrations.vllm.settings import VllmSettings
         from kvtier.integrations.vllm.worker import WorkerSide
 
@@ -78,6 +93,7 @@ class Rig:
             chunk_tokens=chunk_blocks * N,
             host_bytes=2 * chunks * per_chunk + (64 << 20),
             staging_bytes=min(256 << 20, 2 * per_chunk),
+            layerwise=layerwise,
         )
         self.ws = WorkerSide(s, "trace", order=order, block_size=N, tiers=[])
         self.ws.register({name: self.cache[i] for i, name in enumerate(names)})

@@ -10,9 +10,11 @@ Per vLLM 0.33 layout order (LBHNC ... BHLNC) at the Llama-3-8B shape (32 layers,
 head_size 128, bf16, 16-token blocks; 8K and 32K tokens, 32 and 128 chunks of 16 blocks; --quick:
 8K only), rows:
 
-- save: a step whose metadata saves the request's chunks, until the copies completed, vs the
-  same-run pinned D2H ceiling; load: a step that loads them into other blocks (poisoned before
-  each run), vs pinned H2D; the loaded KV checked bit for bit against the saved blocks.
+- save: a step whose metadata saves the request's chunks, from the end of its forward (the
+  point the save waits for: the KV written) until the copies completed, the save's hooks' host
+  time included, vs the same-run pinned D2H ceiling; load: a step that loads them into other
+  blocks (poisoned before each run), vs pinned H2D; the loaded KV checked bit for bit against
+  the saved blocks.
   Params: `submit_us` (host time of the step that starts the save / load: it includes any wait
   of the host, e.g. on the staged graphs' ids ring when a step submits more jobs than it holds),
   `ring_waits` (those waits per step), `save_errors` (chunks per step the host pool could not
@@ -113,26 +115,36 @@ class Replay:
     def step(self, meta) -> float:
         """One step's hooks; returns the host seconds they took (the attention stand-in excluded).
         On the CPU the step ends once the compute stream drained (the host clock times it)."""
-        ws, rid = self.ws, f"r{self._step}"
-        self._step += 1
+        return self.forward(meta) + self.finish(meta)
+
+    def forward(self, meta) -> float:
+        """A step up to the end of its forward: handle_preemptions, bind_connector_metadata,
+        start_load_kv, per layer wait_for_layer_load and the attention stand-in (save_kv_layer:
+        kvtier saves a chunk whole after the forward, a no-op hook). The hooks' host seconds."""
+        ws = self.ws
         t0 = time.perf_counter()
         ws.handle_preemptions(meta)
-        bound = meta  # bind_connector_metadata: the hooks below read it
-        ws.start_load(bound)
+        ws.start_load(meta)  # bind_connector_metadata: the hooks read `meta`
         spent = time.perf_counter() - t0
         for i, name in enumerate(self.names):
             t1 = time.perf_counter()
             ws.wait_layer(name)
             spent += time.perf_counter() - t1
             self._attention(i)
-            # save_kv_layer: kvtier saves a chunk whole after the forward (a no-op hook)
-        t2 = time.perf_counter()
-        ws.save(bound)
+        return spent
+
+    def finish(self, meta) -> float:
+        """The step's hooks after its forward: wait_for_save, get_transfer_results, the load
+        errors, stats and worker metadata. Their host seconds."""
+        ws, rid = self.ws, f"r{self._step}"
+        self._step += 1
+        t0 = time.perf_counter()
+        ws.save(meta)
         ws.finished({rid})  # get_transfer_results
         self.last_errors = ws.load_errors()  # get_block_ids_with_load_errors
         self.counts.update(ws.stats())
         ws.report()  # build_connector_worker_meta
-        spent += time.perf_counter() - t2
+        spent = time.perf_counter() - t0
         if not self.ctx.on_gpu:
             self.dev.current_stream().synchronize()  # the host clock must see the waited copies land
         return spent
@@ -192,17 +204,22 @@ class Replay:
 
 def _save_rows(ctx: Context, r: Replay, label: str, params: dict):
     ceiling = "d2h_pinned" if ctx.on_gpu else "host_memcpy"
-    stream_wait = r.meta(wait_saves=True)
-    submit = []
+    stream_wait, save = r.meta(wait_saves=True), r.meta(save=True)
+    submit, forward = [], []
+
+    def forward_first():
+        r.settle()
+        forward.append(r.forward(save))  # untimed: the clock starts once the forward wrote the KV
 
     def save_step():
-        submit.append(r.step(r.meta(save=True)))
+        spent = forward.pop() if forward else r.forward(save)  # warm-up runs have no setup
+        submit.append(spent + r.finish(save))
         r.ws.handle_preemptions(stream_wait)  # the timer's end event follows the save's copies
         if not ctx.on_gpu:
             r.dev.current_stream().synchronize()  # the host clock: until the copies landed
 
     before = r.ring_waits(), r.counts["save_errors"]
-    t = ctx.time(save_step, setup=r.settle, name=f"vllm/save/{label}")
+    t = ctx.time(save_step, setup=forward_first, name=f"vllm/save/{label}")
     r.settle()
     yield ctx.row(
         f"save {label}",
