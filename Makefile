@@ -20,6 +20,29 @@ ENGINE_DEPS := aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 apache-t
 STAMP   := $(VENV)/.installed
 FAST    := $(VENV)/.fast-built
 
+# The vLLM connector's tests run on Python 3.12 too, in a second venv (issue #28). No CPU build of
+# torch for 3.12 is on this disk or on PyPI, so it takes PyPI's CUDA build, --no-deps, with its
+# pure-Python requirements and only the NVIDIA libraries that libtorch_cuda.so links (`import torch`
+# loads them, even without a GPU): cuSOLVER, NVTX, cuda-bindings and triton are left out; the vLLM
+# tests use none of them on the CPU.
+ifndef PY312
+PY312   := $(shell python3.12 -c 'import sys; print(sys.executable)' 2>/dev/null \
+	     || pyenv prefix 3.12 2>/dev/null | sed 's|$$|/bin/python3.12|')
+endif
+VENV312 ?= .venv-vllm312
+BIN312  := $(VENV312)/bin
+TORCH312 ?= torch==2.14.1
+TORCH312_DEPS := nvidia-cublas==13.1.1.3 nvidia-cuda-cupti==13.0.85 nvidia-cuda-nvrtc==13.0.88 \
+	nvidia-cuda-runtime==13.0.96 nvidia-cudnn-cu13==9.24.0.43 nvidia-cufft==12.0.0.61 \
+	nvidia-cufile==1.15.1.6 nvidia-curand==10.4.0.35 nvidia-cusparse==12.6.3.3 \
+	nvidia-cusparselt-cu13==0.8.1 nvidia-nccl-cu13==2.30.7 nvidia-nvjitlink==13.5.37 \
+	nvidia-nvshmem-cu13==3.4.5 \
+	filelock==4.3.1 fsspec==2026.9.0 jinja2==3.1.6 markupsafe==3.0.4 mpmath==1.3.0 networkx==3.6.1 \
+	setuptools==84.2.1 sympy==1.14.0 typing-extensions==4.16.0
+STAMP312 := $(VENV312)/.installed
+FAST312  := $(VENV312)/.fast-built
+VLLM312  := $(if $(PY312),$(FAST312))
+
 .PHONY: demo test lint fmt clean venv asan
 
 venv: $(STAMP)
@@ -35,6 +58,15 @@ $(STAMP): pyproject.toml setup.py Makefile
 	$(BIN)/pip install -q --no-deps "$(VLLM)" "$(SGLANG)" $(ENGINE_DEPS)
 	touch $(STAMP)
 
+$(STAMP312): pyproject.toml setup.py Makefile
+	$(PY312) -m venv $(VENV312)
+	$(BIN312)/pip install -q --upgrade pip
+	# --no-cache-dir: these wheels are 2.5 GB, which a cache would keep a second time.
+	$(BIN312)/pip install -q --no-cache-dir --no-deps "$(TORCH312)" $(TORCH312_DEPS)
+	$(BIN312)/pip install -q -e ".[dev,hf]"
+	$(BIN312)/pip install -q --no-deps "$(VLLM)" $(ENGINE_DEPS)
+	touch $(STAMP312)
+
 # The submit path's optional C helpers (src/kvtier/_fast.c, see engine/fastpath/fast.py, and
 # src/kvtier/_slab.c, see slab.py), rebuilt when they change; without a C compiler kvtier runs
 # those steps in Python / numpy / ctypes instead.
@@ -43,14 +75,27 @@ $(FAST): src/kvtier/_fast.c src/kvtier/_slab.c setup.py $(STAMP)
 	  || echo "kvtier: C helpers not built (see $(VENV)/fast-build.log); the submit runs without it"
 	touch $(FAST)
 
+$(FAST312): src/kvtier/_fast.c src/kvtier/_slab.c setup.py $(STAMP312)
+	$(BIN312)/python setup.py -q build_ext --inplace > $(VENV312)/fast-build.log 2>&1 \
+	  || echo "kvtier: C helpers not built for 3.12 (see $(VENV312)/fast-build.log)"
+	touch $(FAST312)
+
 demo: $(FAST)
 	$(BIN)/kvtier demo
 
-test: $(FAST)
+test: $(FAST) $(VLLM312)
 	$(BIN)/ruff check src tests lab
 	$(BIN)/ruff format --check src tests lab
 	TRITON_INTERPRET=$${TRITON_INTERPRET-$$($(BIN)/python -c "import torch; print(0 if torch.cuda.is_available() else 1)")} \
 	  $(BIN)/pytest -q $(PYTEST_ARGS)
+	# The vLLM tests again on Python 3.12; the import first, since the tests skip where vLLM does not import.
+ifneq ($(PY312),)
+	VLLM_TARGET_DEVICE=cpu $(BIN312)/python -c "import vllm.distributed.kv_transfer.kv_connector.v1.base"
+	$(BIN312)/pytest -q tests/integrations/vllm
+else
+	@echo "kvtier: no Python 3.12 found (set PY312=/path/to/python3.12): the vLLM tests ran on 3.11 only"
+	@test -z "$$CI"
+endif
 
 # The C helpers' tests with both helpers built under AddressSanitizer + UBSan (gcc), in a scratch
 # folder; the normal builds are put back afterwards.
@@ -74,4 +119,4 @@ fmt: $(STAMP)
 	$(BIN)/ruff check --fix src tests lab
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache src/kvtier/_fast*.so src/kvtier/_slab*.so
+	rm -rf $(VENV) $(VENV312) build *.egg-info src/*.egg-info .pytest_cache .ruff_cache src/kvtier/_fast*.so src/kvtier/_slab*.so
