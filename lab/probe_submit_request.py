@@ -5,19 +5,23 @@ the host tier, timed around the call alone (the copies it starts land later, unt
 
     PYTHONPATH=src:. python lab/probe_submit_request.py [--reps N] [--order LBHNC] [--path staged]
                                                         [--keys vllm|tokens] [--small] [--sim]
+                                                        [--profile]
 
 Medians of N calls, in microseconds per call. On a GPU (unless --sim) the cache is on it and the
 pool pinned; elsewhere a `SimDevice` stands in (its "batch" path emulated), whose copies are
 delayed so none runs while a call is timed. --small keeps every count (layers, blocks, chunks) and
 shrinks the bytes (1 head of 8): the counts are what a submit's host time grows with. The same
 script at an older commit gives the before figure (it uses only long-standing public names, and
-the SimDevice's batch emulation only where asked).
+the SimDevice's batch emulation only where asked). --profile: cProfile over the timed calls
+(saves and loads apart), the functions that took the most time of their own.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import pstats
 import time
 
 import torch
@@ -78,9 +82,10 @@ def median_us(samples: list[float]) -> float:
 
 
 def probe(
-    order: str, heads: int, dim: int, path: str, reps: int, sim: bool, keys: str
+    order: str, heads: int, dim: int, path: str, reps: int, sim: bool, keys: str, profile: bool = False
 ) -> tuple[float, float]:
     dev, pool, eng, store, bpc = build(order, heads, dim, path, sim, keys)
+    prof = {"save": cProfile.Profile(), "load": cProfile.Profile()} if profile else None
     tokens = request(keys)
     src, dst = list(range(CHUNKS * bpc)), list(range(CHUNKS * bpc, 2 * CHUNKS * bpc))
     compute = dev.current_stream()
@@ -91,20 +96,33 @@ def probe(
             store.evict(tokens)  # every chunk new again
             after = compute.record()
             settle()
+            timed = prof is not None and rep >= 2
+            if timed:
+                prof["save"].enable()
             t0 = time.perf_counter()
             h = store.save(tokens, src, after=after)
             t1 = time.perf_counter()
+            if timed:
+                prof["save"].disable()
             assert h.saved == CHUNKS and h.wait(60), "the save did not complete"
             settle()
+            if timed:
+                prof["load"].enable()
             t2 = time.perf_counter()
             lh = store.load(tokens, dst)
             t3 = time.perf_counter()
+            if timed:
+                prof["load"].disable()
             assert len(lh.jobs) == CHUNKS and lh.wait(60), "the load did not complete"
             if rep >= 2:
                 save_s.append(t1 - t0)
                 load_s.append(t3 - t2)
     finally:
         gc.enable()
+        if prof is not None:
+            for name, p in prof.items():
+                print(f"== cProfile of store.{name} (the profiler's own cost included)")
+                pstats.Stats(p).sort_stats("tottime").print_stats(25)
         store.close()
         eng.close()
         pool.close()
@@ -125,9 +143,10 @@ def main() -> None:
         choices=["vllm", "tokens"],
         help="chunks named as the vLLM connector names them (HashKeyedStore), or by token ids (KVStore)",
     )
+    ap.add_argument("--profile", action="store_true", help="cProfile of the timed calls")
     args = ap.parse_args()
     heads, dim = (1, 8) if args.small else (8, 128)
-    save_us, load_us = probe(args.order, heads, dim, args.path, args.reps, args.sim, args.keys)
+    save_us, load_us = probe(args.order, heads, dim, args.path, args.reps, args.sim, args.keys, args.profile)
     where = "sim" if args.sim or not torch.cuda.is_available() else torch.cuda.get_device_name()
     shape = f"L{LAYERS} H{heads} D{dim} bf16, {CHUNKS} chunks of {CHUNK_TOKENS} tokens"
     print(f"{where} {args.order} path={args.path} keys={args.keys} ({shape}), median of {args.reps}:")

@@ -74,3 +74,16 @@ def test_metrics_live_on_a_private_registry():
         m1.tier("disk")
     with pytest.raises(ValueError, match="kind"):
         t.error("oops")
+
+
+def test_hits_counted_together_count_as_many():
+    """A load's host hits are counted in one call: the counters and the latency histogram see
+    each of them."""
+    t = StoreMetrics().tier("host")
+    t.hit(100, 0.0)
+    t.hit(300, 0.0, 3)
+    snap = t.snapshot()
+    assert snap["hits"] == 4 and snap["bytes_read"] == 400
+    text = t.families.text().decode()
+    assert 'kvtier_tier_lookups_total{result="hit",tier="host"} 4.0' in text
+    assert 'kvtier_tier_latency_seconds_count{op="get",tier="host"} 4.0' in text

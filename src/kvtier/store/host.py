@@ -119,10 +119,18 @@ class HostTier:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def acquire(self, key: bytes, wait_s: float = 0.0, settle: Callable[[], object] | None = None):
+    def count_hits(self, n: int, nbytes: int) -> None:
+        """``n`` hits of ``nbytes`` in all, acquired with count=False."""
+        if n:
+            self._m.hit(nbytes, 0.0, n)
+
+    def acquire(
+        self, key: bytes, wait_s: float = 0.0, settle: Callable[[], object] | None = None, count: bool = True
+    ):
         """The READY entry of ``key``, pinned for the caller (unpin when its transfer has
         completed), or None (a miss). A pending entry is waited for up to ``wait_s``;
-        ``settle()`` is called between waits to apply completed save events."""
+        ``settle()`` is called between waits to apply completed save events. count=False: the
+        caller counts the hit itself (`count_hits`, once for a request's chunks)."""
         deadline = time.monotonic() + wait_s
         with self._lock:
             while True:
@@ -130,7 +138,8 @@ class HostTier:
                 if entry is not None and entry.ready and not entry.doomed:
                     self._policy.touch(key)
                     self._policy.pin(key)  # the caller's transfer reads the slot until unpin
-                    self._m.hit(entry.span, 0.0)
+                    if count:
+                        self._m.hit(entry.span, 0.0)
                     return entry
                 left = deadline - time.monotonic()
                 if entry is None or entry.doomed or left <= 0:

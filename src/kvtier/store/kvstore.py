@@ -69,6 +69,7 @@ class _Taken(NamedTuple):
     entry: HostEntry | None
     kind: str
     tier: str
+    acquired: bool = False  # a host hit, counted with the request's others (`HostTier.count_hits`)
 
 
 class KVStore:
@@ -326,6 +327,9 @@ class KVStore:
         except BaseException:
             self._give_back(got_all[len(jobs) :])  # fetched, never submitted
             raise
+        finally:
+            hits = sum(got.acquired for got in got_all)
+            self.host.count_hits(hits, hits * self.fmt.span)
         if layer_major and got_all:
             # Layer-major over every chunk (one launch per layer): layer 0 of the whole prefix
             # lands first, so attention of layer 0 starts after 1/L of the bytes, not all of them.
@@ -472,11 +476,11 @@ class KVStore:
     def _take(self, key: bytes) -> _Taken | None:
         """``key``'s chunk, held for one load: a host hit, else a lower-tier read (promoted
         into the host when ``promote``, else a temporary slot); None if no tier delivers it."""
-        entry = self.host.acquire(key, self.fetch_wait_s, settle=self._reap)
+        entry = self.host.acquire(key, self.fetch_wait_s, settle=self._reap, count=False)
         if entry is not None:
             tier = entry.source if entry.fresh else "host"
             entry.fresh = False
-            return _Taken(entry, "load", tier)
+            return _Taken(entry, "load", tier, True)
         return self._fetch(key, keep_pin=True, temp_ok=not self.promote)
 
     def _fetch(self, key: bytes, *, keep_pin: bool, temp_ok: bool, fresh: bool = False) -> _Taken | None:

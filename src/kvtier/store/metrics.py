@@ -109,13 +109,19 @@ class TierMetrics:
         with self._lock:
             self._counts[key] += n
 
-    def hit(self, nbytes: int, seconds: float) -> None:
-        self._add("hits")
-        self._add("bytes_read", nbytes)
-        self._add("get_seconds", seconds)
-        self._c("lookups", self.name, "hit").inc()
+    def hit(self, nbytes: int, seconds: float, n: int = 1) -> None:
+        """``n`` hits of ``nbytes`` in all, each taking ``seconds`` (a load's host hits are
+        counted together: one call per request, not per chunk)."""
+        with self._lock:
+            c = self._counts
+            c["hits"] += n
+            c["bytes_read"] += nbytes
+            c["get_seconds"] += seconds * n
+        self._c("lookups", self.name, "hit").inc(n)
         self._c("bytes", self.name, "read").inc(nbytes)
-        self._c("latency", self.name, "get").observe(seconds)
+        latency = self._c("latency", self.name, "get")
+        for _ in range(n):
+            latency.observe(seconds)
 
     def miss(self, kind: str | None = None, seconds: float = 0.0) -> None:
         """A miss; ``kind`` names the failure behind it (None: the chunk simply is not there)."""
