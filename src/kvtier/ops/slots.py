@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvtier.layout import PagedKV, gcd_bytes
@@ -102,10 +103,13 @@ def slot_sources(
     plan = plan_for(kv, align)
     vec_b = plan.vec * plan.unit.itemsize  # bytes per VEC-unit
     base = min(chunks, key=lambda t: t.data_ptr())
-    starts = torch.tensor([(t.data_ptr() - base.data_ptr()) // vec_b for t in chunks], dtype=torch.int64)
+    starts = np.array([(t.data_ptr() - base.data_ptr()) // vec_b for t in chunks], dtype=np.int64)
     step = per_block // vec_b  # a block of the chunk format, in VEC-units (vec_b divides it: gcd)
-    within = torch.cat([torch.arange(c, dtype=torch.int64) * step for c in counts])
-    off = torch.repeat_interleave(starts, torch.tensor(counts)) + within
+    # In numpy: torch's CPU ops here (repeat_interleave above all) cost milliseconds a call on a
+    # many-core host, waking its thread pool for a few dozen numbers.
+    n = np.asarray(counts, dtype=np.int64)
+    within = (np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)) * step
+    off = torch.from_numpy(np.repeat(starts, n) + within)
     off = off.to(kv.device, non_blocking=True)  # pageable source: staged before the call returns
     stream = None
     if kv.device.type == "cuda":
