@@ -13,7 +13,10 @@ is made to wait for before the engine records the job's event:
 
 A job over several slots (`TransferEngine.save_slots`, `load_slots`): on the batch path one
 batched call for every slot's copies; on the kernel path a load is layer-major (one launch per
-layer for every slot); otherwise the slots are submitted one after the other within the call.
+layer for every slot); on the staged path one eager pipelined sequence over every slot
+(`ops.staged.save_slot_chunks` / `load_slot_chunks`: a slot's gather overlaps the DMA before
+it, which per-slot graph replays, each one operation of the copy stream, cannot); otherwise the
+slots are submitted one after the other within the call.
 
 Block ids arrive as `CheckedIds` (checked at the engine's entry) and reach the GPU as one
 `ops.BlockIds` per job (`ops.checks.trusted_block_ids`): one H2D copy, no second check.
@@ -36,8 +39,10 @@ from kvtier.engine.ids import CheckedIds
 from kvtier.engine.movers import MoverContext
 from kvtier.engine.paths import Path
 from kvtier.engine.trace import NO_TRACE
+from kvtier.ops.call_ids import use_ids
 from kvtier.ops.checks import trusted_block_ids
 from kvtier.ops.slots import scatter_slots, slot_sources
+from kvtier.ops.staged import load_slot_chunks, save_slot_chunks
 from kvtier.pool import Slot
 
 
@@ -184,6 +189,28 @@ class CudaMover:
         if path is Path.BATCH:
             batch.copy_slots(self.kv, ids.ids, ids.last_valid, slots, counts, stream.raw, save=True)
             return
+        if path is Path.STAGED and len(slots) > 1:
+            kv, raw = self.kv, stream.raw
+            if self._save_staging is None:
+                self._save_staging = ops.make_staging(kv, self.chunk_blocks)
+                self._staging_key["save"] = tuple(t.data_ptr() for t in self._save_staging)
+            with torch.cuda.stream(raw):
+                bid = trusted_block_ids(kv, ids.ids, False, ids.last_valid)  # one H2D, on `raw`
+            with torch.cuda.stream(self.gather_stream):
+                dev = use_ids(bid)  # the gathers read the ids: landed, and kept until they did
+            # One pipelined sequence: slot j + 1's gather overlaps slot j's DMA (a graph per slot
+            # is one operation of the copy stream: it would wait for the DMA before it).
+            save_slot_chunks(
+                kv,
+                dev,
+                ids.last_valid,
+                [s.tensor for s in slots],
+                counts,
+                staging=self._save_staging,
+                gather_stream=self.gather_stream,
+                copy_stream=raw,
+            )
+            return
         for part, slot in zip(ids.split(counts, self.kv.block_size), slots, strict=True):
             self.save(path, part, slot, stream)
 
@@ -195,6 +222,28 @@ class CudaMover:
         slot by slot, as `save_slots`."""
         if path is Path.BATCH:
             batch.copy_slots(self.kv, ids.ids, ids.last_valid, slots, counts, stream.raw, save=False)
+            return
+        if path is Path.STAGED and len(slots) > 1:
+            kv, raw = self.kv, stream.raw
+            if self._load_staging is None:
+                self._load_staging = ops.make_staging(kv, self.chunk_blocks)
+                self._staging_key["load"] = tuple(t.data_ptr() for t in self._load_staging)
+            with torch.cuda.stream(raw):
+                bid = trusted_block_ids(kv, ids.ids, True, ids.last_valid)  # one H2D, on `raw`
+            with torch.cuda.stream(self.scatter_stream):
+                dev = use_ids(bid)  # the scatters read the ids: landed, and kept until they did
+            # One pipelined sequence (see save_slots); it ends joined into `raw`: e_load follows
+            # every scatter.
+            load_slot_chunks(
+                kv,
+                dev,
+                ids.last_valid,
+                [s.tensor for s in slots],
+                counts,
+                staging=self._load_staging,
+                copy_stream=raw,
+                scatter_stream=self.scatter_stream,
+            )
             return
         for part, slot in zip(ids.split(counts, self.kv.block_size), slots, strict=True):
             self.load(path, part, slot, stream, False, label)

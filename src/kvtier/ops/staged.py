@@ -231,11 +231,83 @@ def load_chunks(kv: PagedKV, ids_dev, last_valid: int, src, *, staging, copy_str
     copy_stream.wait_stream(scatter_stream)
 
 
+def save_slot_chunks(
+    kv: PagedKV, ids_dev, last_valid: int, dsts, counts, *, staging, gather_stream, copy_stream
+) -> None:
+    """The staged save of several chunks in one pipelined sequence: dsts[j] (a pinned 1-D uint8
+    chunk) gets the next counts[j] blocks of `ids_dev`. Nothing is validated (the engine checked
+    the ids: int32 on the cache's device, ready on `copy_stream`; the pool sized the chunks).
+
+    Why not one staged save per chunk: each would start with its gather stream waiting for the
+    copy stream's tail (the staging buffers' last DMA), and a CUDA-graph replay is one operation
+    of the copy stream, so chunk j + 1's gather could not start before chunk j's DMA ended: a
+    bubble of one gather per chunk on the link. Here chunk j + 1's gather only waits for the DMA
+    that last read its staging buffer (two pieces back), as the pieces of one call do.
+    Gathers on `gather_stream`, DMAs on `copy_stream`, the last DMA on `copy_stream` (the
+    caller's event after it covers every piece). Without CUDA (the interpreter: streams None)
+    the steps run in order.
+    """
+    bufs, per = _check_staging(kv, staging)
+    if gather_stream is not None:
+        # Fork: the gathers follow the engine's waits and earlier DMAs out of these staging buffers.
+        gather_stream.wait_stream(copy_stream)
+    pieces = _slot_pieces(kv, ids_dev, last_valid, dsts, counts, bufs, per, True)
+    _run_save(pieces, gather_stream, copy_stream)
+
+
+def load_slot_chunks(
+    kv: PagedKV, ids_dev, last_valid: int, srcs, counts, *, staging, copy_stream, scatter_stream
+) -> None:
+    """The staged load of several chunks in one pipelined sequence (the contract and the reason
+    of `save_slot_chunks`): srcs[j] goes into the next counts[j] blocks of `ids_dev` (distinct).
+    DMAs on `copy_stream`, scatters on `scatter_stream`; joined back into `copy_stream` at the
+    end, so the caller's event there follows every scatter."""
+    bufs, per = _check_staging(kv, staging)
+    if copy_stream is not None:
+        # Staging buffers may still be read by the previous load's scatters on these streams.
+        copy_stream.wait_stream(scatter_stream)
+    pieces = _slot_pieces(kv, ids_dev, last_valid, srcs, counts, bufs, per, False)
+    _run_load(pieces, copy_stream, scatter_stream, 0)
+    if copy_stream is not None:
+        # Join: e_load (recorded on the copy stream) and the next job follow every scatter.
+        copy_stream.wait_stream(scatter_stream)
+
+
+def _slot_pieces(kv, ids_dev, last_valid, hosts, counts, bufs, per, gather) -> list[tuple]:
+    """`_pieces` over several host chunks: each chunk cut into pieces of at most `per` blocks,
+    the staging buffers in turn across all of them; only the job's very last block may be
+    partial (`last_valid`)."""
+    bn, bs, total = kv.block_nbytes, kv.block_size, ids_dev.shape[0]
+    align = math.gcd(chunk_align(bufs[0]), chunk_align(bufs[1]))  # one plan fits both buffers
+    kw = dict(gather=gather, max_ctas=None, n_layers=len(kv.layers), check=0)
+    runs: dict[int, object] = {}
+    pieces, at = [], 0
+    for host, count in zip(hosts, counts, strict=True):
+        host = host.view(-1).view(torch.uint8)
+        for lo in range(0, count, per):
+            m = min(per, count - lo)
+            if m not in runs:
+                runs[m] = launch_for(kv, m, align, ids_dev.dtype, False, **kw)
+            end = at + lo + m
+            buf = bufs[len(pieces) % 2][: m * bn]
+            valid = last_valid if end == total else bs
+            pieces.append((ids_dev[at + lo : end], buf, host[lo * bn : (lo + m) * bn], runs[m], valid))
+        at += count
+    return pieces
+
+
 def _save_loop(kv, ids_dev, last_valid, host, bufs, per, gather_stream, copy_stream, max_ctas, check=0):
     """Gathers on `gather_stream`, DMAs on `copy_stream`; returns the event after the last DMA."""
     if not ids_dev.shape[0]:
         return _record(copy_stream)
-    pieces = _pieces(kv, ids_dev, last_valid, host, bufs, per, True, max_ctas, check)
+    return _run_save(
+        _pieces(kv, ids_dev, last_valid, host, bufs, per, True, max_ctas, check), gather_stream, copy_stream
+    )
+
+
+def _run_save(pieces, gather_stream, copy_stream):
+    """The pieces' gathers on `gather_stream`, their DMAs on `copy_stream`, pipelined over the two
+    staging buffers; the event after the last DMA (None without CUDA)."""
     if gather_stream is None:  # the interpreter: every step runs to its end, in order
         for ids, buf, part, run, valid in pieces:
             run(ids, buf, valid)
@@ -266,6 +338,12 @@ def _load_loop(
     if not ids_dev.shape[0]:
         return _record(scatter_stream)
     pieces = _pieces(kv, ids_dev, last_valid, host, bufs, per, False, max_ctas, check)
+    return _run_load(pieces, copy_stream, scatter_stream, stamp)
+
+
+def _run_load(pieces, copy_stream, scatter_stream, stamp):
+    """The pieces' DMAs on `copy_stream`, their scatters on `scatter_stream`, pipelined over the
+    two staging buffers; the event after the last scatter (None without CUDA)."""
     if scatter_stream is None:  # the interpreter: every step runs to its end, in order
         for ids, buf, part, run, valid in pieces:
             buf.copy_(part)
