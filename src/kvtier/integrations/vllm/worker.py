@@ -125,8 +125,8 @@ class WorkerSide:
     # -- per step -------------------------------------------------------------------------------
 
     def handle_preemptions(self, meta: KVTierMetadata) -> None:
-        if self.store is None:
-            return
+        if self.store is None or not meta.preempted:
+            return  # the common step: no device stream looked up
         stream = self.dev.current_stream()
         for rid in meta.preempted:
             for h, _, _ in self._saves.get(rid, ()):
