@@ -20,6 +20,9 @@ head_size 128, bf16, 16-token blocks; 8K and 32K tokens, 32 and 128 chunks of 16
   `ring_waits` (those waits per step), `save_errors` (chunks per step the host pool could not
   take: a later miss) and `idle_step_us` (host time of a step with nothing to move: every hook,
   every layer).
+- gather_d2d / scatter_d2d (the first token count): kvtier's gather and scatter kernels alone,
+  the request's blocks to a contiguous GPU chunk and back, vs the same-run D2D copy (read + write
+  counted), CUDA-graph replays, bit-exact.
 - vllm_batch_save / vllm_batch_load: vLLM's own mechanism for the same bytes, one
   `cudaMemcpyBatchAsync` descriptor per page (a page: one block's contiguous run of one layer,
   or of every layer in a B-first order), with `submit_us` its CPU time to submit.
@@ -348,6 +351,7 @@ def vllm(ctx: Context):
         shape, token_counts = LLAMA, (8192,) if ctx.quick else (8192, 32768)  # quick: 1 GiB only
         ctx.ceiling("d2h_pinned", nbytes=GiB)
         ctx.ceiling("h2d_pinned", nbytes=GiB)
+        ctx.ceiling("d2d_copy", nbytes=GiB)
     else:
         shape, token_counts = TINY, (128,)
     fwd = _forward(ctx, shape)
@@ -373,6 +377,8 @@ def vllm(ctx: Context):
                 yield from _save_rows(ctx, r, label, params)
                 yield from _load_rows(ctx, r, label, params)
                 yield from _batch_rows(ctx, r, label, params)
+                if tokens == token_counts[0]:
+                    yield from _kernel_rows(ctx, r, label, params)
                 if fwd is not None:
                     yield from fwd.hit_row(r, label, params)
                     if tokens == token_counts[0]:
@@ -387,6 +393,40 @@ def vllm(ctx: Context):
     del fwd
     if ctx.on_gpu:
         torch.cuda.empty_cache()  # the model's memory goes back before the next suite
+
+
+def _kernel_rows(ctx: Context, r: Replay, label: str, params: dict):
+    """gather_d2d / scatter_d2d: kvtier's gather and scatter kernels alone, the request's blocks of
+    the cache in this order to a contiguous chunk on the GPU and back into other blocks (P1: vs the
+    same-run D2D copy, read + write counted), timed as CUDA-graph replays with L2 flushed, checked
+    bit for bit on a poisoned output. GPU only (the CPU tests run the same kernels interpreted)."""
+    from kvtier import ops
+    from kvtier.reference import bits_equal, gather_ref, poison_blocks_
+
+    if not ctx.on_gpu:
+        ctx.skip(f"gather_d2d {label}", "times CUDA-graph replays: GPU only")
+        return
+    kv, n = r.kv, r.blocks
+    src, dst = ops.block_ids(kv, r.src[:n]), ops.block_ids(kv, r.dst[:n])
+    out = torch.empty(kv.chunk_nbytes(n), dtype=torch.uint8, device=ctx.device)
+    want = gather_ref(kv, r.src[:n])
+    torch.cuda.synchronize(ctx.device)  # the ids landed: the kernels may be captured in a graph
+    for name, run, poison, got in (
+        ("gather_d2d", lambda: ops.gather(kv, src, out), lambda: out.fill_(0xA5), lambda: out),
+        (
+            "scatter_d2d",
+            lambda: ops.scatter(kv, dst, out),
+            lambda: poison_blocks_(kv, r.dst[:n]),
+            lambda: gather_ref(kv, r.dst[:n]),
+        ),
+    ):
+        poison()
+        run()
+        torch.cuda.synchronize(ctx.device)  # submitted is not done: read the output once it landed
+        ok = bits_equal(got().view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))
+        t = ctx.time(run, flush_l2=True, graph=True, name=f"vllm/{name}/{label}")
+        p = params | {"path": f"triton {name.split('_')[0]} GPU<->GPU", "launch": "graph"}
+        yield ctx.row(f"{name} {label}", r.nbytes, t, "d2d_copy", traffic_factor=2, correct=ok, **p)
 
 
 def _load_path(r: Replay) -> str:
