@@ -90,9 +90,9 @@ class CudaMover:
                 bid = trusted_block_ids(kv, ids.ids, False, ids.last_valid)  # one H2D, on `raw`
                 ops.gather(kv, bid, slot.tensor, max_ctas=self.uva_ctas)
             return
-        if self._save_staging is None:
-            self._save_staging = ops.make_staging(kv, self.chunk_blocks)
-            self._staging_key["save"] = tuple(t.data_ptr() for t in self._save_staging)
+        staging = self._save_staging
+        if staging is None:  # made on first use; the hot path makes no call once it is
+            staging = self._staging("save")
         g = self.graphs
         key = None
         if g is not None and g.enabled:  # the graph key (`graph_key`'s tuple) inline: a call fewer
@@ -108,13 +108,13 @@ class CudaMover:
             kv,
             bid,
             slot.tensor,
-            staging=self._save_staging,
+            staging=staging,
             gather_stream=self.gather_stream,
             copy_stream=raw,
         )
         tr.mark("eager")
         if key is not None:
-            g.capture(key, slot.tensor, self._save_staging, self.gather_stream, raw)
+            g.capture(key, slot.tensor, staging, self.gather_stream, raw)
             tr.mark("capture")
 
     def load(
@@ -138,9 +138,9 @@ class CudaMover:
                     if layer < kv.num_layers - 1:
                         events.append(stream.record(f"{label}:layer{layer}"))  # layer `layer` has landed
                 return events
-        if self._load_staging is None:
-            self._load_staging = ops.make_staging(kv, self.chunk_blocks)
-            self._staging_key["load"] = tuple(t.data_ptr() for t in self._load_staging)
+        staging = self._load_staging
+        if staging is None:  # made on first use; the hot path makes no call once it is
+            staging = self._staging("load")
         g = self.graphs
         key = None
         if g is not None and g.enabled:  # the graph key, inline as in `save`
@@ -155,7 +155,7 @@ class CudaMover:
             kv,
             bid,
             slot.tensor,
-            staging=self._load_staging,
+            staging=staging,
             copy_stream=raw,
             scatter_stream=self.scatter_stream,
         )
@@ -163,7 +163,7 @@ class CudaMover:
         raw.wait_event(last)
         tr.mark("eager")
         if key is not None:
-            g.capture(key, slot.tensor, self._load_staging, self.scatter_stream, raw)
+            g.capture(key, slot.tensor, staging, self.scatter_stream, raw)
             tr.mark("capture")
         return []
 
@@ -190,25 +190,19 @@ class CudaMover:
             batch.copy_slots(self.kv, ids.ids, ids.last_valid, slots, counts, stream.raw, save=True)
             return
         if path is Path.STAGED and len(slots) > 1:
-            kv, raw = self.kv, stream.raw
-            if self._save_staging is None:
-                self._save_staging = ops.make_staging(kv, self.chunk_blocks)
-                self._staging_key["save"] = tuple(t.data_ptr() for t in self._save_staging)
-            with torch.cuda.stream(raw):
-                bid = trusted_block_ids(kv, ids.ids, False, ids.last_valid)  # one H2D, on `raw`
-            with torch.cuda.stream(self.gather_stream):
-                dev = use_ids(bid)  # the gathers read the ids: landed, and kept until they did
             # One pipelined sequence: slot j + 1's gather overlaps slot j's DMA (a graph per slot
             # is one operation of the copy stream: it would wait for the DMA before it).
+            dev = self._ids_for(ids, False, stream.raw, self.gather_stream)
+            chunks = [s.tensor for s in slots]
             save_slot_chunks(
-                kv,
+                self.kv,
                 dev,
                 ids.last_valid,
-                [s.tensor for s in slots],
+                chunks,
                 counts,
-                staging=self._save_staging,
+                staging=self._staging("save"),
                 gather_stream=self.gather_stream,
-                copy_stream=raw,
+                copy_stream=stream.raw,
             )
             return
         for part, slot in zip(ids.split(counts, self.kv.block_size), slots, strict=True):
@@ -224,29 +218,40 @@ class CudaMover:
             batch.copy_slots(self.kv, ids.ids, ids.last_valid, slots, counts, stream.raw, save=False)
             return
         if path is Path.STAGED and len(slots) > 1:
-            kv, raw = self.kv, stream.raw
-            if self._load_staging is None:
-                self._load_staging = ops.make_staging(kv, self.chunk_blocks)
-                self._staging_key["load"] = tuple(t.data_ptr() for t in self._load_staging)
-            with torch.cuda.stream(raw):
-                bid = trusted_block_ids(kv, ids.ids, True, ids.last_valid)  # one H2D, on `raw`
-            with torch.cuda.stream(self.scatter_stream):
-                dev = use_ids(bid)  # the scatters read the ids: landed, and kept until they did
-            # One pipelined sequence (see save_slots); it ends joined into `raw`: e_load follows
-            # every scatter.
+            # One pipelined sequence (see save_slots); it ends joined into the copy stream:
+            # e_load follows every scatter.
+            dev = self._ids_for(ids, True, stream.raw, self.scatter_stream)
             load_slot_chunks(
-                kv,
+                self.kv,
                 dev,
                 ids.last_valid,
                 [s.tensor for s in slots],
                 counts,
-                staging=self._load_staging,
-                copy_stream=raw,
+                staging=self._staging("load"),
+                copy_stream=stream.raw,
                 scatter_stream=self.scatter_stream,
             )
             return
         for part, slot in zip(ids.split(counts, self.kv.block_size), slots, strict=True):
             self.load(path, part, slot, stream, False, label)
+
+    def _staging(self, direction: str):
+        """The two staging buffers of "save" or "load", made on first use (a pure-kernel user
+        never pays for them); their addresses are part of the staged graphs' key."""
+        attr = f"_{direction}_staging"
+        bufs = getattr(self, attr)
+        if bufs is None:
+            bufs = ops.make_staging(self.kv, self.chunk_blocks)
+            setattr(self, attr, bufs)
+            self._staging_key[direction] = tuple(t.data_ptr() for t in bufs)
+        return bufs
+
+    def _ids_for(self, ids: CheckedIds, unique: bool, raw, reader: torch.cuda.Stream) -> torch.Tensor:
+        """The job's ids on the device (one H2D on `raw`), made safe to read on `reader`."""
+        with torch.cuda.stream(raw):
+            bid = trusted_block_ids(self.kv, ids.ids, unique, ids.last_valid)  # one H2D, on `raw`
+        with torch.cuda.stream(reader):
+            return use_ids(bid)  # `reader` reads them only once landed, and they live until it did
 
     def synchronize(self) -> None:
         self.gather_stream.synchronize()  # helper streams: their work must land before close

@@ -397,7 +397,7 @@ def vllm(ctx: Context):
 
 def _kernel_rows(ctx: Context, r: Replay, label: str, params: dict):
     """gather_d2d / scatter_d2d: kvtier's gather and scatter kernels alone, the request's blocks of
-    the cache in this order to a contiguous chunk on the GPU and back into other blocks (P1: vs the
+    the cache in this order to a contiguous chunk on the GPU and back into other blocks (vs the
     same-run D2D copy, read + write counted), timed as CUDA-graph replays with L2 flushed, checked
     bit for bit on a poisoned output. GPU only (the CPU tests run the same kernels interpreted)."""
     from kvtier import ops
