@@ -148,16 +148,29 @@ def test_the_split_load_is_staged_and_queued_before_the_front(kind, tmp_path):
         if kind != "host":
             kvt.store.evict()
         seen, before = {}, kvt.store.stats()["store"]["loads"]
+        front_started = threading.Event()
+        store_load = kvt.store.load
+
+        def load(*args, **kwargs):
+            seen["thread"] = threading.current_thread().name
+            seen["after_front"] = front_started.is_set()
+            if seen["thread"] != threading.main_thread().name:
+                # The read overlaps the front: it can start only once the front runs (no timing luck).
+                seen["overlapped"] = front_started.wait(timeout=30)
+            return store_load(*args, **kwargs)
 
         def front(ids):
-            seen["reader"] = any(t.name == "kvtier-split-load" for t in threading.enumerate())
+            front_started.set()
             seen["queued"] = kvt.store.stats()["store"]["loads"]
             return [(torch.zeros(1, 1, 0, 1),) * 2]  # never read: only the load is checked
 
+        kvt.store.load = load
         cache = split_cache(kvt, model, b, 32, front=front)
         assert [j.path for j in cache.load.jobs] == ["staged"]
-        assert seen["reader"] is (kind != "host")
         if kind == "host":
+            assert seen["thread"] == threading.main_thread().name and not seen["after_front"]
             assert seen["queued"] == before + 1  # the load was submitted before the front ran
+        else:
+            assert seen["thread"] == "kvtier-split-load" and seen["overlapped"]
         cache.finish(None)
     dev.close()
