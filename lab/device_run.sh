@@ -48,6 +48,7 @@ if [ "${KVTIER_NATIVE:-1}" != 0 ]; then
   suffix=$($py -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
   inc=$($py -c "import sysconfig; print(sysconfig.get_paths()['include'])")
   for tree in . ${AB_OLD:-.ab_old}; do  # an A/B's older side too, where it has the helpers
+    [ -d $tree/src/kvtier ] || continue  # no A/B tree in this run
     for c in src/kvtier/_fast.c src/kvtier/engine/fastpath/_fast.c; do  # where it is, and where it was
       [ -f $tree/$c ] && gcc -O2 -shared -fPIC -I"$inc" $tree/$c -o "$tree/${c%.c}$suffix" 2>&1 | tail -3
     done
