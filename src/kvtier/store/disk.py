@@ -518,10 +518,13 @@ class DiskTier(TierReads):
             self._write_health.record_success()
             self._m.stored(payload_len, dt)
         else:
-            self._write_health.record_failure()
+            if kind != "foreign":  # a name held by a user's file is not a failing disk
+                self._write_health.record_failure()
             self._m.put_failed(kind)
 
     def _failed(self, what: str, key: bytes, exc: Exception) -> str:
+        if isinstance(exc, ForeignFile):  # counted and logged once by _note_foreign
+            return "foreign"
         log.warning(
             "disk tier %s: %s %s: %s", self.name, what, key.hex(), exc, exc_info=not isinstance(exc, OSError)
         )
@@ -529,8 +532,8 @@ class DiskTier(TierReads):
 
     def _write(self, key: bytes, path: Path, head: bytes, view: memoryview, again: bool = False) -> None:
         """Temp file, fsync (unless off), link; the caller syncs the directory. A file already
-        under the chunk's name is replaced only if it is kvtier's (its header names the key, or it
-        is empty); anything else fails the put (ForeignFile) and is left alone."""
+        under the chunk's name is replaced only if it is kvtier's (its header names the key);
+        anything else fails the put (ForeignFile) and is left alone."""
         try:
             make_shard(path.parent)
         except ForeignFile:

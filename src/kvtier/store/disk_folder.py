@@ -3,11 +3,10 @@
 kvtier works only in a folder it created, or found empty, and marked with ``MARKER`` (a small
 JSON file naming the format and its version). A non-empty folder without the marker is
 refused: kvtier never writes among files it did not write. Inside a marked folder, a file is
-kvtier's only when its name *and* its header say so: ``ab/<key hex>.kvc`` or
-``ab/.<key hex>.kvc.<32 hex>.tmp`` (a put's temp file) that starts with that key's header, or is
-empty (nothing to lose). Anything else found inside is foreign: left alone (never
-deleted, truncated or overwritten) and reported. No symlink inside is followed: a symlink is
-foreign, whatever its name.
+kvtier's only when its name *and* its header say so: ``ab/<key hex>.kvc``, or
+``ab/.<key hex>.kvc.<32 hex>.tmp`` (a put's temp file), that starts with that key's header.
+Anything else found inside is foreign: left alone (never deleted, truncated or overwritten) and
+reported. No symlink inside is followed: a symlink is foreign, whatever its name.
 
     claim(path, label, create=True)     refuse a folder that is not kvtier's (ValueError naming
                                         ``label``); mark a new or empty one; its (st_dev, st_ino)
@@ -17,7 +16,7 @@ foreign, whatever its name.
     make_shard(path)                    a chunk's two-letter folder, made; ForeignFile if not a folder
     real_dir(path) / is_file(path)      what lstat says (a symlink is neither)
     owned_chunk(path, key) -> bool      name and header prove the file is ``key``'s chunk
-    remove_owned(path, key) -> bool     unlink a file proven kvtier's (its header names key, or empty)
+    remove_owned(path, key) -> bool     unlink a file proven kvtier's (its header names key)
     scan(folder, remove) -> Scan        the chunks found (oldest first), kvtier's leftovers removed
                                         (only with ``remove``), the foreign entries
 """
@@ -43,7 +42,6 @@ FORMAT, VERSION = "kvtier-disk", 1
 SHARD = re.compile(r"[0-9a-f]{2}")
 CHUNK = re.compile(r"([0-9a-f]{16,128})\.kvc")  # keys are 8..64 bytes
 TEMP = re.compile(r"\.([0-9a-f]{16,128})\.kvc\.[0-9a-f]{32}\.tmp")
-PROBE = re.compile(r"\.odirect\.[0-9a-f]{32}\.tmp")  # chunkfile's O_DIRECT probe, created empty
 SPACE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
 # A fresh ext4 or xfs mount point holds lost+found: such a folder still counts as empty.
 _EMPTY_OK = {"lost+found"}
@@ -241,20 +239,20 @@ def _names(head: bytes, key: bytes) -> bool:
 
 
 def owned_chunk(path: Path | str, key: bytes) -> bool:
-    """True if ``path`` is a regular file whose header names ``key``. Its size and payload may
-    be wrong: a torn or rotted chunk is still kvtier's."""
+    """True if ``path`` is a regular file, in a real folder (neither is a symlink), whose
+    header names ``key``. Its size and payload may be wrong: a torn or rotted chunk is still
+    kvtier's."""
+    if not real_dir(os.path.dirname(path)):  # a linked chunk folder leads out of kvtier's
+        return False
     got = _head(path)
     return got is not None and _names(got[0], key)
 
 
-def remove_owned(path: Path | str, key: bytes | None) -> bool:
-    """Unlink ``path``, a file with one of kvtier's names, if it is a regular file whose header
-    names ``key``, or an empty one (nothing to lose: a temp file nothing was written into, a
-    probe, a chunk an unsynced crash emptied). False, and nothing removed, otherwise. Only a
-    folder's writer calls this, and nothing else writes there: the file checked is the file
-    unlinked."""
-    got = _head(path)
-    if got is None or not (got[1] == 0 or (key is not None and _names(got[0], key))):
+def remove_owned(path: Path | str, key: bytes) -> bool:
+    """Unlink ``path`` if it is a regular file whose header names ``key``; False, and nothing
+    removed, otherwise. Only a folder's writer calls this, and nothing else writes there: the
+    file checked is the file unlinked."""
+    if not owned_chunk(path, key):
         return False
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
@@ -273,8 +271,8 @@ class Scan:
 
 def scan(folder: Path, remove: bool) -> Scan:
     """The chunk files of ``folder`` (headers read, payload checksums left to each read). With
-    ``remove``, kvtier's own leftovers go: temp files of puts that died before their rename,
-    O_DIRECT probes, chunks whose header is intact but whose size is not. A marked subfolder (a
+    ``remove``, kvtier's own leftovers go: temp files of puts that died before their link,
+    chunks whose header is intact but whose size is not. A marked subfolder (a
     namespace of its own) is skipped; everything else not kvtier's is listed as foreign."""
     out = Scan()
     try:
@@ -287,12 +285,6 @@ def scan(folder: Path, remove: bool) -> Scan:
             continue
         if SHARD.fullmatch(e.name) and e.is_dir(follow_symlinks=False):
             _scan_shard(path, remove, out)
-        elif PROBE.fullmatch(e.name) and e.is_file(follow_symlinks=False):
-            got = _head(path)
-            if got is None or got[1]:
-                out.foreign.append((path, "probe-file name, foreign bytes"))
-            elif remove and remove_owned(path, None):
-                out.removed.append((path, "O_DIRECT probe of a start that died"))
         elif e.is_dir(follow_symlinks=False) and os.path.lexists(path / MARKER):
             continue  # another namespace (e.g. another rank's): its writer's business
         else:
@@ -316,15 +308,15 @@ def _scan_shard(shard: Path, remove: bool, out: Scan) -> None:
             out.foreign.append((path, "unreadable"))
             continue
         if temp:
-            if got[1] and not _names(got[0], key):
-                out.foreign.append((path, "temp-file name, foreign bytes"))
+            if not _names(got[0], key):
+                out.foreign.append((path, "temp-file name, not kvtier's bytes"))
             elif remove and remove_owned(path, key):
                 out.removed.append((path, "temp file of an unfinished put"))
             continue
         try:
             read_header(key, got[0], got[1])
         except CorruptChunk as exc:
-            if got[1] and not _names(got[0], key):
+            if not _names(got[0], key):
                 out.foreign.append((path, f"chunk name, foreign bytes ({exc})"))
             elif remove and remove_owned(path, key):
                 out.removed.append((path, str(exc)))
