@@ -45,18 +45,14 @@ from .chunkfile import (
     write_temp,
 )
 from .disk_folder import (
-    MARKER,
     ForeignFile,
-    WriterLock,
-    check_space,
-    claim,
+    OwnedFolder,
     is_file,
     make_shard,
     owned_chunk,
     real_dir,
     remove_owned,
     scan,
-    space_folder,
 )
 from .header import ChunkHeader
 from .health import CircuitBreaker
@@ -99,15 +95,11 @@ class DiskTier(TierReads):
         failure_threshold: int = 3,
         cooldown_s: float = 5.0,
     ) -> None:
-        check_space(space)
         self._policy = make_policy(policy, capacity_bytes)
-        self.root, self.name, self.writer, self._label = Path(root), name, bool(writer), label
-        self.folder = space_folder(self.root, space)
+        self._folder = OwnedFolder(root, space, label, bool(writer), name)
+        self.name, self.writer = name, bool(writer)
+        self.root, self.folder = self._folder.root, self._folder.path
         self._dir = str(self.folder)
-        self._folder_id = claim(self.root, label)
-        if space is not None:
-            self._folder_id = claim(self.folder, label, create=self.writer)
-        self._writer_lock = WriterLock(self.folder, label) if self.writer else None
         try:
             self._start(o_direct, fsync, metrics, failure_threshold, cooldown_s)
         except BaseException:
@@ -115,6 +107,7 @@ class DiskTier(TierReads):
             raise
 
     def _start(self, o_direct, fsync, metrics, failure_threshold, cooldown_s) -> None:
+        """The rest of construction, once the folder is claimed (a failure gives it back)."""
         name = self.name
         probe = self.folder if self.writer else self.root  # a reader creates nothing in its folder
         self._o_direct = bool(o_direct) and o_direct_supported(probe)
@@ -127,14 +120,11 @@ class DiskTier(TierReads):
         self._read_health = CircuitBreaker(failure_threshold, cooldown_s)
         self._write_health = CircuitBreaker(failure_threshold, cooldown_s)
         self._lock = threading.Lock()
-        self._remake_lock = threading.Lock()  # one thread remakes a removed folder
-        self._remake_failed = False
         self._last_stamp = 0
         self._pending: set[bytes] = set()  # keys whose file is still being written
         # Keys to drop at their last unpin (deleted, found corrupt or gone, or failed to write
         # while pinned), with the reason: a deleted chunk may be revived by a put, the others not.
         self._doomed: dict[bytes, str] = {}
-        self._foreign: set[str] = set()  # paths inside the folder that are not kvtier's: left alone
         self.scan_removed = self._scan()
 
     # -- public API ---------------------------------------------------------------------
@@ -151,7 +141,7 @@ class DiskTier(TierReads):
         batch = {}  # key -> (header, view): a key twice in one batch is written once
         for key, header, payload in items:
             batch.setdefault(key, (header, check_put_args(key, header, payload)))
-        if not self.writer or not self._folder_ready():
+        if not self.writer or not self._folder.ready(self._forget_all):
             for _ in batch:
                 self._m.put_failed("skipped" if not self.writer else "error")
             return [False] * len(items)
@@ -193,10 +183,13 @@ class DiskTier(TierReads):
         out, gone, found = [], [], []
         dirs: dict[str, bool] = {}  # shard -> a real folder: a reader checks each once per call
         for key, held in zip(keys, known, strict=True):
+            if not held and self.writer:  # the writer's index knows its folder: no file to look at
+                out.append(False)
+                continue
             path = self._path(key)
             ok = is_file(path)
-            if ok and not held:
-                ok = not self.writer and self._real_shard(key, dirs) and owned_chunk(path, key)
+            if ok and not held:  # a reader's first sight of a file the writer made
+                ok = self._real_shard(key, dirs) and owned_chunk(path, key)
                 if ok:
                     found.append((key, path))
             elif held and not ok:
@@ -240,7 +233,7 @@ class DiskTier(TierReads):
         kvtier's (left alone); ``writer``: 1 for the folder's writer, 0 for a reader."""
         with self._lock:
             self._publish()
-            foreign = len(self._foreign)
+            foreign = len(self._folder.foreign)
         out = self._m.snapshot()
         out.update(o_direct=int(self._o_direct), read_skipping=int(self._read_health.is_open))
         out.update(write_skipping=int(self._write_health.is_open), foreign_files=foreign)
@@ -259,8 +252,7 @@ class DiskTier(TierReads):
 
     def close(self) -> None:
         """Give up the folder (no open handles between calls): another writer may take it."""
-        if self._writer_lock is not None:
-            self._writer_lock.release()
+        self._folder.close()
 
     # -- internals ----------------------------------------------------------------------
 
@@ -304,7 +296,7 @@ class DiskTier(TierReads):
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # a symlink under the chunk's name: not kvtier's
                 kind = "corrupt"
-                self._note_foreign(path, "a symlink under a chunk's name")
+                self._folder.note_foreign(path, "a symlink under a chunk's name")
             else:
                 kind = "error"
                 log.warning("disk tier %s: get %s: %s", self.name, key.hex(), exc)
@@ -353,30 +345,9 @@ class DiskTier(TierReads):
         path = self._path(key)
         try:
             if not remove_owned(path, key) and os.path.lexists(path):
-                self._note_foreign(path, "a chunk's name, not kvtier's bytes")
+                self._folder.note_foreign(path, "a chunk's name, not kvtier's bytes")
         except OSError as exc:  # an orphan file costs space until the next scan, not correctness
             log.warning("disk tier %s: cannot remove %s: %s", self.name, key.hex(), exc)
-
-    def _note_foreign(self, path, why: str) -> None:
-        """Count a path inside the folder that is not kvtier's (left alone); logged once."""
-        path = str(path)
-        if path in self._foreign:
-            return
-        self._foreign.add(path)
-        if len(self._foreign) == 1:
-            log.warning(
-                "disk tier %s: %s is not kvtier's (%s): left alone; others are counted in "
-                "stats()['foreign_files'], not logged",
-                self.name,
-                path,
-                why,
-            )
-
-    def _index(self, key: bytes, size: int) -> None:
-        """A reader learns of a file the writer made (lock held); what the index drops to make
-        room is only forgotten (the files are the writer's)."""
-        if key not in self._policy:
-            self._policy.admit(key, size)
 
     def _real_shard(self, key: bytes, seen: dict[str, bool]) -> bool:
         """The key's two-letter folder is a real folder: a reader never follows a symlink there."""
@@ -384,6 +355,12 @@ class DiskTier(TierReads):
         if h2 not in seen:
             seen[h2] = real_dir(f"{self._dir}/{h2}")
         return seen[h2]
+
+    def _index(self, key: bytes, size: int) -> None:
+        """A reader learns of a file the writer made (lock held); what the index drops to make
+        room is only forgotten (the files are the writer's)."""
+        if key not in self._policy:
+            self._policy.admit(key, size)
 
     def _reconcile(self, gone: list[bytes], found: list[tuple[bytes, str]]) -> None:
         """Drop indexed keys whose file is gone; index the files a reader found."""
@@ -414,7 +391,7 @@ class DiskTier(TierReads):
         for path, reason in found.removed:
             log.warning("disk tier %s: removed %s at start: %s", self.name, path, reason)
         for path, why in found.foreign:
-            self._note_foreign(path, why)
+            self._folder.note_foreign(path, why)
         self._last_stamp = found.found[-1][0] if found.found else 0
         for _, key, size in found.found:
             victims = self._policy.admit(key, size)  # capacity may have shrunk since last run
@@ -422,36 +399,6 @@ class DiskTier(TierReads):
                 self._drop_file(victim)
         self._publish()
         return len(found.removed)
-
-    def _folder_ready(self) -> bool:
-        """The writer's folder still carries its marker (one lstat per batch); else it is made
-        again, empty, where that is safe: removed, or emptied, or only its marker gone."""
-        if os.path.lexists(f"{self._dir}/{MARKER}"):
-            return True
-        with self._remake_lock:
-            if os.path.lexists(f"{self._dir}/{MARKER}"):
-                return True  # another thread remade it
-            try:
-                try:
-                    st = os.lstat(self.folder)
-                    same = (st.st_dev, st.st_ino) == self._folder_id
-                except FileNotFoundError:
-                    same = False
-                if not same:
-                    claim(self.root, self._label)
-                self._folder_id = claim(self.folder, self._label, ours=self._folder_id)
-                self._writer_lock.acquire(self.folder, self._label)
-            except ValueError as exc:  # the path now holds someone else's files: never written among
-                if not self._remake_failed:
-                    log.warning("disk tier %s: folder gone, not remade: %s", self.name, exc)
-                self._remake_failed = True
-                return False
-            self._remake_failed = False
-            if not same:
-                self._forget_all()
-            again = "its marker written again" if same else "made again, empty"
-            log.warning("disk tier %s: %s was removed: %s", self.name, self.folder, again)
-            return True
 
     def _forget_all(self) -> None:
         """The folder was made anew: none of the indexed files exist any more."""
@@ -523,7 +470,7 @@ class DiskTier(TierReads):
             self._m.put_failed(kind)
 
     def _failed(self, what: str, key: bytes, exc: Exception) -> str:
-        if isinstance(exc, ForeignFile):  # counted and logged once by _note_foreign
+        if isinstance(exc, ForeignFile):  # counted, and logged once, by note_foreign
             return "foreign"
         log.warning(
             "disk tier %s: %s %s: %s", self.name, what, key.hex(), exc, exc_info=not isinstance(exc, OSError)
@@ -537,7 +484,7 @@ class DiskTier(TierReads):
         try:
             make_shard(path.parent)
         except ForeignFile:
-            self._note_foreign(path.parent, "a chunk folder's name, not a folder")
+            self._folder.note_foreign(path.parent, "a chunk folder's name, not a folder")
             raise
         try:
             if self._o_direct:
@@ -552,7 +499,7 @@ class DiskTier(TierReads):
         except FileExistsError:
             if not again and remove_owned(path, key):  # kvtier's own, left by a failed removal
                 return self._write(key, path, head, view, again=True)
-            self._note_foreign(path, "a chunk's name, not kvtier's bytes")
+            self._folder.note_foreign(path, "a chunk's name, not kvtier's bytes")
             raise ForeignFile(errno.EEXIST, "a foreign file holds the chunk's name", str(path)) from None
 
     def _stamp(self, key: bytes) -> None:

@@ -12,7 +12,8 @@ reported. No symlink inside is followed: a symlink is foreign, whatever its name
                                         ``label``); mark a new or empty one; its (st_dev, st_ino)
     WriterLock(folder, label)           one writer per folder (an flock on its marker), across
                                         processes and within one; a second raises ValueError
-    space_folder(root, space)           where a namespace's chunks live: root, or a marked subfolder
+    OwnedFolder(root, space, label, writer, name)   a tier's folder: claimed, locked, made again
+                                        by ``ready`` if removed; the foreign entries seen in it
     make_shard(path)                    a chunk's two-letter folder, made; ForeignFile if not a folder
     real_dir(path) / is_file(path)      what lstat says (a symlink is neither)
     owned_chunk(path, key) -> bool      name and header prove the file is ``key``'s chunk
@@ -27,15 +28,20 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import re
 import stat
+import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .chunkfile import CorruptChunk, read_header
 from .header import MAX_HEADER_BYTES, ChunkHeader, HeaderError
+
+log = logging.getLogger(__name__)
 
 MARKER = "kvtier-disk.json"
 FORMAT, VERSION = "kvtier-disk", 1
@@ -55,10 +61,6 @@ def check_space(space: str | None) -> None:
             f"space must be a folder name of letters, digits, '_', '.', '-' (not two hex digits), "
             f"got {space!r}"
         )
-
-
-def space_folder(root: Path, space: str | None) -> Path:
-    return root if space is None else root / space
 
 
 def claim(
@@ -227,6 +229,80 @@ def _head(path: Path | str) -> tuple[bytes, int] | None:
         return None
     finally:
         os.close(fd)
+
+
+class OwnedFolder:
+    """The folder one disk tier keeps its chunks in: ``root``, or its subfolder ``space``, both
+    claimed (see ``claim``) at construction, locked for a writer (``WriterLock``), made again by
+    ``ready`` if removed while the tier runs, and the foreign entries seen in it (``foreign``).
+    ``label``: how errors name root. A reader claims root, and its folder only if it exists."""
+
+    def __init__(
+        self, root: str | os.PathLike, space: str | None, label: str, writer: bool, name: str
+    ) -> None:
+        check_space(space)
+        self.root, self.label, self.writer, self.name = Path(root), label, writer, name
+        self.path = self.root if space is None else self.root / space
+        self._id = claim(self.root, label)
+        if space is not None:
+            self._id = claim(self.path, label, create=writer)
+        self._lock = WriterLock(self.path, label) if writer else None
+        self._remaking = threading.Lock()  # one thread remakes a removed folder
+        self._refused = False
+        self.foreign: set[str] = set()  # paths inside that are not kvtier's: left alone, counted
+
+    def ready(self, forget: Callable[[], None]) -> bool:
+        """The writer's folder still carries its marker (one lstat), or is made so again where
+        that is safe: removed, or replaced by an empty folder (``forget()`` is called: none of the
+        files indexed exist any more), or only its marker gone (marked again, its chunks kept).
+        False, logged once, where the path now holds files that are not kvtier's."""
+        marker = f"{self.path}/{MARKER}"
+        if os.path.lexists(marker):
+            return True
+        with self._remaking:
+            if os.path.lexists(marker):
+                return True  # another thread remade it
+            try:
+                try:
+                    st = os.lstat(self.path)
+                    same = (st.st_dev, st.st_ino) == self._id
+                except FileNotFoundError:
+                    same = False
+                if not same:
+                    claim(self.root, self.label)
+                self._id = claim(self.path, self.label, ours=self._id)
+                self._lock.acquire(self.path, self.label)
+            except ValueError as exc:  # the path holds someone else's files now: never written among
+                if not self._refused:
+                    log.warning("disk tier %s: its folder went and is not made again: %s", self.name, exc)
+                self._refused = True
+                return False
+            self._refused = False
+            if not same:
+                forget()
+            again = "its marker written again" if same else "made again, empty"
+            log.warning("disk tier %s: %s was removed: %s", self.name, self.path, again)
+            return True
+
+    def note_foreign(self, path: Path | str, why: str) -> None:
+        """Count a path inside that is not kvtier's (left alone); the first one is logged."""
+        path = str(path)
+        if path in self.foreign:
+            return
+        self.foreign.add(path)
+        if len(self.foreign) == 1:
+            log.warning(
+                "disk tier %s: %s is not kvtier's (%s): left alone; others are counted in "
+                "stats()['foreign_files'], not logged",
+                self.name,
+                path,
+                why,
+            )
+
+    def close(self) -> None:
+        """Give the folder up: another writer may take it."""
+        if self._lock is not None:
+            self._lock.release()
 
 
 def _names(head: bytes, key: bytes) -> bool:
