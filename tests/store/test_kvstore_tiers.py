@@ -199,7 +199,7 @@ def test_redis_promotes_to_disk_and_host_and_survives_being_killed(tmp_path, red
     def redis_tier():
         return RedisTier(url=redis_server.url, timeout_s=0.3, failure_threshold=2, cooldown_s=0.2)
 
-    d = disk(tmp_path)
+    d = disk(tmp_path / "disk")  # tmp_path holds the Redis server's files
     r = Rig(tiers=[d, redis_tier()])
     try:
         a, b = toks(11, 2 * CT), toks(12, 2 * CT)

@@ -250,6 +250,7 @@ class OwnedFolder:
         self._remaking = threading.Lock()  # one thread remakes a removed folder
         self._refused = False
         self.foreign: set[str] = set()  # paths inside that are not kvtier's: left alone, counted
+        self._noting = threading.Lock()
 
     def ready(self, forget: Callable[[], None]) -> bool:
         """The writer's folder still carries its marker (one lstat), or is made so again where
@@ -287,10 +288,12 @@ class OwnedFolder:
     def note_foreign(self, path: Path | str, why: str) -> None:
         """Count a path inside that is not kvtier's (left alone); the first one is logged."""
         path = str(path)
-        if path in self.foreign:
-            return
-        self.foreign.add(path)
-        if len(self.foreign) == 1:
+        with self._noting:  # puts, reads and evictions on several threads find them
+            if path in self.foreign:
+                return
+            first = not self.foreign
+            self.foreign.add(path)
+        if first:
             log.warning(
                 "disk tier %s: %s is not kvtier's (%s): left alone; others are counted in "
                 "stats()['foreign_files'], not logged",
