@@ -152,5 +152,5 @@ def test_stress_every_loaded_byte_is_right(tmp_path, write_policy, policy, ops):
 @pytest.mark.redis
 def test_stress_over_disk_and_redis(tmp_path, redis_server):  # noqa: F811
     redis = RedisTier(url=redis_server.url, prefix="stress:", timeout_s=1.0)
-    run([DiskTier(tmp_path, DISK_BYTES, fsync=False), redis], OPS_PER_THREAD // 10)
+    run([DiskTier(tmp_path / "disk", DISK_BYTES, fsync=False), redis], OPS_PER_THREAD // 10)  # beside redis/
     assert redis.stats()["puts"] > 0

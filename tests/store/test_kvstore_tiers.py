@@ -59,6 +59,7 @@ def test_disk_chunks_survive_a_restart(tmp_path):
     a = toks(4, 4 * CT)
     assert r.store.save(a, range(8), after=r.write(a, range(8))).wait_durable(5)
     r.close()
+    r.store.tiers[0].close()  # the folder's writer is done: another may take it
     r2 = Rig(tiers=[disk(tmp_path)])  # a new process: new device, engine, pool, index scan
     try:
         assert r2.store.lookup(a) == (4 * CT, ("disk",) * 4)
@@ -75,9 +76,11 @@ def test_model_and_layout_isolation_and_foreign_headers(tmp_path):
     assert r.store.save(a, range(4), after=r.write(a, range(4))).wait_durable(5)
     key0 = r.store.keys(a)[0]
     r.close()
+    r.store.tiers[0].close()  # each rig below is the folder's next writer
     other = Rig(tiers=[disk(tmp_path)], model="another-model")
     assert other.store.lookup(a).tokens == 0
     other.close()
+    other.store.tiers[0].close()
     hnd = Rig(tiers=[disk(tmp_path)], fmt="flashinfer_hnd")  # same sizes, other chunk bytes
     assert hnd.store.lookup(a).tokens == 0
     hnd.close()
@@ -196,7 +199,7 @@ def test_redis_promotes_to_disk_and_host_and_survives_being_killed(tmp_path, red
     def redis_tier():
         return RedisTier(url=redis_server.url, timeout_s=0.3, failure_threshold=2, cooldown_s=0.2)
 
-    d = disk(tmp_path)
+    d = disk(tmp_path / "disk")  # tmp_path holds the Redis server's files
     r = Rig(tiers=[d, redis_tier()])
     try:
         a, b = toks(11, 2 * CT), toks(12, 2 * CT)

@@ -61,6 +61,7 @@ def test_disk_put_many_syncs_each_directory_once_and_only_then_reports(tmp_path,
     assert intact_or_miss(tier, chunks) == [True] * 12
     s = tier.stats()
     assert s["puts"] == 12 and s["puts_present"] == 1
+    tier.close()
     assert intact_or_miss(DiskTier(tmp_path, 4 * MIB), chunks) == [True] * 12  # after a restart
 
 
@@ -79,6 +80,7 @@ def test_disk_a_failure_mid_batch_leaves_whole_chunks_or_misses(tmp_path, monkey
     assert ok == [i != 3 for i in range(8)]
     assert intact_or_miss(tier, chunks) == ok and tier.stats()["errors_full"] == 1
     assert not [p for p in tmp_path.rglob("*.tmp")]  # the failed temp file is gone
+    tier.close()
     assert intact_or_miss(DiskTier(tmp_path, 4 * MIB), chunks) == ok
 
 

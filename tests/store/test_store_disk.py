@@ -9,6 +9,7 @@ import pytest
 
 from kvtier.store import chunkfile
 from kvtier.store.disk import DiskTier
+from kvtier.store.disk_folder import MARKER
 from kvtier.store.header import ChunkHeader
 from kvtier.store.keys import KeyExtra, chunk_keys
 from kvtier.store.metrics import StoreMetrics
@@ -25,7 +26,8 @@ def chunk(i: int, n: int = 5000):
 
 
 def files(root):
-    return sorted(p for p in root.rglob("*") if p.is_file())
+    """The files the tier wrote: its marker aside."""
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MARKER)
 
 
 def test_put_get_miss_present(tmp_path):
@@ -80,8 +82,10 @@ def test_files_survive_a_restart_with_lru_order(tmp_path):
         assert tier.put(key, header, payload)
     tier.get(chunks[0][0])  # a hit refreshes the file's mtime, so recency survives the restart
     order = tier.resident_keys()
-    (tmp_path / "ab").mkdir()
-    (tmp_path / "ab" / ".leftover.tmp").write_bytes(b"half a chunk")  # a put killed mid-write
+    key, header, payload = chunks[1]
+    leftover = tier.chunk_path(key).with_name(f".{key.hex()}.kvc.{'7' * 32}.tmp")
+    leftover.write_bytes(header.pack() + b"half a chunk")  # a put killed mid-write
+    tier.close()
     again = DiskTier(tmp_path, MIB)
     assert again.scan_removed == 1
     assert again.resident_keys() == order
@@ -89,8 +93,10 @@ def test_files_survive_a_restart_with_lru_order(tmp_path):
         assert bytes(again.get(key).payload) == payload
 
 
-@pytest.mark.parametrize("damage", ["truncate", "payload_bit", "header_bit", "foreign", "empty"])
-def test_torn_or_corrupted_file_is_a_miss_and_removed(tmp_path, damage):
+@pytest.mark.parametrize("damage", ["truncate", "payload_bit", "empty", "header_bit", "foreign"])
+def test_torn_or_corrupted_file_is_a_miss(tmp_path, damage):
+    """A file whose header names its key is kvtier's and is removed; one whose header does not
+    (emptied, flipped, another key's) is not provably kvtier's: left alone, counted."""
     tier = DiskTier(tmp_path, MIB)
     key, header, payload = chunk(3)
     tier.put(key, header, payload)
@@ -111,11 +117,16 @@ def test_torn_or_corrupted_file_is_a_miss_and_removed(tmp_path, damage):
     assert tier.get(key) is None
     s = tier.stats()
     assert s["errors_corrupt"] == 1 and s["entries"] == 0 and s["used_bytes"] == 0
-    assert files(tmp_path) == [] and not tier.contains(key)
-    assert tier.put(key, header, payload) and bytes(tier.get(key).payload) == payload
+    assert not tier.contains(key)
+    ours = damage in ("truncate", "payload_bit")
+    assert files(tmp_path) == ([] if ours else [path]) and s["foreign_files"] == (0 if ours else 1)
+    if ours:
+        assert tier.put(key, header, payload) and bytes(tier.get(key).payload) == payload
+    else:  # never overwritten: the put fails, the file keeps its bytes
+        assert not tier.put(key, header, payload) and path.read_bytes() == data
 
 
-def test_corrupt_header_found_at_restart_is_removed(tmp_path):
+def test_corrupt_header_found_at_restart_is_left_alone(tmp_path):
     tier = DiskTier(tmp_path, MIB)
     key, header, payload = chunk(5)
     tier.put(key, header, payload)
@@ -123,8 +134,10 @@ def test_corrupt_header_found_at_restart_is_removed(tmp_path):
     data = bytearray(path.read_bytes())
     data[8] ^= 0xFF
     path.write_bytes(data)
+    tier.close()
     again = DiskTier(tmp_path, MIB)
-    assert again.scan_removed == 1 and again.get(key) is None and files(tmp_path) == []
+    assert again.scan_removed == 0 and again.get(key) is None and files(tmp_path) == [path]
+    assert again.stats()["foreign_files"] == 1 and path.read_bytes() == data
 
 
 @pytest.mark.parametrize("policy", ["lru", "arc"])
@@ -265,6 +278,7 @@ def test_o_direct_round_trip(tmp_path):
     assert bytes(tier.get(key).payload) == payload
     dest = bytearray(10_001)
     assert tier.get_into(key, dest) is not None and dest == payload
+    tier.close()
     assert bytes(DiskTier(tmp_path, MIB).get(key).payload) == payload  # buffered reader, padded file
 
 

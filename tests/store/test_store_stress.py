@@ -9,6 +9,7 @@ import redis
 
 from kvtier.store.chunkfile import SUFFIX
 from kvtier.store.disk import DiskTier
+from kvtier.store.disk_folder import MARKER
 from kvtier.store.header import ChunkHeader
 from kvtier.store.payload import PAGE
 
@@ -91,11 +92,13 @@ def test_disk_stress(tmp_path, policy):
     assert s["errors_corrupt"] == s["errors_error"] == 0
     # The books match the disk: no pins left, no temp files, no orphans, sizes add up.
     files = {p.name.removesuffix(SUFFIX): p.stat().st_size for p in tmp_path.rglob("*") if p.is_file()}
+    del files[MARKER]  # the tier's mark on its folder
     assert s["pinned_bytes"] == 0
     assert not [n for n in files if n.endswith(".tmp")]
     assert sorted(files) == sorted(k.hex() for k in tier.resident_keys())
     assert s["used_bytes"] == sum(files.values()) <= capacity and s["entries"] == len(files)
     # A restart rebuilds the same index, and every chunk in it is intact.
+    tier.close()
     again = DiskTier(tmp_path, capacity, policy=policy)
     assert again.scan_removed == 0 and sorted(again.resident_keys()) == sorted(tier.resident_keys())
     for key in again.resident_keys():

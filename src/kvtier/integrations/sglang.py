@@ -28,6 +28,7 @@ subclasses SGLang's ``HiCacheStorage`` where that imports.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections import Counter
@@ -74,6 +75,14 @@ def rank_suffix(cfg) -> str:
     return out
 
 
+def disk_space(cfg) -> str:
+    """This rank's folder under ``disk_path``: named by its key suffix (one folder for MLA's TP
+    ranks, which only the storage writer writes) and its attention-DP group, so no two writers
+    of one server share a folder."""
+    name = rank_suffix(cfg) + (f"_dp{cfg.dp_rank}" if getattr(cfg, "dp_rank", 0) else "")
+    return "sglang-" + re.sub(r"[^A-Za-z0-9_.-]", "-", name)[:190]
+
+
 def is_writer(cfg) -> bool:
     """MLA: one writer per replica (SGLang's ``is_storage_writer``); MHA: every rank."""
     if hasattr(cfg, "is_storage_writer"):
@@ -96,7 +105,9 @@ class KVTierHiCache(_Base):
         self.config = storage_config
         self.writer = is_writer(storage_config)
         self._suffix = rank_suffix(storage_config)
-        self.tiers = list(tiers) if tiers is not None else self.settings.make_tiers()
+        if tiers is None:  # each rank its own disk folder; MLA's TP ranks > 0 read rank 0's
+            tiers = self.settings.make_tiers(disk_space(storage_config), self.writer)
+        self.tiers = list(tiers)
         if not self.tiers:
             raise ValueError("tiers must name at least one tier")
         self.mem_pool_host = None

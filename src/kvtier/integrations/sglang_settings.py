@@ -93,9 +93,10 @@ class HiCacheSettings:
             raise ValueError(f"extra_config has unknown keys {unknown}; kvtier reads {sorted(known)}")
         return cls(**{k: v for k, v in extra.items() if k in known})
 
-    def make_tiers(self) -> list:
-        """The tiers, in read order. A Redis Cluster's slot map is read here: an unreachable
-        cluster fails SGLang's start, not its first request."""
+    def make_tiers(self, disk_space: str | None = None, disk_writer: bool = True) -> list:
+        """The tiers, in read order. disk_space: this rank's folder under ``disk_path``;
+        disk_writer: False for a rank that only reads it. A Redis Cluster's slot map is read
+        here: an unreachable cluster fails SGLang's start, not its first request."""
         from kvtier.store.disk import DiskTier
         from kvtier.store.redis_tier import RedisTier
 
@@ -103,7 +104,17 @@ class HiCacheSettings:
         for name in self.tiers:
             if name == "disk":
                 cap = int(self.disk_capacity_gb * 1e9)
-                out.append(DiskTier(self.disk_path, cap, o_direct=self.disk_o_direct, fsync=self.disk_fsync))
+                out.append(
+                    DiskTier(
+                        self.disk_path,
+                        cap,
+                        space=disk_space,
+                        writer=disk_writer,
+                        label="extra_config['disk_path']",
+                        o_direct=self.disk_o_direct,
+                        fsync=self.disk_fsync,
+                    )
+                )
             else:
                 out.append(
                     RedisTier(

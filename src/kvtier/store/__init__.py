@@ -19,7 +19,8 @@ arguments raise ValueError naming them.
 
 The tiers, for `KVStore(tiers=...)` or alone (each keeps `Tier`'s contract, `tier.py`):
 
-    DiskTier(root, capacity_bytes)   chunk files on a local disk, crash-safe, evicted by policy
+    DiskTier(root, capacity_bytes)   chunk files on a local disk, crash-safe, evicted by policy,
+                                     in a folder it created and marked (it touches nothing else)
     RedisTier(client | url)          one Redis/Valkey server or a cluster, shared between hosts
     MemoryTier / ThrottledTier       in-process, and a rate-limited wrapper, to model a tier
 

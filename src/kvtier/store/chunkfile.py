@@ -66,27 +66,13 @@ def _dio_align(path: Path) -> int:
     return max(mem, off) if mask & _STATX_DIOALIGN and mem and off <= PAGE else 0
 
 
-def write_chunk_file(
-    path: Path, head: bytes, view: memoryview, o_direct: bool, fsync: bool, align: int = PAGE
-) -> None:
-    """Write atomically: temp file, fsync, rename over ``path``, fsync the directory.
-
-    A crash leaves the old state or the new one, never a half file under the chunk's name.
-    Raises OSError (ENOSPC, EIO, EINVAL from O_DIRECT …); the temp file is removed first.
-    """
-    publish(write_temp(path, head, view, o_direct, fsync, align), path)
-    if fsync:  # the rename itself is durable only once the directory is synced
-        sync_dir(path.parent)
-
-
 def write_temp(
     path: Path, head: bytes, view: memoryview, o_direct: bool, fsync: bool, align: int = PAGE
 ) -> Path:
-    """The first half of an atomic write: the chunk in a temp file beside ``path``, fsynced
-    when ``fsync``; its name is returned for ``publish``. ``align``: O_DIRECT's memory
-    alignment (a payload at such an address is written in place, else through a copy).
+    """The first half of an atomic write: the chunk in a temp file beside ``path`` (its folder
+    exists), fsynced when ``fsync``; its name is returned for ``publish``. ``align``: O_DIRECT's
+    memory alignment (a payload at such an address is written in place, else through a copy).
     Raises OSError; the temp file is removed first."""
-    path.parent.mkdir(exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         if o_direct:
@@ -107,13 +93,24 @@ def write_temp(
 
 
 def publish(tmp: Path, path: Path) -> None:
-    """Rename a ``write_temp`` file to its chunk's name (the temp file is removed on failure).
-    Durable only once ``sync_dir(path.parent)`` returned."""
+    """Give a ``write_temp`` file its chunk's name, never replacing a file already there
+    (FileExistsError then: it may not be kvtier's). The temp file is gone either way. Durable
+    only once ``sync_dir(path.parent)`` returned."""
     try:
-        os.rename(tmp, path)
-    except BaseException:
+        try:
+            os.link(tmp, path)  # a new name, atomically, or EEXIST: unlike rename, never a replace
+        except OSError as exc:
+            if exc.errno not in _NO_LINK:
+                raise
+            # A filesystem without hard links: a rename after a check; only kvtier writes here.
+            if os.path.lexists(path):
+                raise FileExistsError(errno.EEXIST, "a file holds the chunk's name", str(path)) from None
+            os.rename(tmp, path)
+    finally:
         tmp.unlink(missing_ok=True)
-        raise
+
+
+_NO_LINK = (errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK)
 
 
 def sync_dir(directory: Path) -> None:
@@ -214,7 +211,7 @@ def read_chunk_file(
     Raises CorruptChunk for anything but ``key``'s intact chunk, OSError for IO failures,
     DestTooSmall if ``dest`` cannot hold it (``dest`` untouched then).
     """
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if o_direct else 0))
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | (os.O_DIRECT if o_direct else 0))
     try:
         size = os.fstat(fd).st_size
         if o_direct and dest is not None and _address(dest) % align == 0:
@@ -269,28 +266,6 @@ def _read_direct_into(fd: int, dest: memoryview, key: bytes, size: int) -> tuple
     if got < n:
         raise CorruptChunk("file shorter than its header says")
     return header, dest[:n]
-
-
-def scan_chunk_files(root: Path) -> tuple[list[tuple[int, bytes, int]], list[tuple[Path, str]]]:
-    """The intact-looking chunk files under ``root`` as ``(mtime_ns, key, size)``, oldest
-    first, and the files removed: temp files of puts that died before their rename, foreign
-    names, bad headers. Payload checksums are left to each read (a scan reads headers only)."""
-    found, removed = [], []
-    for sub in sorted(p for p in root.iterdir() if p.is_dir() and len(p.name) == 2):
-        for f in sub.iterdir():
-            try:
-                if f.name.endswith(".tmp"):
-                    raise CorruptChunk("temp file of an unfinished put")
-                key = bytes.fromhex(f.name.removesuffix(SUFFIX))
-                st = f.stat()
-                with open(f, "rb") as fh:
-                    read_header(key, fh.read(PAGE), st.st_size)
-                found.append((st.st_mtime_ns, key, st.st_size))
-            except (CorruptChunk, ValueError, OSError) as exc:
-                f.unlink(missing_ok=True)
-                removed.append((f, str(exc)))
-    found.sort()
-    return found, removed
 
 
 def is_einval(exc: OSError) -> bool:

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # Why a chunk became a miss or a put failed; the label values of ``kvtier_tier_errors_total``.
-ERROR_KINDS = ("error", "timeout", "full", "corrupt", "skipped")
+# "foreign": a disk tier found a file that is not kvtier's where a chunk would go (left alone).
+ERROR_KINDS = ("error", "timeout", "full", "corrupt", "skipped", "foreign")
 
 _LATENCY_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)
 

@@ -114,7 +114,7 @@ class WorkerSide:
         if s.disk_path:
             from kvtier.store.disk import DiskTier
 
-            tiers.append(DiskTier(f"{s.disk_path}/tp{self.tp_rank}", s.disk_bytes))
+            tiers.append(DiskTier(s.disk_path, s.disk_bytes, space=f"tp{self.tp_rank}", label="disk_path"))
         if s.redis_url:
             from kvtier.store.redis_tier import RedisTier
 
