@@ -165,6 +165,27 @@ def test_steps_re_arm_and_replay_the_same_waits():
         dev.close()
 
 
+def test_a_re_arm_follows_the_step_before_even_when_no_forward_waited_for_it():
+    """Step 1 loads blocks whose request then went away (no wait on its flags); step 2 loads the
+    same blocks. Step 1's late 'landed' must not satisfy step 2's waits (`tests/engine/
+    test_flag_bugs.py` shows the bug without the ordering)."""
+    dev, kv, pool, eng = rig("kernel")
+    try:
+        flags = eng.layer_flags()
+        one, two = saved(eng, [[1, 2], [3, 4]])
+        want = gather_ref(kv, [3, 4])
+        dev.launch_delay = 0.1
+        with flags.arm(dev.current_stream()) as first:
+            eng.load(one, [10, 11], flags=first)
+        with flags.arm(dev.current_stream()) as second:
+            eng.load(two, [10, 11], flags=second)
+        out, done = read_after_waits(dev, kv, flags, [10, 11])
+        assert done.synchronize(WAIT_S) and same(out, want)
+        eng.close()
+    finally:
+        dev.close()
+
+
 def test_a_step_whose_loads_all_missed_sets_its_flags_at_the_seal():
     dev, kv, pool, eng = rig()
     try:
@@ -293,9 +314,11 @@ def test_bad_flags_arguments_name_themselves():
             pass
         with pytest.raises(ValueError, match="flags"):
             eng.load(slot, [10, 11], flags="step")
-        with other.layer_flags().arm(other_dev.current_stream()) as foreign:
-            with pytest.raises(ValueError, match="flags"):
-                eng.load(slot, [10, 11], flags=foreign)
+        with (
+            other.layer_flags().arm(other_dev.current_stream()) as foreign,
+            pytest.raises(ValueError, match="flags"),
+        ):
+            eng.load(slot, [10, 11], flags=foreign)
         with pytest.raises(ValueError, match="layer"):
             flags.wait(L)
         eng.close()
