@@ -53,6 +53,7 @@ import torch
 from kvtier import layout
 from kvtier.bench.suite import Context, GiB, register
 from kvtier.bench.suites.vllm_failover import killed_row
+from kvtier.bench.suites.vllm_graphs import full_graph_rows
 
 LLAMA = dict(L=32, H=8, D=128, N=16, dtype=torch.bfloat16)  # Llama-3-8B's KV
 TINY = dict(L=2, H=2, D=16, N=16, dtype=torch.bfloat16)
@@ -381,6 +382,7 @@ def vllm(ctx: Context):
                     yield from _kernel_rows(ctx, r, label, params)
                 if fwd is not None:
                     yield from fwd.hit_row(r, label, params)
+                    yield from full_graph_rows(ctx, fwd, r, label, params, tokens == token_counts[0])
                     if tokens == token_counts[0]:
                         yield from fwd.beside_save_row(r, label, params)
             finally:
