@@ -112,6 +112,7 @@ class CudaDevice(Device):
         # malloc hands out again would then fail cudaHostRegister ("already registered").
         weakref.finalize(self, _unregister_all, self._registered)
         self._names = itertools.count()
+        self._flag_names = itertools.count()
         self._compute = CudaStream(self, torch.cuda.current_stream(self._torch_device), "compute")
         self._epoch = self._event_cls(self, "epoch")
         self._epoch.record(self._compute)  # time zero of every event's time_s()
@@ -217,7 +218,7 @@ class CudaDevice(Device):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= FLAG_MASK:
             raise ValueError(f"value: expected an int in [0, 2**32), got {value!r}")
         self._memops()  # refused here, at start, where the driver cannot do it
-        return cuda_flags.CudaFlags(self, n, value, label or f"flags#{next(self._names)}")
+        return cuda_flags.CudaFlags(self, n, value, label or f"flags#{next(self._flag_names)}")
 
     def _own_flags(self, flags: Flags) -> cuda_flags.CudaFlags:
         if not isinstance(flags, cuda_flags.CudaFlags) or flags._dev is not self:

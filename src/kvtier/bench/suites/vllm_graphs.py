@@ -18,7 +18,8 @@ Orders LBHNC and BLHNC (the layer-first and the block-first cache), every token 
 for the hit, the first for decode. The blocks hold the prompt's own KV (its prefill, written into
 the request's source blocks and saved to the host), so a hit's first token is a recompute's.
 
-Params of a hit row: full_graph_ms, piecewise_ms (medians of the interleaved runs),
+Params of a hit row: full_graph_ms, piecewise_ms (medians of the interleaved runs), tail_ms (the
+full graph replayed alone, no load: what a hit costs past its load),
 `vs_piecewise` (full_graph_ms / piecewise_ms), recompute_ms and the first tokens (token_full_graph,
 token_piecewise, token_recompute; tokens_stable: every run gave the same one;
 `first_token_margin_std`: the recompute's top-2 logit gap in std, chosen >= MARGIN so rounding
@@ -211,12 +212,20 @@ def _hit_row(ctx, fwd, r, label, params, ids, token, gap):
                 full.capture()  # after its eager run: the capture reads settled blocks
             elif ctx.on_gpu and kind == "piecewise" and piece.graphs is None:
                 piece.capture()
+    tail = []  # the same graph alone, no load: every flag set, every layer in place
+    for i in range(fwd.warmup + fwd.reps):
+        r.sync()
+        t0 = time.perf_counter()
+        int(full.logits(ids).argmax())
+        if i >= fwd.warmup:
+            tail.append((time.perf_counter() - t0) * 1e3)
     t, pw = summarize(times["full"], "perf_counter"), summarize(times["piecewise"], "perf_counter")
     rec = fwd.recompute.get(r.blocks * r.kv.block_size)
     p = params | fwd.params(r.blocks * r.kv.block_size)
     p |= dict(
         full_graph_ms=t.median_ms,
         piecewise_ms=pw.median_ms,
+        tail_ms=summarize(tail, "perf_counter").median_ms,
         vs_piecewise=t.median_ms / pw.median_ms,
         recompute_ms=rec,
         token_full_graph=min(tokens["full"]),
