@@ -34,7 +34,7 @@ def _saved_prompt(fwd, r):
     return ids, token
 
 
-@pytest.mark.parametrize("waits", [True, False])
+@pytest.mark.parametrize("waits", ["inline", "branch", None])
 def test_a_hit_through_the_flags_reads_only_landed_blocks(waits):
     from kvtier.bench.suites.vllm_graphs import FlagHit, FullGraph
     from kvtier.bench.suites.vllm_rows import PagedPrefix
@@ -77,6 +77,7 @@ def test_full_graph_rows_come_out_correct(order):
         assert p["first_token_margin_std"] > 0 and p["recompute_ms"] > 0
         q = decode.params
         assert q["waits"] == r.kv.num_layers and math.isfinite(q["slowdown_pct"])
+        assert math.isfinite(q["slowdown_pct_branch"]) and q["branch_waits_ms"] > 0
         assert q["with_waits_ms"] > 0 and q["without_waits_ms"] > 0
         flags = r.ws.store.engine.layer_flags()
         assert flags.live.generation == fwd.warmup + fwd.reps  # one armed step per full-graph hit

@@ -12,7 +12,9 @@ the engine's per-layer "landed" flags (`kvtier.engine.flags`), beside today's pi
                                    per layer, the connector's wait_for_layer_load between them).
   decode_full_graph <order>        a decode step (one new token over the prefix) as one graph with
                                    the flag waits and no load, against the same graph without them:
-                                   what the waits cost a step that loads nothing
+                                   what the waits cost a step that loads nothing; the waits inline
+                                   (before each layer's read: the row's time, slowdown_pct) and on a
+                                   side branch forked at the forward's start (slowdown_pct_branch)
 
 Orders LBHNC and BLHNC (the layer-first and the block-first cache), every token count of the suite
 for the hit, the first for decode. The blocks hold the prompt's own KV (its prefill, written into
@@ -25,8 +27,9 @@ token_piecewise, token_recompute; tokens_stable: every run gave the same one;
 `first_token_margin_std`: the recompute's top-2 logit gap in std, chosen >= MARGIN so rounding
 cannot flip it); `correct`: every run hit every chunk in the host tier, the
 loaded blocks equal the saved ones bit for bit (poisoned before each run) and the full graph's
-token is the recompute's. Decode: with_waits_ms, without_waits_ms (CUDA-event medians of
-interleaved replays), `slowdown_pct`, waits (flag waits in the graph).
+token is the recompute's. Decode: with_waits_ms, branch_waits_ms, without_waits_ms (CUDA-event
+medians of interleaved replays), `slowdown_pct` (inline), slowdown_pct_branch, waits (flag waits
+in the graph).
 
 On a CPU (`--quick`, SimDevice): nothing is captured; the same steps run eagerly, and each flag wait
 is followed by the host waiting for the compute stream (the host runs the layer next), as the
@@ -51,10 +54,18 @@ DECODE_PAIRS = 50  # interleaved replays with and without the waits (quick: 10; 
 
 class FullGraph:
     """A hit's forward over the tokens after its prefix as one CUDA graph: the embedding, every
-    decoder layer (with `waits`: first `flags.wait(layer)`, then the layer's prefix read from vLLM's
-    view), the final norm and lm_head. Static input: the new tokens' ids, copied in per hit."""
+    decoder layer (its prefix read from vLLM's view of the layer), the final norm and lm_head.
+    Static input: the new tokens' ids, copied in per hit.
 
-    def __init__(self, lean, prefix: PagedPrefix, ids: torch.Tensor, flags, *, waits: bool = True):
+    waits: where the graph waits for each layer's flag. "inline": `flags.wait(layer)` right before
+    the layer's read (what a connector's wait_for_layer_load captures); "branch": every wait on a
+    side branch forked at the forward's start, layer l's read joined to its wait (a set flag then
+    costs the compute chain no node); None: no waits (the reference a decode step is timed against).
+    """
+
+    def __init__(self, lean, prefix: PagedPrefix, ids: torch.Tensor, flags, *, waits: str | None = "inline"):
+        if waits not in ("inline", "branch", None):
+            raise ValueError(f"waits: expected 'inline', 'branch' or None, got {waits!r}")
         hit, n, dev = prefix.hit_tokens, ids.shape[1], ids.device
         self.lean, self.prefix, self.flags, self.waits, self.hit = lean, prefix, flags, waits, hit
         self.on_gpu = dev.type == "cuda"
@@ -64,19 +75,50 @@ class FullGraph:
         self.layers = len(lean.inner.layers)
         self.out: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
+        self._joins: list = []  # "branch": per layer, the event its read waits for
+        if waits == "branch":
+            self._side = torch.cuda.Stream(dev) if self.on_gpu else flags.device.new_stream("flag-branch")
+
+    def _fork(self) -> None:
+        """The branch of the flag waits, forked from the forward's stream: wait l, then event l."""
+        if self.on_gpu:
+            cur, side, joins = torch.cuda.current_stream(), self._side, []
+            side.wait_stream(cur)  # the branch starts with the forward (a fork inside the capture)
+            with torch.cuda.stream(side):
+                for layer in range(self.layers):
+                    self.flags.wait(layer)  # on the branch: no compute node queues behind it
+                    joins.append(torch.cuda.Event())
+                    joins[-1].record(side)
+            self._joins = joins
+            return
+        cur, side = self.flags.current_stream(), self._side
+        side.wait_event(cur.record())  # the branch starts with the forward
+        joins = []
+        for layer in range(self.layers):
+            self.flags.wait(layer, side)
+            joins.append(side.record(f"flag-branch:layer{layer}"))
+        self._joins = joins
 
     def _prefix(self, layer: int):
-        if self.waits:
-            # Attention of `layer` reads its blocks only once every load of the step landed them:
-            # on CUDA a node of the graph (the capturing stream is torch's current one).
+        # Attention of `layer` reads its blocks only once every load of the step landed them: on
+        # CUDA a node of the graph (the capturing stream is torch's current one), or an edge from
+        # the branch's wait.
+        if self.waits == "inline":
             self.flags.wait(layer)
-            if not self.on_gpu:
-                self.flags.current_stream().synchronize()  # the host runs the layer next
+        elif self.waits == "branch":
+            if self.on_gpu:
+                torch.cuda.current_stream().wait_event(self._joins[layer])
+            else:
+                self.flags.current_stream().wait_event(self._joins[layer])
+        if self.waits is not None and not self.on_gpu:
+            self.flags.current_stream().synchronize()  # the host runs the layer next
         return self.prefix.gather(layer)
 
     @torch.no_grad()
     def forward(self) -> None:
         lean = self.lean
+        if self.waits == "branch":
+            self._fork()
         x, cos, sin = lean.embed(self.ids, self.pos)
         for i in range(self.layers):
             x = lean.layer(i, x, cos, sin, partial(self._prefix, i), self.mask)
@@ -241,43 +283,46 @@ def _hit_row(ctx, fwd, r, label, params, ids, token, gap):
 
 
 def _decode_row(ctx, fwd, r, label, params, ids):
-    """One new token over the prefix, as one graph with the waits and one without; no load."""
+    """One new token over the prefix, as one graph without waits, with them inline, and with them
+    on a side branch; no load. Replays interleaved, each timed alone."""
     n = r.blocks * r.kv.block_size
     step_ids, prefix = ids[:, : n + 1], PagedPrefix(r)
     flags = r.ws.store.engine.layer_flags()
-    graphs = {w: FullGraph(fwd.lean, prefix, step_ids, flags, waits=w) for w in (True, False)}
+    kinds = ("inline", "branch", None)
+    graphs = {w: FullGraph(fwd.lean, prefix, step_ids, flags, waits=w) for w in kinds}
     if ctx.on_progress:
         ctx.on_progress(f"vllm/decode_full_graph/{r.order}")
     if ctx.on_gpu:
         for g in graphs.values():
             g.capture()
     pairs = DECODE_PAIRS if ctx.on_gpu and not ctx.quick else 10 if ctx.on_gpu else 3
-    samples: dict[bool, list[float]] = {True: [], False: []}
+    samples: dict[str | None, list[float]] = {w: [] for w in kinds}
     for i in range(1 + pairs):
-        for waits in (True, False):  # interleaved: clock changes hit both alike
+        for w in kinds:  # interleaved: clock changes hit each alike
             start, end = _stamps(ctx, r)
             start()
-            graphs[waits].logits(step_ids)
+            graphs[w].logits(step_ids)
             ms = end()
             if i:
-                samples[waits].append(ms)
+                samples[w].append(ms)
     clock = "cuda_events" if ctx.on_gpu else "perf_counter"
-    a, b = summarize(samples[True], clock), summarize(samples[False], clock)
-    cfg = fwd.model.config
+    inline, branch, bare = (summarize(samples[w], clock) for w in kinds)
     weights = sum(p.numel() * p.element_size() for p in fwd.model.parameters())
     nbytes = weights + fwd.kv_bytes(n)  # what a decode step reads: the weights, the prefix's KV
     p = params | dict(
         model=fwd.preset,
         prefix_tokens=n,
-        with_waits_ms=a.median_ms,
-        without_waits_ms=b.median_ms,
-        slowdown_pct=(a.median_ms / b.median_ms - 1) * 100,
-        waits=cfg.num_hidden_layers,
+        with_waits_ms=inline.median_ms,
+        without_waits_ms=bare.median_ms,
+        slowdown_pct=(inline.median_ms / bare.median_ms - 1) * 100,
+        branch_waits_ms=branch.median_ms,
+        slowdown_pct_branch=(branch.median_ms / bare.median_ms - 1) * 100,
+        waits=fwd.model.config.num_hidden_layers,
         pairs=pairs,
         graph="one CUDA graph of the whole forward" if ctx.on_gpu else "eager (no CUDA)",
     )
     ceiling = "d2d_copy" if ctx.on_gpu else "host_memcpy"
-    yield ctx.row(f"decode_full_graph {r.order}", nbytes, a, ceiling, **p)
+    yield ctx.row(f"decode_full_graph {r.order}", nbytes, inline, ceiling, **p)
 
 
 def _stamps(ctx, r):
