@@ -110,6 +110,7 @@ def test_a_load_joins_only_the_live_step_before_its_seal(dev):
         t.join(g1)
     assert err.value.state == "ARMED (step 2)"
     t.join(g2)
+    assert t.stale_error(g1).state == "ARMED (step 2)"
 
 
 def test_a_wait_through_a_stale_step_is_refused(dev):

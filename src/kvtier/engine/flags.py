@@ -25,8 +25,13 @@ the step made. The seal costs one batched call; the waits in the graph cost the 
 A failure never leaves a wait blocked: a load that fails after it took its number stores it into
 every progress word once its enqueued copies finished (the caller reports those blocks as failed),
 and the step is sealed when its `with` block ends, by an exception too (or at the next `arm`, or
-at `close`). The sanitizer (`kvtier.lifecycle.FlagTracker`) catches re-arming before the flags of
-the step before were set, and a load or wait through a stale step's handle.
+at `close`). A load through a stale step's handle (sealed, or not the live one) is refused with
+LifecycleError, sanitizer or not. The sanitizer (`kvtier.lifecycle.FlagTracker`) also catches
+re-arming before the flags of the step before were set, and a wait through a stale handle.
+
+One rule for a caller that submits loads on another thread than the forward's: seal step g (after
+its last load) before arming step g + 1; `arm` seals a step left unsealed, and a load of step g
+that comes after that is refused (it would land after step g's waits passed).
 
 On a SimDevice the same code runs over simulated flags (`kvtier.device.sim`); on CUDA the words
 are device memory and the operations the driver's stream memory operations (`cuda_flags.py`).
@@ -144,10 +149,11 @@ class LayerFlags:
         if stream is not self.load_stream:
             raise ValueError("flags: a step's loads must all run on the engine's load stream")
         with self._lock:
-            self.tracker.join(step.generation)
+            if step is not self._live or step.sealed is not None:
+                # A stale step: no wait covers this load (its waits passed, or belong to a new step).
+                raise self.tracker.stale_error(step.generation)
             self._seq = (self._seq + 1) & 0xFFFFFFFF or 1
-            if step.sealed is None:
-                step.last = self._seq  # the seal waits for this load's layers
+            step.last = self._seq  # the seal waits for this load's layers
             return Writer(self, step, self._seq)
 
 

@@ -18,6 +18,8 @@ A flag is a buffer like a slot: reusing it early is a race. Two moves are illega
 
 With the sanitizer off the moves are applied as asked, which is how the tests show each bug
 producing wrong bytes; the tracker's records then cost a few attribute stores per step.
+(`kvtier.engine.flags.LayerFlags` refuses a stale step's load whether the sanitizer is on or not,
+with `stale_error`: a cheap check, as a stale slot handle is refused.)
 """
 
 from __future__ import annotations
@@ -103,18 +105,25 @@ class FlagTracker:
 
     def join(self, generation: int) -> None:
         """A load joins step `generation` (before it submits anything). With the sanitizer on, the
-        step must be the live one and not sealed yet."""
+        step must be the live one and not sealed yet (`stale_error` otherwise)."""
         if not self.sanitize:
             return
         with self._lock:
             live = self._live
             if live is not None and live.generation == generation and live.sealed is None:
                 return
-            if live is not None and live.generation == generation:
-                state = f"SEALED (step {generation})"
-            else:
-                state = "LANDED" if live is None else f"ARMED (step {live.generation})"
-            raise LifecycleError("load", self._label(), state, None, _STALE_LOAD.format(g=generation))
+            raise self.stale_error(generation)
+
+    def stale_error(self, generation: int) -> LifecycleError:
+        """The error for a load joining step `generation`, which is sealed or not the live step."""
+        live = self._live
+        if live is None:
+            state = "LANDED"
+        elif live.generation == generation:
+            state = f"SEALED (step {generation})"
+        else:
+            state = f"{self.state().value} (step {live.generation})"
+        return LifecycleError("load", self._label(), state, None, _STALE_LOAD.format(g=generation))
 
     def loaded(self, generation: int, layer_events: list[Event]) -> None:
         """A load of step `generation` was submitted; `layer_events[l]` completes once its layer l
