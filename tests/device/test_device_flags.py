@@ -63,6 +63,18 @@ def test_a_write_follows_the_earlier_work_of_its_stream(dev):
     assert before.query()  # the waiter passed only once the write ran, after the slow work
 
 
+@pytest.mark.parametrize("on", ["side", "compute"])
+def test_a_writer_writes_as_flag_write_does(dev, on):
+    f = dev.new_flags(3, 0)
+    s = dev.new_stream("s") if on == "side" else dev.current_stream()  # CUDA: a stream, the default one
+    write = dev.flag_writer(f, s)
+    slow(dev, s, 0.1)
+    write(1, 5)
+    write(2, 6)
+    s.synchronize()
+    assert f.read() == [0, 5, 6]
+
+
 def test_geq_is_cyclic(dev):
     f = dev.new_flags(1, 0xFFFFFFFE)
     waiter, writer = dev.new_stream("waiter"), dev.new_stream("writer")

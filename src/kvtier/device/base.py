@@ -229,6 +229,11 @@ class Device(abc.ABC):
         """Enqueue on `stream`: word `index` := `value`, once everything before it on `stream` ran
         (its writes visible first)."""
 
+    def flag_writer(self, flags: Flags, stream: Stream) -> Callable[[int, int], None]:
+        """`write(index, value)`: `flag_write(flags, index, value, stream)` with `flags` and `stream`
+        checked once, here: for a loop that writes a word per layer (a device may make it cheaper)."""
+        return lambda index, value: self.flag_write(flags, index, value, stream)
+
     @abc.abstractmethod
     def flag_wait(self, flags: Flags, index: int, value: int, stream: Stream, *, geq: bool = False) -> None:
         """Later work on `stream` waits until word `index` equals `value` (`geq`: int32(word - value)

@@ -230,6 +230,10 @@ class CudaDevice(Device):
         check_flag_op(f, index, value)
         cuda_flags.write(self._memops(), self, f, index, value, s)
 
+    def flag_writer(self, flags: Flags, stream: Stream):
+        f, s = self._own_flags(flags), self._own(stream, "stream")
+        return cuda_flags.writer(self._memops(), self, f, s)
+
     def flag_wait(self, flags: Flags, index: int, value: int, stream: Stream, *, geq: bool = False) -> None:
         f, s = self._own_flags(flags), self._own(stream, "stream")
         check_flag_op(f, index, value)

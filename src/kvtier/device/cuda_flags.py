@@ -6,6 +6,7 @@ drives the runtime's event calls.
     CudaFlags                        the words: an int32 CUDA tensor, made once
     CudaFlagBatch                    a batch prepared once: its op array is built a single time
     write / wait / run               enqueue on a stream (CudaDevice.flag_write / flag_wait / flag_run)
+    writer                           write(index, value) with the checks done once (a load's per-layer writes)
 
 Why these calls. An event wait inside a CUDA graph is fixed to the event's record at capture; a
 flag wait names an address and a value, both constants of the graph, and reads the word when the
@@ -170,6 +171,20 @@ def write(api, device, flags: CudaFlags, index: int, value: int, stream: Stream)
     _call(
         api, device, stream, "cuStreamWriteValue32", api.write, flags.ptr + 4 * index, value, _WRITE_DEFAULT
     )
+
+
+def writer(api, device, flags: CudaFlags, stream: Stream):
+    """`write(index, value)` on `stream` with every check done: one ctypes call per word (a load
+    writes a word per layer). Bad indices or values are the caller's bug: the driver refuses them
+    only where the address leaves the allocation."""
+    fn, ptr, handle = api.write, flags.ptr, stream.handle
+
+    def write_word(index: int, value: int) -> None:
+        # After the stream's earlier work, its writes visible first (the default memory barrier).
+        if not handle or fn(handle, ptr + 4 * index, value, _WRITE_DEFAULT) != 0:
+            write(api, device, flags, index, value, stream)  # the careful path: context, errors
+
+    return write_word
 
 
 def wait(api, device, flags: CudaFlags, index: int, value: int, stream: Stream, geq: bool) -> None:

@@ -67,6 +67,7 @@ class LayerFlags:
         seal = [op for i in layers for op in (FlagOp(False, n + i, 1, geq=True), FlagOp(True, i, LANDED))]
         self._seal = device.flag_batch(self.words, seal)
         self._progress = device.flag_batch(self.words, [FlagOp(True, n + i, 1) for i in layers])
+        self._write_progress = device.flag_writer(self.words, load_stream)  # (word, value), checked once
         self.tracker = FlagTracker(name, n, sanitize)
         self._lock = threading.Lock()
         self._seq = 0  # the last sequence number handed to a load (mod 2**32; compared cyclically)
@@ -203,7 +204,7 @@ class Writer:
     def layer(self, layer: int) -> None:
         """Enqueued on the load stream right after layer `layer`'s copies: it has landed then."""
         f = self.flags
-        f.device.flag_write(f.words, f.num_layers + layer, self.seq, f.load_stream)
+        f._write_progress(f.num_layers + layer, self.seq)
         self.marked += 1
 
     def finish(self, layer_events: list[Event] | None) -> None:
