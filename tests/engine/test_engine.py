@@ -377,7 +377,7 @@ def test_a_failed_load_lets_what_it_enqueued_land_before_it_raises():
         eng.wait(job)  # the load's source is complete
         landed = []
 
-        def broken(path, ids, slot, stream, per_layer, label, done=None):
+        def broken(path, ids, slot, stream, per_layer, label, done=None, mark=None):
             dev.launch(lambda: (time.sleep(0.05), landed.append(True)), stream)  # a late copy
             raise RuntimeError("boom")
 

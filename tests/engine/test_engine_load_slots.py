@@ -114,7 +114,7 @@ def test_a_failed_load_slots_lets_what_it_enqueued_land_before_it_raises():
         slots = saved(eng, [[1, 2], [3]])
         landed = []
 
-        def broken(ids, counts, slots, stream, label):
+        def broken(ids, counts, slots, stream, label, mark=None):
             dev.launch(lambda: (time.sleep(0.05), landed.append(True)), stream)  # a late layer
             raise RuntimeError("boom")
 

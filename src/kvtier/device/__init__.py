@@ -1,7 +1,17 @@
-"""Streams, events and pinned memory behind one interface: `CudaDevice` and `SimDevice`."""
+"""Streams, events, flags and pinned memory behind one interface: `CudaDevice` and `SimDevice`."""
 
-from kvtier.device.base import Device, DeviceError, Event, Stream
+from kvtier.device.base import Device, DeviceError, Event, FlagBatch, FlagOp, Flags, Stream
 from kvtier.device.cuda import CudaDevice
 from kvtier.device.sim import SimDevice
 
-__all__ = ["CudaDevice", "Device", "DeviceError", "Event", "SimDevice", "Stream"]
+__all__ = [
+    "CudaDevice",
+    "Device",
+    "DeviceError",
+    "Event",
+    "FlagBatch",
+    "FlagOp",
+    "Flags",
+    "SimDevice",
+    "Stream",
+]

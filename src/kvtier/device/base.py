@@ -11,7 +11,15 @@ copies land late on purpose). The semantics follow CUDA's:
   (cudaEventQuery returns success for it);
 - `stream.wait_event(ev)` makes all *later* work on `stream` wait until `ev` completes,
   without blocking the host;
-- `ev.synchronize()` / `stream.synchronize()` block the host.
+- `ev.synchronize()` / `stream.synchronize()` block the host;
+- `flag_write(flags, i, v, stream)` stores v into word i of a `Flags` array when the stream
+  reaches it, after everything submitted to that stream before it; `flag_wait(flags, i, v,
+  stream)` makes later work on `stream` wait until word i holds v (or, with `geq`, until
+  int32(word - v) >= 0: a comparison that ignores wraparound); `flag_ops` enqueues several
+  of them as one operation, in order. These are CUDA's stream memory operations
+  (cuStreamWriteValue32, cuStreamWaitValue32, cuStreamBatchMemOp): unlike an event wait, a
+  flag wait names a fixed address and value, so a CUDA graph can hold it and replay it in
+  every step.
 
 Memory is torch tensors: "GPU memory" is whatever `Device.empty` returns (CUDA tensors, or
 CPU tensors on the simulator), host memory is the uint8 tensor `alloc_pinned` returns.
@@ -21,7 +29,8 @@ from __future__ import annotations
 
 import abc
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -96,6 +105,67 @@ class Stream(abc.ABC):
         return f"<{type(self).__name__} {self.name}>"
 
 
+FLAG_MASK = 0xFFFFFFFF  # a flag word is 32 bits; values are taken modulo 2**32
+
+
+class FlagOp(NamedTuple):
+    """One stream memory operation on word `index` of a `Flags` array (an entry of a batch).
+
+    write=True stores `value`; write=False waits until the word equals `value`, or with `geq`
+    until int32(word - value) >= 0 (CUDA's cyclic comparison: a counter that wraps still compares).
+    """
+
+    write: bool
+    index: int
+    value: int
+    geq: bool = False
+
+
+class Flags(abc.ABC):
+    """`n` 32-bit words in device memory that streams write and wait on (`Device.flag_*`).
+
+    Made once (`Device.new_flags`), at start; the device reads and writes them, the host only
+    through `read()` (which first waits for the device to be idle: a diagnostic, not a protocol).
+    """
+
+    label: str
+    n: int
+
+    @abc.abstractmethod
+    def read(self) -> list[int]:
+        """The words' values now, after every stream of the device went idle."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.label} [{self.n}]>"
+
+
+class FlagBatch(abc.ABC):
+    """`ops` on one `Flags` array, prepared once (`Device.flag_batch`) and enqueued as often as
+    needed (`Device.flag_run`): a protocol that runs the same batch every step pays no per-op
+    host work for it. `set_values` changes some ops' values in place; a batch already enqueued
+    keeps the values it was enqueued with (the device takes a copy, as CUDA does)."""
+
+    flags: Flags
+    ops: tuple[FlagOp, ...]
+
+    @abc.abstractmethod
+    def set_values(self, positions: range, value: int) -> None:
+        """The ops at `positions` (a range of indices into `ops`) get `value` from now on."""
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def _check_set(self, positions: range, value: int) -> None:
+        n = len(self)
+        ok = isinstance(positions, range) and (
+            not positions or 0 <= min(positions[0], positions[-1]) <= max(positions[0], positions[-1]) < n
+        )
+        if not ok:
+            raise ValueError(f"positions: expected a range of op indices in [0, {n}), got {positions!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= FLAG_MASK:
+            raise ValueError(f"value: expected an int in [0, 2**32), got {value!r}")
+
+
 class Device(abc.ABC):
     """Streams, events, copies and memory of one accelerator (or its simulation)."""
 
@@ -150,6 +220,37 @@ class Device(abc.ABC):
     def synchronize(self) -> None:
         """Block the host until every stream of this device is idle."""
 
+    @abc.abstractmethod
+    def new_flags(self, n: int, value: int = 0, label: str | None = None) -> Flags:
+        """`n` flag words in device memory, each holding `value` (made at start, never per step)."""
+
+    @abc.abstractmethod
+    def flag_write(self, flags: Flags, index: int, value: int, stream: Stream) -> None:
+        """Enqueue on `stream`: word `index` := `value`, once everything before it on `stream` ran
+        (its writes visible first)."""
+
+    def flag_writer(self, flags: Flags, stream: Stream) -> Callable[[int, int], None]:
+        """`write(index, value)`: `flag_write(flags, index, value, stream)` with `flags` and `stream`
+        checked once, here: for a loop that writes a word per layer (a device may make it cheaper)."""
+        return lambda index, value: self.flag_write(flags, index, value, stream)
+
+    @abc.abstractmethod
+    def flag_wait(self, flags: Flags, index: int, value: int, stream: Stream, *, geq: bool = False) -> None:
+        """Later work on `stream` waits until word `index` equals `value` (`geq`: int32(word - value)
+        >= 0); the host does not block. Under CUDA-graph capture this becomes a graph node."""
+
+    @abc.abstractmethod
+    def flag_batch(self, flags: Flags, ops: Sequence[FlagOp]) -> FlagBatch:
+        """`ops` on `flags`, checked and prepared for `flag_run` (made once, run many times)."""
+
+    @abc.abstractmethod
+    def flag_run(self, batch: FlagBatch, stream: Stream) -> None:
+        """Enqueue `batch`'s ops on `stream`, in order (a wait holds back the ops after it)."""
+
+    def flag_ops(self, flags: Flags, ops: Sequence[FlagOp], stream: Stream) -> None:
+        """Enqueue `ops` on `stream` in order: `flag_run(flag_batch(flags, ops), stream)`."""
+        self.flag_run(self.flag_batch(flags, ops), stream)
+
     def close(self) -> None:  # noqa: B027 - optional hook: not every device holds resources
         """Release threads and registrations; the device is unusable afterwards."""
 
@@ -184,6 +285,31 @@ def check_timeout(timeout: float | None, name: str = "timeout") -> float | None:
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:  # NaN too
         raise ValueError(f"{name} must be seconds >= 0 or None, got {timeout!r}")
     return timeout
+
+
+def check_flag_op(flags: Flags, index: int, value: int, name: str = "index") -> None:
+    """`index` names a word of `flags` and `value` fits in 32 bits (ValueError naming which not)."""
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < flags.n:
+        raise ValueError(f"{name}: expected a word of {flags.label}, in [0, {flags.n}), got {index!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= FLAG_MASK:
+        raise ValueError(f"value: expected an int in [0, 2**32), got {value!r}")
+
+
+def check_flag_ops(flags: Flags, ops: Sequence[FlagOp]) -> list[FlagOp]:
+    """`ops` as a non-empty list of FlagOps on words of `flags` (ValueError naming the bad one)."""
+    got = list(ops) if isinstance(ops, list | tuple) else None
+    if not got:
+        raise ValueError(f"ops: expected a non-empty list of FlagOp, got {ops!r}")
+    for j, op in enumerate(got):
+        if not isinstance(op, FlagOp):
+            raise ValueError(f"ops[{j}]: expected a FlagOp, got {op!r}")
+        check_flag_op(flags, op.index, op.value, f"ops[{j}].index")
+    return got
+
+
+def geq32(word: int, value: int) -> bool:
+    """CUDA's CU_STREAM_WAIT_VALUE_GEQ: int32(word - value) >= 0."""
+    return ((word - value) & FLAG_MASK) < 0x80000000
 
 
 def check_nbytes(nbytes: int, name: str = "nbytes") -> int:

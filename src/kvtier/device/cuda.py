@@ -10,6 +10,10 @@ here (`pin="register"`) allocates ordinary pageable memory, touches it, and page
 with `cudaHostRegister` — exactly `nbytes`, no rounding (buffers of 2 MiB and more).
 `pin="torch"` uses torch's allocator instead; registration that fails falls back to it
 with a warning.
+
+Flags (`new_flags`, `flag_write`, `flag_wait`, `flag_batch` / `flag_run`): words of device
+memory and the driver's stream memory operations on them (`cuda_flags.py`: why device memory,
+which CUDA versions, what a graph holds).
 """
 
 from __future__ import annotations
@@ -21,7 +25,19 @@ from collections.abc import Callable
 
 import torch
 
-from kvtier.device.base import Device, Event, Stream, check_copy_args, check_nbytes
+from kvtier.device import cuda_flags
+from kvtier.device.base import (
+    FLAG_MASK,
+    Device,
+    Event,
+    FlagBatch,
+    Flags,
+    Stream,
+    check_copy_args,
+    check_flag_op,
+    check_flag_ops,
+    check_nbytes,
+)
 from kvtier.device.cuda_events import CudaEvent, EventHandles, choose_events
 from kvtier.device.cudart import clear_last_error
 from kvtier.device.torch_events import TorchEvent
@@ -96,6 +112,7 @@ class CudaDevice(Device):
         # malloc hands out again would then fail cudaHostRegister ("already registered").
         weakref.finalize(self, _unregister_all, self._registered)
         self._names = itertools.count()
+        self._flag_names = itertools.count()
         self._compute = CudaStream(self, torch.cuda.current_stream(self._torch_device), "compute")
         self._epoch = self._event_cls(self, "epoch")
         self._epoch.record(self._compute)  # time zero of every event's time_s()
@@ -119,6 +136,13 @@ class CudaDevice(Device):
 
     def new_event(self, label: str | None = None) -> Event:
         return self._event_cls(self, label or "event")
+
+    def wrap_stream(self, raw: torch.cuda.Stream, name: str | None = None) -> CudaStream:
+        """A torch stream of this device as a CudaStream, e.g. the stream a CUDA graph is being
+        captured on (`torch.cuda.current_stream()` inside `torch.cuda.graph`)."""
+        if not isinstance(raw, torch.cuda.Stream) or raw.device_index != self.index:
+            raise ValueError(f"raw must be a torch.cuda.Stream of {self.name}, got {raw!r}")
+        return CudaStream(self, raw, name or f"stream{next(self._names)}")
 
     def _check_side(self, t: torch.Tensor, name: str) -> None:
         if t.is_cuda:
@@ -182,6 +206,47 @@ class CudaDevice(Device):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self._torch_device)
+
+    def _memops(self):
+        api, why = cuda_flags.memop_api()
+        if api is None:
+            raise RuntimeError(f"flags need CUDA's stream memory operations: {why}")
+        return api
+
+    def new_flags(self, n: int, value: int = 0, label: str | None = None) -> cuda_flags.CudaFlags:
+        check_nbytes(n, "n")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= FLAG_MASK:
+            raise ValueError(f"value: expected an int in [0, 2**32), got {value!r}")
+        self._memops()  # refused here, at start, where the driver cannot do it
+        return cuda_flags.CudaFlags(self, n, value, label or f"flags#{next(self._flag_names)}")
+
+    def _own_flags(self, flags: Flags) -> cuda_flags.CudaFlags:
+        if not isinstance(flags, cuda_flags.CudaFlags) or flags._dev is not self:
+            raise ValueError(f"flags must be flags of this CudaDevice, got {flags!r}")
+        return flags
+
+    def flag_write(self, flags: Flags, index: int, value: int, stream: Stream) -> None:
+        f, s = self._own_flags(flags), self._own(stream, "stream")
+        check_flag_op(f, index, value)
+        cuda_flags.write(self._memops(), self, f, index, value, s)
+
+    def flag_writer(self, flags: Flags, stream: Stream):
+        f, s = self._own_flags(flags), self._own(stream, "stream")
+        return cuda_flags.writer(self._memops(), self, f, s)
+
+    def flag_wait(self, flags: Flags, index: int, value: int, stream: Stream, *, geq: bool = False) -> None:
+        f, s = self._own_flags(flags), self._own(stream, "stream")
+        check_flag_op(f, index, value)
+        cuda_flags.wait(self._memops(), self, f, index, value, s, bool(geq))
+
+    def flag_batch(self, flags: Flags, ops) -> cuda_flags.CudaFlagBatch:
+        f = self._own_flags(flags)
+        return cuda_flags.CudaFlagBatch(f, check_flag_ops(f, ops))
+
+    def flag_run(self, batch: FlagBatch, stream: Stream) -> None:
+        if not isinstance(batch, cuda_flags.CudaFlagBatch) or batch.flags._dev is not self:
+            raise ValueError(f"batch must be a flag batch of this CudaDevice, got {batch!r}")
+        cuda_flags.run(self._memops(), self, batch, self._own(stream, "stream"))
 
     def close(self) -> None:
         # No copy may still read or write a buffer we are about to unlock.

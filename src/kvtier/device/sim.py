@@ -6,6 +6,11 @@ missing wait produces wrong data deterministically. Events complete only when th
 stream's worker reaches them; `wait_event` enqueues an item that blocks that worker until
 the event completes. "GPU memory" is ordinary CPU tensors.
 
+Flags (`new_flags`): words kept under the device's lock. A flag write is a queued item that
+stores its value when the stream reaches it; a flag wait (or a batch holding one) is an item that
+blocks its stream's worker until the word satisfies it, so later work on that stream waits, as a
+CUDA stream memory operation makes it. The protocol code over flags therefore runs unchanged here.
+
 One condition variable per device guards all event state: the simulator has a handful of
 streams, and a single lock keeps the reasoning simple.
 
@@ -33,13 +38,20 @@ import numpy as np
 import torch
 
 from kvtier.device.base import (
+    FLAG_MASK,
     Device,
     DeviceError,
     Event,
+    FlagBatch,
+    FlagOp,
+    Flags,
     Stream,
     check_copy_args,
+    check_flag_op,
+    check_flag_ops,
     check_nbytes,
     check_timeout,
+    geq32,
 )
 
 Delay = float | tuple[float, float]
@@ -161,6 +173,31 @@ class SimStream(Stream):
         self._q.put(None)
 
 
+class SimFlags(Flags):
+    """Flag words of a SimDevice: a list guarded by the device's condition variable."""
+
+    def __init__(self, device: SimDevice, n: int, value: int, label: str):
+        self._dev, self.n, self.label = device, n, label
+        self._words = [value] * n
+
+    def read(self) -> list[int]:
+        self._dev.synchronize()  # every queued write has run
+        with self._dev._cv:
+            return list(self._words)
+
+
+class SimFlagBatch(FlagBatch):
+    def __init__(self, flags: SimFlags, ops: list[FlagOp]):
+        self.flags, self.ops = flags, tuple(ops)
+
+    def set_values(self, positions: range, value: int) -> None:
+        self._check_set(positions, value)
+        ops = list(self.ops)
+        for p in positions:
+            ops[p] = ops[p]._replace(value=value)
+        self.ops = tuple(ops)  # a new tuple: a batch enqueued before keeps the old one
+
+
 class SimDevice(Device):
     """CPU simulation of a GPU's streams, with late copies.
 
@@ -192,6 +229,7 @@ class SimDevice(Device):
         self._epoch = time.perf_counter()
         self._streams: list[SimStream] = []
         self._names = itertools.count()
+        self._flag_names = itertools.count()
         self._compute = self.new_stream("compute")
         _open.add(self)  # closed at interpreter exit unless closed before
 
@@ -298,6 +336,51 @@ class SimDevice(Device):
 
     def free_pinned(self, buf: torch.Tensor) -> None:
         pass
+
+    def new_flags(self, n: int, value: int = 0, label: str | None = None) -> SimFlags:
+        check_nbytes(n, "n")
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= FLAG_MASK:
+            raise ValueError(f"value: expected an int in [0, 2**32), got {value!r}")
+        return SimFlags(self, n, value, label or f"flags#{next(self._flag_names)}")
+
+    def _own_flags(self, flags: Flags) -> SimFlags:
+        if not isinstance(flags, SimFlags) or flags._dev is not self:
+            raise ValueError(f"flags must be flags of this SimDevice, got {flags!r}")
+        return flags
+
+    def flag_write(self, flags: Flags, index: int, value: int, stream: Stream) -> None:
+        f, s = self._own_flags(flags), self._own(stream, "stream")
+        check_flag_op(f, index, value)
+        s._put(lambda: self._flag_apply(f, (FlagOp(True, index, value),)))
+
+    def flag_wait(self, flags: Flags, index: int, value: int, stream: Stream, *, geq: bool = False) -> None:
+        f, s = self._own_flags(flags), self._own(stream, "stream")
+        check_flag_op(f, index, value)
+        s._put(lambda: self._flag_apply(f, (FlagOp(False, index, value, bool(geq)),)))
+
+    def flag_batch(self, flags: Flags, ops) -> SimFlagBatch:
+        f = self._own_flags(flags)
+        return SimFlagBatch(f, check_flag_ops(f, ops))
+
+    def flag_run(self, batch: FlagBatch, stream: Stream) -> None:
+        if not isinstance(batch, SimFlagBatch) or batch.flags._dev is not self:
+            raise ValueError(f"batch must be a flag batch of this SimDevice, got {batch!r}")
+        s, f, ops = self._own(stream, "stream"), batch.flags, batch.ops  # the ops as of now
+        s._put(lambda: self._flag_apply(f, ops))
+
+    def _flag_apply(self, f: SimFlags, ops: tuple[FlagOp, ...]) -> None:
+        """Run on a stream's worker: the ops in order; a wait holds the worker (and so every later
+        item of its stream) until its word satisfies it or the device closes."""
+        words = f._words
+        with self._cv:
+            for op in ops:
+                if op.write:
+                    words[op.index] = op.value
+                    self._cv.notify_all()  # waits on this word re-check it
+                elif op.geq:
+                    self._cv.wait_for(lambda op=op: geq32(words[op.index], op.value) or self._closed)
+                else:
+                    self._cv.wait_for(lambda op=op: words[op.index] == op.value or self._closed)
 
     def synchronize(self) -> None:
         if self._closed:

@@ -14,6 +14,9 @@ store (`kvtier.store.KVStore`):
     job.wait_on(stream) / job.wait_layer(l, stream)  compute waits for a job (no host blocking)
     poll() / wait(job)                     settle completed jobs (never on a timeout)
     release(slot)                          retire a slot; freed once no copy uses it
+    layer_flags() -> LayerFlags            per-layer "landed" flags a CUDA graph waits on: a step
+                                           with loads arms them, its loads join (`flags=step`), the
+                                           seal sets flag l once layer l of every load landed
     close()                                wait for every job; the pool stays open
 
 The parts:
@@ -21,6 +24,7 @@ The parts:
     TransferEngine     the protocol: waits, events, tracker moves, settling   (engine.py)
     EngineConfig       every knob, checked once                                (config.py)
     SaveJob, LoadJob   the handles a save / load returns                       (jobs.py)
+    LayerFlags, FlagStep  the per-layer flags and one step's arming of them     (flags.py)
     SubmitTrace        an opt-in timer of each submit's phases                 (trace.py)
     Path, choose_path, parse_path  which copy path a job takes, and why        (paths.py)
     IdCheck            block ids checked once, at the entry                    (ids.py)
@@ -31,6 +35,7 @@ The parts:
 
 from kvtier.engine.config import EngineConfig
 from kvtier.engine.engine import TransferEngine
+from kvtier.engine.flags import FlagStep, LayerFlags
 from kvtier.engine.handoff import Handoff, HandoffJob, handoff
 from kvtier.engine.jobs import LoadJob, SaveJob
 from kvtier.engine.paths import Path, choose_path, parse_path
@@ -38,8 +43,10 @@ from kvtier.engine.trace import SubmitTrace
 
 __all__ = [
     "EngineConfig",
+    "FlagStep",
     "Handoff",
     "HandoffJob",
+    "LayerFlags",
     "LoadJob",
     "Path",
     "SaveJob",

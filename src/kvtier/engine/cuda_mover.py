@@ -118,10 +118,20 @@ class CudaMover:
             tr.mark("capture")
 
     def load(
-        self, path: Path, ids: CheckedIds, slot: Slot, stream: Stream, per_layer: bool, label: str, done=None
+        self,
+        path: Path,
+        ids: CheckedIds,
+        slot: Slot,
+        stream: Stream,
+        per_layer: bool,
+        label: str,
+        done=None,
+        mark=None,
     ) -> list[Event]:
         """Enqueue the load; return the events of layers 0..L-2 (the last, `done`, is recorded
-        on `stream` by the engine after this returns, or by a graph replay: as in `save`)."""
+        on `stream` by the engine after this returns, or by a graph replay: as in `save`).
+        mark: called with l right after layer l's copies were enqueued on `stream`, on the per-layer
+        kernel path only (the engine's flag writer); other paths land every layer at the end."""
         kv, raw = self.kv, stream.raw
         if path is Path.BATCH:  # addresses from the host's ids: no ids on the device at all
             batch.copy(kv, ids.ids, ids.last_valid, slot, raw, save=False)
@@ -135,6 +145,8 @@ class CudaMover:
                 events = []
                 for layer in range(kv.num_layers):
                     ops.scatter(kv, bid, slot.tensor, max_ctas=self.uva_ctas, layers=(layer, 1))
+                    if mark is not None:
+                        mark(layer)  # after the layer's copies on this stream: it has landed then
                     if layer < kv.num_layers - 1:
                         events.append(stream.record(f"{label}:layer{layer}"))  # layer `layer` has landed
                 return events
@@ -167,9 +179,11 @@ class CudaMover:
             tr.mark("capture")
         return []
 
-    def load_slots(self, ids: CheckedIds, counts, slots, stream: Stream, label: str) -> list[Event]:
+    def load_slots(
+        self, ids: CheckedIds, counts, slots, stream: Stream, label: str, mark=None
+    ) -> list[Event]:
         """Layer-major load of several slots (`TransferEngine.load_slots`): one UVA launch per
-        layer for all of them (ops/slots.py); return the events of layers 0..L-2."""
+        layer for all of them (ops/slots.py); return the events of layers 0..L-2. mark: as in `load`."""
         kv, raw = self.kv, stream.raw
         with torch.cuda.stream(raw):
             bid = trusted_block_ids(kv, ids.ids, True, ids.last_valid)  # one H2D, on `raw`
@@ -177,6 +191,8 @@ class CudaMover:
             events = []
             for layer in range(kv.num_layers):
                 scatter_slots(kv, src, max_ctas=self.uva_ctas, layers=(layer, 1))
+                if mark is not None:
+                    mark(layer)  # after the layer's copies of every slot: it has landed then
                 if layer < kv.num_layers - 1:  # the event: layer `layer` of every slot has landed
                     events.append(stream.record(f"{label}:layer{layer}"))
         return events

@@ -30,6 +30,7 @@ import warnings
 
 from kvtier.device.base import Device, Event, Stream
 from kvtier.engine.config import EngineConfig
+from kvtier.engine.flags import FlagStep, LayerFlags
 from kvtier.engine.ids import CheckedIds, IdCheck
 from kvtier.engine.jobs import LoadJob, SaveJob, _Job
 from kvtier.engine.movers import MoverContext
@@ -94,6 +95,7 @@ class TransferEngine:
         self._on_pressure = lambda _n: self.poll() > 0
         self._auto: dict[tuple[str, bool], Path] = {}  # (direction, per_layer) -> path of a job naming none
         self._trace: SubmitTrace | None = None
+        self._flags: LayerFlags | None = None  # `layer_flags()`, made on its first call
         on = os.environ.get("KVTIER_SUBMIT_TRACE", "").strip().lower() in ("1", "true", "yes", "on")
         self.trace = SubmitTrace() if on else None
 
@@ -146,6 +148,7 @@ class TransferEngine:
         num_tokens: int | None = None,
         per_layer: bool = True,
         path: str | None = None,
+        flags: FlagStep | None = None,
     ) -> LoadJob:
         """Copy the READY slot `slot` (a save job's `.slot`) into blocks `block_ids`.
 
@@ -153,6 +156,9 @@ class TransferEngine:
         per_layer: the job's `layer_events[l]` completes once layer l landed (on the kernel path a
             true event per layer; on the staged path every layer's event is the job's).
         num_tokens, path: as in `save`; tokens past num_tokens are left untouched in the cache.
+        flags: a step of this engine's `layer_flags()` (`LayerFlags.arm`): the job joins it, so its
+            layer l counts before the step's flag l is set (per layer where the path has per-layer
+            events, at the job's end otherwise). None: no flags.
         """
         t0 = time.perf_counter()
         ids = self._load_ids(slot, block_ids, num_tokens, per_layer)
@@ -164,14 +170,29 @@ class TransferEngine:
         with self._lock:
             k, waits = self._load_waits(slot, ids)
             e_load = self.device.new_event(f"e_load#{k}")
+            w = None if flags is None else self._join(flags)
             try:
-                layers = self.mover.load(p, ids, slot, self.load_stream, per_layer, f"e_load#{k}", e_load)
+                layers = self.mover.load(
+                    p,
+                    ids,
+                    slot,
+                    self.load_stream,
+                    per_layer,
+                    f"e_load#{k}",
+                    e_load,
+                    None if w is None else w.layer,
+                )
             except BaseException:
-                self._quiesce(self.load_stream)  # its enqueued copies must not outlive the error
+                self._failed_load(w)
                 raise
-            if e_load.stream is None:  # not recorded by a graph replay right after its copies
-                e_load.record(self.load_stream)  # after every copy: the blocks landed, the slot free
-            job = self._begin_load(ids, slot, e_load, waits, layers, p)
+            job = None
+            try:
+                if e_load.stream is None:  # not recorded by a graph replay right after its copies
+                    e_load.record(self.load_stream)  # after every copy: the blocks landed, the slot free
+                job = self._begin_load(ids, slot, e_load, waits, layers, p)
+            finally:
+                if w is not None:  # after e_load: a whole job's progress follows its last copy
+                    w.finish(None if job is None else job.layer_events)
         job.submit_s = time.perf_counter() - t0
         return job
 
@@ -241,7 +262,13 @@ class TransferEngine:
         return jobs
 
     def load_slots(
-        self, slots, block_ids, *, num_tokens: int | None = None, path: str | None = None
+        self,
+        slots,
+        block_ids,
+        *,
+        num_tokens: int | None = None,
+        path: str | None = None,
+        flags: FlagStep | None = None,
     ) -> list[LoadJob]:
         """Copy READY slots `slots` (each a chunk of whole blocks) into `block_ids` (slot by slot,
         in order) in one submission. One LoadJob per slot, sharing their layer events and e_load;
@@ -257,6 +284,7 @@ class TransferEngine:
             per_layer=False). "auto": the engine's rule for a per-layer load (`load_path`).
 
         block_ids: as many distinct ids as the slots hold blocks, together.
+        flags: a step of this engine's `layer_flags()`, as in `load` (per layer on the kernel path).
         """
         t0 = time.perf_counter()
         self._check_open()
@@ -285,31 +313,55 @@ class TransferEngine:
             k = next(self._seq)
             stream = self.load_stream
             waits = self._wait_all(stream, self.blocks.waits_for(Access.LOAD, ids, stream))
+            w = None if flags is None else self._join(flags)
             try:
                 if p is Path.KERNEL:
-                    layers = self.mover.load_slots(ids, counts, slots, stream, f"e_load#{k}")
+                    mark = None if w is None else w.layer
+                    layers = self.mover.load_slots(ids, counts, slots, stream, f"e_load#{k}", mark)
                 else:
                     self.mover.load_slots_whole(p, ids, counts, slots, stream, f"e_load#{k}")
                     layers = []
             except BaseException:
-                self._quiesce(stream)  # its enqueued layers must not outlive the error (they read the slots)
+                self._failed_load(w)  # its enqueued layers must not outlive the error (they read the slots)
                 raise
-            e_load = stream.record(f"e_load#{k}")
-            for s in slots:
-                self.slots.begin_read(s, e_load)  # each slot may be freed only after e_load
-            self.blocks.begin_load(ids, e_load, waited=waits)
-            events = [*layers, e_load] if layers else [e_load] * self._num_layers
-            jobs, at = [], 0
-            for s, c in zip(slots, counts, strict=True):
-                part = ids.ids[at : at + c]
-                job = LoadJob(self, s, e_load, part, s.nbytes, p._value_, 0.0, layer_events=events)
-                jobs.append(job)
-                at += c
-            self._jobs.extend(jobs)
+            events = None
+            try:
+                e_load = stream.record(f"e_load#{k}")
+                for s in slots:
+                    self.slots.begin_read(s, e_load)  # each slot may be freed only after e_load
+                self.blocks.begin_load(ids, e_load, waited=waits)
+                events = [*layers, e_load] if layers else [e_load] * self._num_layers
+                jobs, at = [], 0
+                for s, c in zip(slots, counts, strict=True):
+                    part = ids.ids[at : at + c]
+                    job = LoadJob(self, s, e_load, part, s.nbytes, p._value_, 0.0, layer_events=events)
+                    jobs.append(job)
+                    at += c
+                self._jobs.extend(jobs)
+            finally:
+                if w is not None:  # after e_load: a whole job's progress follows its last copy
+                    w.finish(events)
         spent = time.perf_counter() - t0
         for j in jobs:
             j.submit_s = spent / len(jobs)
         return jobs
+
+    def layer_flags(self) -> LayerFlags:
+        """This engine's per-layer "landed" flags (`kvtier.engine.flags`), made on the first call:
+        call it at start. A CUDA graph of the forward holds `flags.wait(layer)` per layer; a step
+        with loads arms them (`flags.arm(compute)`), passes the step to its loads (`flags=`), and
+        seals it."""
+        with self._lock:
+            if self._flags is None:
+                self._check_open()
+                self._flags = LayerFlags(
+                    self.device,
+                    self.load_stream,
+                    self._num_layers,
+                    sanitize=self.sanitize,
+                    name="kvtier-flags",
+                )
+            return self._flags
 
     def load_path(self, per_layer: bool = False) -> Path:
         """The path a load job with no `path=` of its own takes (`paths.py`)."""
@@ -374,6 +426,8 @@ class TransferEngine:
         if self._closed:
             return
         try:
+            if self._flags is not None:
+                self._flags.close()  # a step left armed is sealed: no wait on its flags blocks forever
             self.save_stream.synchronize()  # submitted is not done: the copies must land first
             self.load_stream.synchronize()
             self.mover.synchronize()
@@ -534,7 +588,9 @@ class TransferEngine:
         tr.end()
         return job
 
-    def _traced_load(self, slot, block_ids, *, num_tokens=None, per_layer=True, path=None) -> LoadJob:
+    def _traced_load(
+        self, slot, block_ids, *, num_tokens=None, per_layer=True, path=None, flags=None
+    ) -> LoadJob:
         tr, t0 = self._trace, time.perf_counter()
         tr.begin("load")
         ids = self._load_ids(slot, block_ids, num_tokens, per_layer)
@@ -547,16 +603,31 @@ class TransferEngine:
             k, waits = self._load_waits(slot, ids)
             tr.mark("tracker_wait")
             e_load = self.device.new_event(f"e_load#{k}")
+            w = None if flags is None else self._join(flags)
             try:
-                layers = self.mover.load(p, ids, slot, self.load_stream, per_layer, f"e_load#{k}", e_load)
+                layers = self.mover.load(
+                    p,
+                    ids,
+                    slot,
+                    self.load_stream,
+                    per_layer,
+                    f"e_load#{k}",
+                    e_load,
+                    None if w is None else w.layer,
+                )
             except BaseException:
-                self._quiesce(self.load_stream)  # its enqueued copies must not outlive the error
+                self._failed_load(w)
                 raise
             tr.mark("mover")
-            if e_load.stream is None:  # as in `load`
-                e_load.record(self.load_stream)  # after every copy: the blocks landed, the slot free
-            tr.mark("event")
-            job = self._begin_load(ids, slot, e_load, waits, layers, p)
+            job = None
+            try:
+                if e_load.stream is None:  # as in `load`
+                    e_load.record(self.load_stream)  # after every copy: the blocks landed, the slot free
+                tr.mark("event")
+                job = self._begin_load(ids, slot, e_load, waits, layers, p)
+            finally:
+                if w is not None:  # as in `load`
+                    w.finish(None if job is None else job.layer_events)
         job.submit_s = time.perf_counter() - t0
         tr.mark("tracker_begin")
         tr.end()
@@ -576,6 +647,19 @@ class TransferEngine:
                 self.slots.end_read(job.slot, job.event)  # e_load completed: the copy read it all
             job.settled = True
             self._jobs.remove(job)
+
+    def _join(self, step: FlagStep):
+        """A load joins `step` (the lock held): its flag writer. Checked before anything is enqueued."""
+        if self._flags is None or getattr(step, "flags", None) is not self._flags:
+            raise ValueError(f"flags: expected a step of this engine's layer_flags(), got {step!r}")
+        return self._flags._join(step, self.load_stream)
+
+    def _failed_load(self, w) -> None:
+        """A load submit failed: its enqueued copies finish before the error reaches the caller, and
+        a load that joined a step sets its progress all the same (the step's waits never block forever)."""
+        quiesced = self._quiesce(self.load_stream)  # its enqueued copies must not outlive the error
+        if w is not None:
+            w.fail(quiesced)
 
     def _quiesce(self, stream) -> bool:
         """After a failed submit: wait until nothing it may have enqueued is in flight (`stream`,

@@ -63,9 +63,18 @@ class SimMover:
             self.dev.copy(slot.tensor, dst, stream)  # the DMA, landing late
 
     def load(
-        self, path: Path, ids: CheckedIds, slot: Slot, stream: Stream, per_layer: bool, label: str, done=None
+        self,
+        path: Path,
+        ids: CheckedIds,
+        slot: Slot,
+        stream: Stream,
+        per_layer: bool,
+        label: str,
+        done=None,
+        mark=None,
     ) -> list[Event]:
-        """Enqueue the load; return the events of layers 0..L-2 (the engine records the last)."""
+        """Enqueue the load; return the events of layers 0..L-2 (the engine records the last).
+        mark: called with l right after layer l's copies, on the per-layer kernel path (as CudaMover)."""
         from kvtier.reference import scatter_ref
 
         if path is Path.BATCH:  # one batched copy: every layer's event is the job's
@@ -86,13 +95,17 @@ class SimMover:
             one = layer_kv(kv, layer)
             part = chunk[:, layer : layer + 1]
             self.dev.launch(lambda one=one, part=part: scatter_ref(one, t, part, tokens), stream)
+            if mark is not None:
+                mark(layer)  # after the layer's copies on this stream: it has landed then
             if layer < kv.num_layers - 1:
                 events.append(stream.record(f"{label}:layer{layer}"))  # layer `layer` has landed
         return events
 
-    def load_slots(self, ids: CheckedIds, counts, slots, stream: Stream, label: str) -> list[Event]:
+    def load_slots(
+        self, ids: CheckedIds, counts, slots, stream: Stream, label: str, mark=None
+    ) -> list[Event]:
         """Layer-major load of several slots (`TransferEngine.load_slots`): per layer one "kernel"
-        scattering that layer of every slot; return the events of layers 0..L-2."""
+        scattering that layer of every slot; return the events of layers 0..L-2. mark: as in `load`."""
         from kvtier.reference import scatter_ref
 
         kv, all_ids, parts, at = self.kv, torch.as_tensor(ids.ids), [], 0
@@ -110,6 +123,8 @@ class SimMover:
                     scatter_ref(one, i, chunk[:, layer : layer + 1], tokens)
 
             self.dev.launch(copy, stream)
+            if mark is not None:
+                mark(layer)  # after the layer's copies of every slot: it has landed then
             if layer < kv.num_layers - 1:
                 events.append(stream.record(f"{label}:layer{layer}"))  # layer `layer` of every slot landed
         return events

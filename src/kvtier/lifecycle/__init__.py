@@ -20,6 +20,11 @@ sanitizer on (`KVTIER_SANITIZE=1` or `sanitize=True`) every illegal move raises
 `LifecycleError` naming the buffer, its state, and the missing event; off, the moves are
 applied as asked — which is how the tests show each bug producing wrong data.
 
+Per-layer "landed" flags (`FlagTracker`, one per flag array; `kvtier.engine.flags` is the
+protocol): LANDED -arm-> ARMED(step) -seal-> SEALED(step) -> LANDED once the seal's event
+completed. Re-arming before a flag was set, on a stream not ordered after the seal, and a load or
+wait through a stale step's handle are the illegal moves (`flags.py`).
+
 Stale handles are refused with or without the sanitizer: a `Slot` carries its generation (its
 `id`, unique per allocation), and `PinnedPool.check(slot)` / `free(slot)` compare it in O(1) with
 the allocation that lives at its address now, raising `StaleSlotError` (a `LifecycleError`) for
@@ -28,6 +33,7 @@ a released, reused or foreign handle. The sanitizer adds the full state tracking
 
 from kvtier.lifecycle.blocks import MUST_FOLLOW, WHY, Access, BlockTracker
 from kvtier.lifecycle.errors import LifecycleError, StaleSlotError, sanitize_enabled
+from kvtier.lifecycle.flags import FlagState, FlagTracker
 from kvtier.lifecycle.slots import SLOT_MOVES, SlotState, SlotTracker
 
 __all__ = [
@@ -36,6 +42,8 @@ __all__ = [
     "WHY",
     "Access",
     "BlockTracker",
+    "FlagState",
+    "FlagTracker",
     "LifecycleError",
     "SlotState",
     "SlotTracker",

@@ -278,7 +278,14 @@ class KVStore:
         return cut, why
 
     def load(
-        self, tokens, block_ids, *, per_layer: bool = True, first_chunk: int = 0, path: str | None = None
+        self,
+        tokens,
+        block_ids,
+        *,
+        per_layer: bool = True,
+        first_chunk: int = 0,
+        path: str | None = None,
+        flags=None,
     ) -> LoadHandle:
         """Load the longest available chunk prefix of ``tokens`` (``[num_tokens]``) into
         ``block_ids`` (``[num_blocks]``, distinct GPU blocks of the request, in order; chunks
@@ -293,6 +300,9 @@ class KVStore:
         path: the engine's copy path for these loads (`kvtier.engine.paths`; None: the engine's
         own). A load running beside a forward (a split hit) passes "staged": its copies then hold
         no SM but the short scatters, where the per-layer kernel path would share the SMs.
+
+        flags: a step of the engine's `layer_flags()` (`kvtier.engine.flags`): every engine load of
+        this call joins it, so its flag l is set only once layer l of these chunks landed too.
 
         >>> h = store.load(range(100), range(20, 24), first_chunk=1)  # chunks 1 and 2
         >>> h.wait(5), h.tokens, h.tiers
@@ -321,9 +331,9 @@ class KVStore:
                     # first LEAD_CHUNKS host hits, whose copies overlap the walk's rest. Other
                     # host hits wait for a lower tier's chunk or the walk's end, and then go in
                     # one engine call.
-                    jobs += self._load_whole(got_all[len(jobs) :], ids, len(jobs), path, whole)
+                    jobs += self._load_whole(got_all[len(jobs) :], ids, len(jobs), path, whole, flags)
             if not layer_major and len(jobs) < len(got_all):
-                jobs += self._load_whole(got_all[len(jobs) :], ids, len(jobs), path, whole)
+                jobs += self._load_whole(got_all[len(jobs) :], ids, len(jobs), path, whole, flags)
         except BaseException:
             self._give_back(got_all[len(jobs) :])  # fetched, never submitted
             raise
@@ -336,9 +346,10 @@ class KVStore:
             try:
                 if len(got_all) > 1:
                     slots = [got.entry.slot for got in got_all]
-                    jobs = self.engine.load_slots(slots, ids[: len(got_all) * self.fmt.blocks])
+                    jobs = self.engine.load_slots(slots, ids[: len(got_all) * self.fmt.blocks], flags=flags)
                 else:  # one chunk: its own launch and event per layer
-                    jobs = [self.engine.load(got_all[0].entry.slot, self._chunk(ids, 0), path=path)]
+                    slot = got_all[0].entry.slot
+                    jobs = [self.engine.load(slot, self._chunk(ids, 0), path=path, flags=flags)]
             except BaseException:
                 self._give_back(got_all)  # nothing was submitted from the slots
                 raise
@@ -351,15 +362,15 @@ class KVStore:
         self._count(loads=1, load_tokens=handle.tokens, _call=("load", t0), **chunks)
         return handle
 
-    def _load_whole(self, taken: list[_Taken], ids, first: int, path, whole) -> list:
+    def _load_whole(self, taken: list[_Taken], ids, first: int, path, whole, flags=None) -> list:
         """Submit the chunks ``taken`` (chunk ``first`` on) in one engine call on path ``whole``
         (every layer's event the job's own): ``engine.load_slots``, or ``engine.load`` for one
         chunk (``path``: the caller's, None for the engine's own). Returns their jobs, tracked."""
         block = ids[first * self.fmt.blocks : (first + len(taken)) * self.fmt.blocks]
         if len(taken) == 1:
-            jobs = [self.engine.load(taken[0].entry.slot, block, per_layer=False, path=path)]
+            jobs = [self.engine.load(taken[0].entry.slot, block, per_layer=False, path=path, flags=flags)]
         else:
-            jobs = self.engine.load_slots([got.entry.slot for got in taken], block, path=whole)
+            jobs = self.engine.load_slots([got.entry.slot for got in taken], block, path=whole, flags=flags)
         # Their pins drop (temporary slots go back) only once e_load completed.
         self._track_many([(job, got.entry, got.kind) for job, got in zip(jobs, taken, strict=True)])
         return jobs

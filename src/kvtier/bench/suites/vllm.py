@@ -28,6 +28,9 @@ head_size 128, bf16, 16-token blocks; 8K and 32K tokens, 32 and 128 chunks of 16
   or of every layer in a B-first order), with `submit_us` its CPU time to submit.
 - ttft_hit / ttft_recompute / forward_beside_save: the hooks beside a Llama forward
   (`vllm_rows.py`).
+- ttft_hit_full_graph / decode_full_graph (LBHNC, BLHNC): the same hit with the whole forward as
+  one CUDA graph waiting per layer on the engine's landed flags, against the piecewise hit in
+  the same run, and what the waits cost a decode step that loads nothing (`vllm_graphs.py`).
 - The save, load and ttft_hit rows run the connector's default settings (`layerwise: true`: loads
   on the engine's layer-major path, a true event per layer); load_whole / ttft_hit_whole run the
   same request with `layerwise: false` (whole-job DMA loads: staged, or batch in a B-first order,
@@ -53,6 +56,7 @@ import torch
 from kvtier import layout
 from kvtier.bench.suite import Context, GiB, register
 from kvtier.bench.suites.vllm_failover import killed_row
+from kvtier.bench.suites.vllm_graphs import full_graph_rows
 
 LLAMA = dict(L=32, H=8, D=128, N=16, dtype=torch.bfloat16)  # Llama-3-8B's KV
 TINY = dict(L=2, H=2, D=16, N=16, dtype=torch.bfloat16)
@@ -381,6 +385,7 @@ def vllm(ctx: Context):
                     yield from _kernel_rows(ctx, r, label, params)
                 if fwd is not None:
                     yield from fwd.hit_row(r, label, params)
+                    yield from full_graph_rows(ctx, fwd, r, label, params, tokens == token_counts[0])
                     if tokens == token_counts[0]:
                         yield from fwd.beside_save_row(r, label, params)
             finally:
