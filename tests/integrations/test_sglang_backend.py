@@ -233,7 +233,7 @@ def test_bad_calls_are_misses_not_exceptions(tmp_path):
         ({"tiers": ["redis"]}, "redis_url"),
         ({"tiers": ["tape"], "disk_path": "/x"}, "tiers"),
         ({"tiers": "disk", "disk_path": "/x"}, "tiers"),
-        ({"disk_path": "/x", "io_thread": 2}, "unknown keys"),
+        ({"disk_path": "/x", "io_thread": 2}, "unknown settings"),
         ({"disk_path": "/x", "io_threads": 0}, "io_threads"),
         ({"disk_path": "/x", "redis_ttl_s": -1}, "redis_ttl_s"),
     ],
