@@ -392,3 +392,23 @@ def test_concurrent_backups_load_whole_or_miss(tmp_path, redis_server):  # noqa:
             assert not ok or whole, f"round {r}: page {i} was loaded mixed from two writes"
     for be in (*(be for be, _ in servers), reader):
         be.close()
+
+
+def test_a_redis_that_does_not_answer_is_a_warning_at_start(tmp_path, caplog):
+    import logging
+
+    from store_redis_fixtures import free_port
+
+    port = free_port()  # nothing listens there
+    url = f"redis://:hunter2@127.0.0.1:{port}/0"
+    pool = _mha_pool("page_first")
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        be = _attach(_config(tmp_path, tiers=["disk", "redis"], redis_url=url), pool)
+    warnings = [r.getMessage() for r in caplog.records if "at start" in r.getMessage()]
+    assert len(warnings) == 1 and f"redis://:***@127.0.0.1:{port}/0" in warnings[0]
+    assert "hunter2" not in caplog.text
+    src = pool.alloc(2 * PAGE)
+    assert be.batch_set_v1(["w0", "w1"], src) == [True, True]  # the disk tier holds them
+    assert be.batch_exists(["w0", "w1"]) == 2
+    assert be.stats()["tiers"]["redis"]["write_skipping"] == 1  # Redis: a miss at once, no timeout paid
+    be.close()
