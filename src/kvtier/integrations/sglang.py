@@ -10,8 +10,10 @@ SGLang's cache controller builds it through its dynamic backend factory::
 
 and then calls, from its prefetch and backup threads (settings: ``sglang_settings``):
 
-    KVTierHiCache(storage_config, kwargs)         tiers built and checked; bad settings raise here
-    register_mem_pool_host(pool)                  the host pool whose pages move; its page shape
+    KVTierHiCache(storage_config, kwargs)         settings checked, tiers built; bad settings raise
+                                                  here, a Redis that does not answer is a warning
+    register_mem_pool_host(pool)                  the host pool whose pages move; its page shape and
+                                                  the KV dtype the model runs
     batch_exists(keys, extra_info) -> int         pages present from the start: one round trip per tier
     batch_set_v1(keys, host_indices, extra_info)  pages written from the pool in place -> list[bool]
     batch_get_v1(keys, host_indices, extra_info)  pages read into the pool in place -> list[bool]
