@@ -73,26 +73,30 @@ def test_sizes_take_bytes_or_a_unit_exactly(value, nbytes):
 
 
 @pytest.mark.parametrize("value", ["4G", "4M", "4GiBs", "1.5B", "-1GiB", "GiB", "", True, 1.5, [4], None])
-def test_sizes_refused_name_the_setting_and_the_format(value):
+def test_sizes_refused_name_the_setting_and_the_format(value, tmp_path):
     msg = refused(lambda: vllm(host_bytes=value), f"{VLLM}['host_bytes']", "'512MiB'")
     assert repr(value) in msg
-    refused(lambda: sglang(disk_path="/tmp", redis_part_bytes=value), "extra_config['redis_part_bytes']")
+    refused(
+        lambda: sglang(disk_path=str(tmp_path), redis_part_bytes=value), "extra_config['redis_part_bytes']"
+    )
 
 
-def test_sizes_below_their_minimum_and_zero_are_refused():
+def test_sizes_below_their_minimum_and_zero_are_refused(tmp_path):
     refused(lambda: vllm(host_bytes=0), f"{VLLM}['host_bytes']=0")
     refused(lambda: vllm(disk_bytes="0GiB"), f"{VLLM}['disk_bytes']='0GiB'")
-    refused(lambda: sglang(disk_path="/tmp", redis_part_bytes="1KiB"), "redis_part_bytes", "4096")
-    be = sglang(disk_path="/tmp", redis_part_bytes="8MiB", gather_below_bytes="0KiB")
+    refused(lambda: sglang(disk_path=str(tmp_path), redis_part_bytes="1KiB"), "redis_part_bytes", "4096")
+    be = sglang(disk_path=str(tmp_path / "kv"), redis_part_bytes="8MiB", gather_below_bytes="0KiB")
     assert be.settings.redis_part_bytes == 8 << 20 and be.settings.gather_below_bytes == 0
     be.close()
 
 
 @pytest.mark.parametrize("value", [float("inf"), float("nan")])
-def test_seconds_and_capacities_are_finite(value):
+def test_seconds_and_capacities_are_finite(value, tmp_path):
     refused(lambda: vllm(prefetch_timeout_s=value), f"{VLLM}['prefetch_timeout_s']")
-    refused(lambda: sglang(disk_path="/tmp", redis_timeout_s=value), "extra_config['redis_timeout_s']")
-    refused(lambda: sglang(disk_path="/tmp", disk_capacity_gb=value), "extra_config['disk_capacity_gb']")
+    refused(lambda: sglang(disk_path=str(tmp_path), redis_timeout_s=value), "extra_config['redis_timeout_s']")
+    refused(
+        lambda: sglang(disk_path=str(tmp_path), disk_capacity_gb=value), "extra_config['disk_capacity_gb']"
+    )
 
 
 # -- disk_path ----------------------------------------------------------------------------------

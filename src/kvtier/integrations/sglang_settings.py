@@ -8,7 +8,7 @@ except the keys SGLang itself reads from the same dict.
 
     tiers                ["disk"], ["redis"] or ["disk", "redis"]: read in this order, written to all
     disk_path            directory of the disk tier (required with "disk"): exists and writable,
-                         or can be created
+                         or can be created (checked when the tiers are built, not for tiers given)
     disk_capacity_gb     bytes the disk tier may hold, in GB of 10**9 bytes (default 64)
     disk_o_direct        bypass the page cache where the filesystem allows (default true)
     disk_fsync           each put durable before it reports success (default true)
@@ -73,14 +73,14 @@ class HiCacheSettings:
         if bad or len(set(tiers)) != len(tiers):
             raise ValueError(f"{_name('tiers')} must hold each of {TIER_NAMES} at most once, got {tiers!r}")
         put("tiers", tuple(tiers))
-        if "disk" in tiers:
-            if self.disk_path is None:
-                raise ValueError(f"{_name('disk_path')} must name a directory with tier 'disk'")
-            check.disk_dir(self.disk_path, _name("disk_path"))
-        if "redis" in tiers:
-            if self.redis_url is None:
-                raise ValueError(f"{_name('redis_url')} must be a redis:// URL with tier 'redis'")
-            check.redis_url(self.redis_url, _name("redis_url"))
+        if "disk" in tiers and (not isinstance(self.disk_path, str) or not self.disk_path):
+            raise ValueError(
+                f"{_name('disk_path')} must name a directory with tier 'disk', got {self.disk_path!r}"
+            )
+        if "redis" in tiers and (not isinstance(self.redis_url, str) or not self.redis_url):
+            raise ValueError(
+                f"{_name('redis_url')} must be a redis:// URL with tier 'redis', got {self.redis_url!r}"
+            )
         gb = check.positive(self.disk_capacity_gb, _name("disk_capacity_gb"), "GB")
         check.byte_size(int(gb * 1e9), f"{_name('disk_capacity_gb')}={gb!r} GB")
         check.seconds(self.redis_timeout_s, _name("redis_timeout_s"))
@@ -114,13 +114,22 @@ class HiCacheSettings:
         check.refuse_unknown({k: v for k, v in extra.items() if k not in SGLANG_KEYS}, known, "extra_config")
         return cls(**{k: v for k, v in extra.items() if k in known})
 
+    def check_locations(self) -> None:
+        """``disk_path`` (a writable directory, or one that can be created) and ``redis_url`` (a
+        URL redis-py takes) of the tiers named, before any is built."""
+        if "disk" in self.tiers:
+            check.disk_dir(self.disk_path, _name("disk_path"))
+        if "redis" in self.tiers:
+            check.redis_url(self.redis_url, _name("redis_url"))
+
     def make_tiers(self) -> list:
-        """The tiers, in read order (a tier built before a failing one is closed again). A Redis
-        server or cluster that does not answer is a warning here (``RedisTier``), not an error:
-        the tier runs as a miss until it answers."""
+        """The tiers, in read order, once ``check_locations`` passed (a tier built before a
+        failing one is closed again). A Redis server or cluster that does not answer is a warning
+        here (``RedisTier``), not an error: the tier runs as a miss until it answers."""
         from kvtier.store.disk import DiskTier
         from kvtier.store.redis_tier import RedisTier
 
+        self.check_locations()
         out = []
         try:
             for name in self.tiers:

@@ -58,7 +58,8 @@ class PendingCluster:
         return self._client
 
     def __getattr__(self, name: str):
-        return getattr(self.connect(), name)
+        client = self._client  # once made, no lock: every call of the tier comes through here
+        return getattr(client if client is not None else self.connect(), name)
 
     def close(self) -> None:
         if self._client is not None:
