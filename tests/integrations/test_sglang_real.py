@@ -412,3 +412,23 @@ def test_a_redis_that_does_not_answer_is_a_warning_at_start(tmp_path, caplog):
     assert be.batch_exists(["w0", "w1"]) == 2
     assert be.stats()["tiers"]["redis"]["write_skipping"] == 1  # Redis: a miss at once, no timeout paid
     be.close()
+
+
+@pytest.mark.parametrize(
+    "served, want",
+    [
+        ("fp8_e4m3", "float8_e4m3fn"),
+        (
+            "auto",
+            "float8_e4m3fn",
+        ),  # a uint8 pool under "auto": an fp8 checkpoint's KV, which SGLang runs in e4m3
+        ("fp8_e5m2", "float8_e5m2"),
+        ("mxfp8", "uint8:mxfp8"),
+    ],
+)
+def test_the_kv_dtype_of_a_uint8_pool_is_what_the_server_runs(monkeypatch, served, want):
+    from kvtier.integrations.sglang_dtype import kv_dtype
+
+    _serving(monkeypatch, served)
+    assert kv_dtype(types.SimpleNamespace(dtype=torch.uint8)) == want
+    assert kv_dtype(types.SimpleNamespace(dtype=torch.bfloat16)) == "bfloat16"  # stored as run
