@@ -233,6 +233,55 @@ def test_under_sglang_failure_injector(tmp_path):
     be.close()
 
 
+# -- SGLang's HiCacheController: its backup thread is what writes pages in a server --------------
+
+
+class _DevicePool:
+    """What ``HiCacheController`` reads of the device KV pool when only its storage (L3) runs."""
+
+    device, layer_num = "cpu", L
+
+    def register_layer_transfer_counter(self, counter) -> None:
+        self.counter = counter
+
+
+class _Allocator:
+    def __init__(self) -> None:
+        self.kv = _DevicePool()
+
+    def get_kvcache(self):
+        return self.kv
+
+
+def _controller(cfg, pool):
+    """SGLang's ``HiCacheController`` over ``pool``, its backend made by the dynamic factory from
+    ``cfg``'s extra_config and its storage threads started (one rank: no process group)."""
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.runtime_context import get_parallel
+
+    ranks = dict(
+        tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0
+    )
+    with get_parallel().override(**ranks):  # what a server publishes before it builds the controller
+        return HiCacheController(
+            _Allocator(),
+            pool,
+            PAGE,
+            None,
+            threading.Event(),
+            storage_backend="dynamic",
+            model_name=cfg.model_name,
+            storage_backend_extra_config=dict(cfg.extra_config),
+            enable_storage_metrics=True,
+        )
+
+
+def _backup(controller, keys: list[str], indices) -> int:
+    """``keys``' pages at ``indices`` through the controller's backup thread; tokens it stored."""
+    controller.write_storage(indices, list(range(len(indices))), hash_value=keys)
+    return controller.ack_backup_queue.get(timeout=60).completed_tokens  # bounded: a dead thread fails
+
+
 # -- the KV dtype the model runs: SGLang keeps fp8_e4m3 and fp8_e5m2 pools alike as uint8 ----------
 
 
@@ -255,12 +304,14 @@ def _fp8_server(tmp_path, monkeypatch, kv_cache_dtype: str):
 
 def test_fp8_formats_never_load_each_others_pages(tmp_path, monkeypatch):
     keys = ["f0", "f1", "f2"]
-    e4m3, pool = _fp8_server(tmp_path, monkeypatch, "fp8_e4m3")
+    _serving(monkeypatch, "fp8_e4m3")
+    pool = _mha_pool("page_first", torch.uint8)
+    e4m3 = _controller(_config(tmp_path), pool)  # a server: its backup thread writes the pages
     src = pool.alloc(3 * PAGE)
     pool.kv_buffer.view(torch.uint8).random_()
     want = _pages(pool, src)
-    assert e4m3.batch_set_v1(keys, src) == [True] * 3
-    e4m3.close()
+    assert _backup(e4m3, keys, src) == 3 * PAGE
+    e4m3.detach_storage_backend()
 
     e5m2, pool = _fp8_server(tmp_path, monkeypatch, "fp8_e5m2")  # the same tiers, the other format
     assert e5m2.batch_exists(keys) == 0
@@ -325,25 +376,32 @@ class _WritesBetweenPieces:
         return getattr(self.tier, name)
 
 
-def _redis_server_backend(tmp_path, url: str):
+def _redis_config(tmp_path, url: str):
+    return _config(tmp_path, tiers=["redis"], redis_url=url, redis_timeout_s=5.0)
+
+
+def _redis_server(tmp_path, url: str):
+    """A server backing up into the Redis at ``url``: its controller, and its pool of random pages."""
     pool = _mha_pool("page_first")
     pool.kv_buffer.view(torch.uint8).random_()
-    return _attach(_config(tmp_path, tiers=["redis"], redis_url=url, redis_timeout_s=5.0), pool), pool
+    return _controller(_redis_config(tmp_path, url), pool), pool
 
 
 @pytest.mark.redis
 def test_a_page_of_two_interleaved_writers_is_a_miss(tmp_path, redis_server):  # noqa: F811
-    a, pa = _redis_server_backend(tmp_path, redis_server.url)
-    b, pb = _redis_server_backend(tmp_path, redis_server.url)
-    reader, pr = _redis_server_backend(tmp_path, redis_server.url)
-    assert not a.shape.gathered and len(a.shape.sizes) == 2  # K and V of a page: a chunk each
+    a, pa = _redis_server(tmp_path, redis_server.url)
+    b, pb = _redis_server(tmp_path, redis_server.url)
+    pr = _mha_pool("page_first")
+    reader = _attach(_redis_config(tmp_path, redis_server.url), pr)
+    assert not reader.shape.gathered and len(reader.shape.sizes) == 2  # K and V of a page: a chunk each
     src_a, src_b = pa.alloc(PAGE), pb.alloc(PAGE)
     want_a, want_b = _pages(pa, src_a)[0], _pages(pb, src_b)[0]
     assert not torch.equal(want_a, want_b)  # the same page key, other bytes (another GPU's numerics)
-    direct = a.tiers[0]
-    a.tiers[0] = _WritesBetweenPieces(direct, lambda: b.batch_set_v1(["page"], src_b))
-    a.batch_set_v1(["page"], src_a)  # A's K first, then B's whole page, then A's V
-    a.tiers[0] = direct
+    backend = a.storage_backend
+    direct = backend.tiers[0]
+    backend.tiers[0] = _WritesBetweenPieces(direct, lambda: _backup(b, ["page"], src_b))
+    _backup(a, ["page"], src_a)  # A's K first, then B's whole backup of the page, then A's V
+    backend.tiers[0] = direct
 
     dst = pr.alloc(PAGE)
     pr.kv_buffer.view(torch.uint8).fill_(0x5A)
@@ -355,43 +413,36 @@ def test_a_page_of_two_interleaved_writers_is_a_miss(tmp_path, redis_server):  #
     assert got == [False] and reader.stats()["redis_pages_mixed"] == 1
     # dropped: the next backup stores it whole, and it loads whole
     assert reader.batch_exists(["page"]) == 0
-    assert a.batch_set_v1(["page"], src_a) == [True]
+    assert _backup(a, ["page"], src_a) == PAGE
     assert reader.batch_get_v1(["page"], dst) == [True] and torch.equal(_pages(pr, dst)[0], want_a)
-    for be in (a, b, reader):
-        be.close()
-
-
-def _backup(start: threading.Barrier, be, keys: list[str], src) -> None:
-    start.wait()  # both servers' backups of the same pages go out together
-    be.batch_set_v1(keys, src)
+    for c in (a, b):
+        c.detach_storage_backend()
+    reader.close()
 
 
 @pytest.mark.redis
 def test_concurrent_backups_load_whole_or_miss(tmp_path, redis_server):  # noqa: F811
-    servers = [_redis_server_backend(tmp_path, redis_server.url) for _ in range(2)]
-    reader, pr = _redis_server_backend(tmp_path, redis_server.url)
-    n = 6
+    servers = [_redis_server(tmp_path, redis_server.url) for _ in range(2)]
+    pr = _mha_pool("page_first")
+    reader = _attach(_redis_config(tmp_path, redis_server.url), pr)
+    n = 7  # pages a backup (a pool holds 15)
     srcs = [pool.alloc(n * PAGE) for _, pool in servers]
     wants = [_pages(pool, src) for (_, pool), src in zip(servers, srcs, strict=True)]
     dst = pr.alloc(n * PAGE)
-    for r in range(8):
+    for r in range(16):
         keys = [f"r{r}p{i}" for i in range(n)]
-        start = threading.Barrier(len(servers))
-        threads = [
-            threading.Thread(target=_backup, args=(start, be, keys, src))
-            for (be, _), src in zip(servers, srcs, strict=True)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()  # both backups done before the read that judges them
+        for (c, _), src in zip(servers, srcs, strict=True):  # both backup threads write the same pages
+            c.write_storage(src, list(range(n * PAGE)), hash_value=keys)
+        for c, _ in servers:
+            c.ack_backup_queue.get(timeout=60)  # both backups done before the read that judges them
         pr.kv_buffer.view(torch.uint8).fill_(0x5A)
         got = reader.batch_get_v1(keys, dst)
         for i, (ok, page) in enumerate(zip(got, _pages(pr, dst), strict=True)):
             whole = any(torch.equal(page, w[i]) for w in wants)
             assert not ok or whole, f"round {r}: page {i} was loaded mixed from two writes"
-    for be in (*(be for be, _ in servers), reader):
-        be.close()
+    for c, _ in servers:
+        c.detach_storage_backend()
+    reader.close()
 
 
 def test_a_redis_that_does_not_answer_is_a_warning_at_start(tmp_path, caplog):
