@@ -53,18 +53,27 @@ def free_port(with_bus: bool = False) -> int:
 
 
 class RedisServer:
-    """One redis-server process; ``kill`` and ``restart`` keep the port (and lose the data)."""
+    """One redis-server process; ``kill`` and ``restart`` keep the port (and lose the data).
+    password: the server's ``requirepass`` (its ``url`` then carries it)."""
 
-    def __init__(self, workdir: Path, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        port: int | None = None,
+        extra_args: tuple[str, ...] = (),
+        password: str | None = None,
+    ) -> None:
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port if port is not None else free_port(with_bus="--cluster-enabled" in extra_args)
-        self.extra_args = extra_args
+        self.password = password
+        self.extra_args = extra_args + (("--requirepass", password) if password else ())
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         args = [
@@ -100,8 +109,9 @@ class RedisServer:
         raise RuntimeError(f"redis-server on port {self.port} did not answer within {timeout_s}s")
 
     def cli(self, *args: str, check: bool = True, timeout_s: float = 10.0) -> str:
+        auth = ["-a", self.password, "--no-auth-warning"] if self.password else []
         done = subprocess.run(
-            [REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), *args],
+            [REDIS_CLI, "-h", "127.0.0.1", "-p", str(self.port), *auth, *args],
             capture_output=True,
             text=True,
             timeout=timeout_s,

@@ -81,9 +81,12 @@ class Pool:
 
 def _backend(tiers, layout="page_first", *, pool=None, extra=None, **cfg) -> tuple[KVTierHiCache, Pool]:
     # the test pools' pages are small: page-first pieces (768 B) in place, per-layer ones gathered
-    extra = {"interface_v1": 1, "tiers": ["disk"], "disk_path": "/unused", "gather_below_bytes": 512} | (
-        extra or {}
-    )
+    extra = {
+        "interface_v1": 1,
+        "tiers": ["disk"],
+        "disk_path": "/unused: tiers given",
+        "gather_below_bytes": 512,
+    } | (extra or {})
     be = KVTierHiCache(Cfg(extra_config=extra, **cfg), {}, tiers=tiers)
     pool = pool or Pool(layout, mla=cfg.get("is_mla_model", False))
     be.register_mem_pool_host(pool)
@@ -231,11 +234,11 @@ def test_bad_calls_are_misses_not_exceptions(tmp_path):
     [
         ({"tiers": ["disk"]}, "disk_path"),
         ({"tiers": ["redis"]}, "redis_url"),
-        ({"tiers": ["tape"], "disk_path": "/x"}, "tiers"),
-        ({"tiers": "disk", "disk_path": "/x"}, "tiers"),
-        ({"disk_path": "/x", "io_thread": 2}, "unknown keys"),
-        ({"disk_path": "/x", "io_threads": 0}, "io_threads"),
-        ({"disk_path": "/x", "redis_ttl_s": -1}, "redis_ttl_s"),
+        ({"tiers": ["tape"], "disk_path": "/never-built"}, "tiers"),
+        ({"tiers": "disk", "disk_path": "/never-built"}, "tiers"),
+        ({"disk_path": "/never-built", "io_thread": 2}, "unknown settings"),
+        ({"disk_path": "/never-built", "io_threads": 0}, "io_threads"),
+        ({"disk_path": "/never-built", "redis_ttl_s": -1}, "redis_ttl_s"),
     ],
 )
 def test_settings_are_checked_at_construction(extra, match):

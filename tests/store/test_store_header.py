@@ -25,8 +25,20 @@ def test_round_trip(algo):
     assert h.payload_len == len(PAYLOAD)
 
 
-def test_any_flipped_bit_or_truncation_is_detected():
-    packed = make().pack()
+def test_group_round_trips_and_no_group_packs_as_before():
+    h = make()
+    g = ChunkHeader.for_payload(KEY, PAYLOAD, h.shape, h.dtype, h.layout, group=2**64 - 1)
+    packed = g.pack()
+    assert len(packed) == len(h.pack()) + 8 and ChunkHeader.unpack(packed)[0] == g
+    assert ChunkHeader.unpack(h.pack())[0].group == 0  # a header without a group reads as before
+    for bad in (-1, 2**64, True, 1.0):
+        with pytest.raises(ValueError, match="group"):
+            ChunkHeader.for_payload(KEY, PAYLOAD, h.shape, h.dtype, h.layout, group=bad)
+
+
+@pytest.mark.parametrize("group", [0, 12345])
+def test_any_flipped_bit_or_truncation_is_detected(group):
+    packed = ChunkHeader.for_payload(KEY, PAYLOAD, (2, 4), "bfloat16", "vllm_flash", group=group).pack()
     for i in range(len(packed)):
         for bit in (0, 7):
             bad = bytearray(packed)

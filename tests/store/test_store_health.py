@@ -39,6 +39,17 @@ def test_opens_after_n_consecutive_failures_and_probes_after_cooldown():
     assert not b.is_open and b.allow() and b.allow()
 
 
+def test_trip_opens_at_once_and_a_probe_closes_it():
+    clock = Clock()
+    b = CircuitBreaker(failure_threshold=3, cooldown_s=10.0, clock=clock)
+    b.trip()  # a tier found down at start
+    assert b.is_open and not b.allow() and b.trips == 1
+    clock.t = 10.0
+    assert b.allow()  # the probe
+    b.record_success()
+    assert not b.is_open and b.allow()
+
+
 def test_breaker_arguments():
     with pytest.raises(ValueError, match="failure_threshold"):
         CircuitBreaker(failure_threshold=0)

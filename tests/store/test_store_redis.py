@@ -1,6 +1,11 @@
-"""RedisTier against a real redis-server: split chunks, sharing, corruption, kill/restart, slow, full."""
+"""RedisTier against a real redis-server: split chunks, sharing, corruption, kill/restart, slow,
+full; its URL checked when made, a server that does not answer at start a warning (password
+masked), passwords and TLS as redis-py takes them."""
 
+import logging
 import os
+import shutil
+import subprocess
 import threading
 import time
 
@@ -11,7 +16,14 @@ from kvtier.store.header import ChunkHeader
 from kvtier.store.redis_tier import RedisTier
 from kvtier.store.tier import DestTooSmall, Tier
 
-from store_redis_fixtures import redis_server  # noqa: F401  (a fixture)
+from store_redis_fixtures import (  # noqa: F401  (redis_server: a fixture)
+    REDIS_SERVER,
+    RedisClusterProcs,
+    RedisServer,
+    free_port,
+    needs_redis,
+    redis_server,
+)
 
 pytestmark = pytest.mark.redis
 
@@ -202,3 +214,172 @@ def test_arguments(redis_server):  # noqa: F811
     tier = RedisTier(url=redis_server.url)
     with pytest.raises(ValueError, match="key"):
         tier.get(b"k")
+
+
+@pytest.mark.parametrize(
+    "url, what",
+    [
+        ("http://127.0.0.1:6379/0", "scheme"),
+        ("redis://127.0.0.1:sixty/0", "port"),
+        ("redis://127.0.0.1:70000/0", "port"),
+        ("redis://my cache:6379/0", "host"),
+        ("redis://:6379/0", "host"),
+        ("redis://127.0.0.1:6379/-1", "db index"),
+        ("redis://127.0.0.1:6379/zero", "db index"),
+        ("redis://127.0.0.1:6379/0?db=x", "db"),
+        ("unix://", "socket"),
+    ],
+)
+def test_a_bad_url_is_refused_when_made_naming_it(url, what):
+    with pytest.raises(ValueError, match=f"url=.*{what}"):
+        RedisTier(url=url)
+
+
+def test_errors_and_url_mask_the_password():
+    with pytest.raises(ValueError) as err:
+        RedisTier(url="redis://admin:hunter2@127.0.0.1:port/0")
+    assert "hunter2" not in str(err.value) and "redis://admin:***@127.0.0.1:port/0" in str(err.value)
+    with pytest.raises(ValueError) as err:
+        RedisTier(url="http://127.0.0.1/0?password=hunter2")
+    assert "hunter2" not in str(err.value) and "password=***" in str(err.value)
+
+
+def _start_warnings(caplog) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and "at start" in r.getMessage()
+    ]
+
+
+@needs_redis
+def test_no_server_at_start_is_a_warning_then_it_reconnects(tmp_path, caplog):
+    port = free_port()
+    url = f"redis://:hunter2@127.0.0.1:{port}/0"
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        tier = RedisTier(url=url, timeout_s=1.0, cooldown_s=0.3)  # nothing listens there yet
+    (warning,) = _start_warnings(caplog)
+    assert f"redis://:***@127.0.0.1:{port}/0" in warning and "ConnectionError" in warning
+    assert "hunter2" not in caplog.text and tier.url == f"redis://:***@127.0.0.1:{port}/0"
+    key, header, payload = chunk(3)
+    assert not tier.put(key, header, payload) and tier.get(key) is None
+    s = tier.stats()  # both skipped by the open breakers: a miss at once, no connection tried
+    assert s["read_skipping"] == 1 and s["write_skipping"] == 1 and s["errors_skipped"] == 2
+    server = RedisServer(tmp_path / "late", port=port, password="hunter2").start()
+    try:
+        deadline = time.monotonic() + 10
+        while not tier.put(key, header, payload):  # each try past the cooldown is the breaker's probe
+            assert time.monotonic() < deadline, "the tier did not reconnect to a server that came up"
+            time.sleep(0.1)  # the breaker's cooldown, not a guess at the server's start
+        assert bytes(tier.get(key).payload) == payload
+    finally:
+        server.stop()
+
+
+@needs_redis
+def test_wrong_password_or_db_at_start_is_a_warning_and_a_miss(tmp_path, caplog):
+    server = RedisServer(tmp_path / "auth", password="s3cret").start()
+    base = f"127.0.0.1:{server.port}"
+    try:
+        for url, what in (
+            (f"redis://:wrong@{base}/0", "AuthenticationError"),
+            (f"redis://{base}/0", "AuthenticationError"),  # no password for a server that wants one
+            (f"redis://:s3cret@{base}/99", "DB index is out of range"),
+        ):
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="kvtier"):
+                tier = RedisTier(url=url)
+            (warning,) = _start_warnings(caplog)
+            assert what in warning and "s3cret" not in caplog.text and "wrong" not in caplog.text
+            key, header, payload = chunk(4)
+            assert not tier.put(key, header, payload) and tier.get(key) is None
+            tier.close()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvtier"):
+            tier = RedisTier(url=server.url)  # the right password, as redis-py takes it in the URL
+        assert not _start_warnings(caplog)
+        key, header, payload = chunk(5, 20_000)
+        assert tier.put(key, header, payload) and bytes(tier.get(key).payload) == payload
+        assert tier.url == f"redis://:***@{base}/0"
+        tier.close()
+    finally:
+        server.stop()
+
+
+def _tls_files(d) -> dict[str, str]:
+    """A CA and a server certificate for 127.0.0.1, made with openssl."""
+
+    def run(*args: str) -> None:
+        subprocess.run(
+            ["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60, stdin=subprocess.DEVNULL
+        )
+
+    key = ("-newkey", "rsa:2048", "-nodes", "-days", "1")
+    run("req", "-x509", *key, "-keyout", "ca.key", "-out", "ca.crt", "-subj", "/CN=kvtier-test-ca")
+    run("req", *key, "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
+    (d / "san.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
+    run(
+        "x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "server.crt", "-days", "1", "-extfile", "san.cnf",
+    )  # fmt: skip
+    return {name: str(d / name) for name in ("ca.crt", "server.crt", "server.key")}
+
+
+@needs_redis
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not on PATH")
+def test_rediss_with_a_password_works_as_redis_py_takes_it(tmp_path, caplog):
+    files = _tls_files(tmp_path)
+    port = free_port()
+    proc = subprocess.Popen(
+        [REDIS_SERVER, "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--tls-cert-file", files["server.crt"], "--tls-key-file", files["server.key"],
+         "--tls-ca-cert-file", files["ca.crt"], "--tls-auth-clients", "no", "--requirepass", "t1s",
+         "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    url = f"rediss://:t1s@127.0.0.1:{port}/0?ssl_ca_certs={files['ca.crt']}"
+    try:
+        deadline = time.monotonic() + 10
+        while True:  # polled until the TLS listener answers: a test must not race the server's start
+            if proc.poll() is not None:
+                pytest.skip(f"redis-server without TLS here: {proc.stderr.read().decode(errors='replace')}")
+            try:
+                if redis.Redis.from_url(url, socket_timeout=1).ping():
+                    break
+            except redis.RedisError:
+                assert time.monotonic() < deadline, "the TLS redis-server did not answer"
+                time.sleep(0.05)
+        with caplog.at_level(logging.WARNING, logger="kvtier"):
+            tier = RedisTier(url=url, part_bytes=4096)
+        assert not _start_warnings(caplog) and tier.url.startswith("rediss://:***@127.0.0.1")
+        key, header, payload = chunk(6, 30_000)
+        assert tier.put(key, header, payload) and bytes(tier.get(key).payload) == payload
+        tier.close()
+        with caplog.at_level(logging.WARNING, logger="kvtier"):
+            plain = RedisTier(url=f"redis://:t1s@127.0.0.1:{port}/0")  # TLS port, no TLS: no answer
+        assert _start_warnings(caplog) and plain.get(key) is None
+        plain.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)  # reaped before tmp_path goes
+
+
+@needs_redis
+def test_a_cluster_down_at_start_is_a_warning_then_reached(tmp_path, caplog):
+    cluster = RedisClusterProcs(tmp_path)
+    cluster._make_nodes(0)  # the nodes' ports, before any of them runs
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvtier"):
+            tier = RedisTier(url=cluster.url, cluster=True, timeout_s=2.0, cooldown_s=0.2)
+        assert len(_start_warnings(caplog)) == 1
+        key, header, payload = chunk(7, 9000)
+        assert not tier.put(key, header, payload) and tier.get(key) is None
+        cluster._join(timeout_s=30.0)
+        deadline = time.monotonic() + 20
+        while not tier.put(key, header, payload):  # the breaker's probe reaches the cluster once it is up
+            assert time.monotonic() < deadline, "the tier did not reach the cluster once it was up"
+            time.sleep(0.2)  # the breaker's cooldown
+        assert bytes(tier.get(key).payload) == payload
+        tier.close()
+    finally:
+        cluster.stop()

@@ -29,8 +29,10 @@ from kvtier import layout
 from kvtier.device.base import Device
 from kvtier.engine import EngineConfig, TransferEngine
 from kvtier.hfconfig import cache_kv_shape
+from kvtier.integrations import setting_checks as check
 from kvtier.pool import PinnedPool
-from kvtier.store import KVStore
+from kvtier.store import KVStore, StoreConfig
+from kvtier.store.tier import Tier
 
 
 class KVTier:
@@ -53,14 +55,22 @@ class KVTier:
     ) -> None:
         self.device, self.compute = device, device.current_stream()
         self.kv = layout.vllm_flash(kv_caches)
-        self.pool = PinnedPool(device, pool_bytes)
-        # compute_beside=False: loads take the per-layer path, an event per layer to wait on.
-        # Staging no larger than the whole cache (the engine's default is far larger than a small model's).
-        staging = min(512 << 20, max(2 * self.kv.block_nbytes, self.kv.chunk_nbytes(self.kv.num_blocks)))
-        opts = dict(compute_beside=False, staging_bytes=staging)
-        config = EngineConfig(**(opts | (engine_options or {})))
-        self.engine = TransferEngine(device, self.kv, self.pool, config)
-        self.store = KVStore(self.engine, model, tiers=list(tiers), **store_options)
+        made = []  # closed again, last first, when a later part is refused: nothing outlives a failed start
+        try:
+            self.pool = PinnedPool(device, pool_bytes)
+            made.append(self.pool.close)
+            # compute_beside=False: loads take the per-layer path, an event per layer to wait on.
+            # Staging no larger than the whole cache (the default is far larger than a small model needs).
+            staging = min(512 << 20, max(2 * self.kv.block_nbytes, self.kv.chunk_nbytes(self.kv.num_blocks)))
+            opts = dict(compute_beside=False, staging_bytes=staging)
+            config = EngineConfig(**(opts | (engine_options or {})))
+            self.engine = TransferEngine(device, self.kv, self.pool, config)
+            made.append(self.engine.close)
+            self.store = KVStore(self.engine, model, tiers=list(tiers), **store_options)
+        except BaseException:
+            for close in reversed(made):
+                close()
+            raise
         self.chunk_tokens = self.store.fmt.tokens
         self._free = list(range(self.kv.num_blocks))[::-1]  # plain-Python block allocator
         self.owns_device = False  # for_model made it: close() closes it too
@@ -83,7 +93,11 @@ class KVTier:
         model's device: `CudaDevice` on CUDA, `SimDevice` on the CPU. pool_bytes: pinned host pool
         (default: room for every block twice). model_id: the identity of the weights, part of every
         key (default: the config's name_or_path, else the class name: give one for weights made
-        locally). options: `StoreConfig` fields (chunk_tokens, salt, ...) and engine_options."""
+        locally). options: `StoreConfig` fields (chunk_tokens, salt, ...) and engine_options
+        (`EngineConfig` fields). Sizes take bytes or a string with a unit ("4GiB", "512MiB").
+
+        Every argument is checked first, each error naming it: nothing is allocated and no thread
+        started for a call that is refused."""
         # The shape the model's attention really caches (one head for multi-query); refused up
         # front, with the reason, where the paged layout cannot hold it (MLA, sliding windows).
         kv_heads, head_dim = cache_kv_shape(model.config)
@@ -92,18 +106,37 @@ class KVTier:
             if hasattr(model.config, "get_text_config")
             else model.config
         )
+        check.whole(num_blocks, "num_blocks")
+        check.whole(block_size, "block_size")
+        if model_id is not None and (not isinstance(model_id, str) or not model_id):
+            raise ValueError(f"model_id: a non-empty str naming the weights, got {model_id!r}")
+        if device is not None and not isinstance(device, Device):
+            raise ValueError(f"device: a kvtier Device (CudaDevice, SimDevice) or None, got {device!r}")
+        _check_tiers(tiers)
+        chunk_tokens = _check_options(options, block_size)
+        # Bytes of one block of every layer, K and V (`layout.PagedKV.block_nbytes`, before any cache exists).
+        block_nbytes = cfg.num_hidden_layers * 2 * block_size * kv_heads * head_dim * model.dtype.itemsize
+        chunk_nbytes = chunk_tokens // block_size * block_nbytes
+        if pool_bytes is None:  # room for every block twice, and at least the host tier's minimum
+            pool_bytes = max(2 * num_blocks * block_nbytes, 3 * (-(-chunk_nbytes // 256) * 256))
+        else:
+            pool_bytes = check.byte_size(pool_bytes, "pool_bytes")
+        check.pool_room(pool_bytes, chunk_nbytes, "pool_bytes")
         dev_t = next(model.parameters()).device
         shape = (2, num_blocks, block_size, kv_heads, head_dim)
         caches = [torch.zeros(shape, dtype=model.dtype, device=dev_t) for _ in range(cfg.num_hidden_layers)]
-        kv = layout.vllm_flash(caches)
-        pool_bytes = pool_bytes or 2 * kv.chunk_nbytes(num_blocks)
         name = model_id or getattr(cfg, "_name_or_path", "") or type(model).__name__
         made = device is None
         if made:
             from kvtier.device import CudaDevice, SimDevice
 
             device = CudaDevice(dev_t.index or 0) if dev_t.type == "cuda" else SimDevice()
-        kvt = cls(device, caches, pool_bytes, name, tiers=tiers, **options)
+        try:
+            kvt = cls(device, caches, pool_bytes, name, tiers=tiers, **options)
+        except BaseException:
+            if made:
+                device.close()  # its worker threads (SimDevice) must not outlive a refused start
+            raise
         kvt.owns_device = made
         return kvt
 
@@ -292,6 +325,33 @@ class KVTierCache(Cache):
         handle.wait()  # submitted is not done: the blocks are free only once every save read them
         o._release(blocks)
         return handle
+
+
+def _check_tiers(tiers) -> None:
+    names = [getattr(t, "name", None) for t in tiers]
+    if not all(isinstance(t, Tier) for t in tiers) or len({*names, "host"}) <= len(names):
+        raise ValueError(f"tiers: Tier objects with distinct names other than 'host', got {list(tiers)!r}")
+
+
+def _check_options(options: dict, block_size: int) -> int:
+    """``for_model``'s options checked as `StoreConfig` and `EngineConfig` check them, each error
+    naming the option; the chunk's tokens."""
+    known = {f for f in StoreConfig.__dataclass_fields__} | {"engine_options"}
+    check.refuse_unknown(options, known, "KVTier.for_model options")
+    store = StoreConfig(**{k: v for k, v in options.items() if k != "engine_options"})
+    ct = check.whole(store.chunk_tokens, "chunk_tokens")
+    if ct % block_size:
+        raise ValueError(f"chunk_tokens={ct}: a multiple of block_size={block_size}")
+    engine_options = options.get("engine_options")
+    if engine_options is not None:
+        if not isinstance(engine_options, dict):
+            raise ValueError(f"engine_options: a dict of EngineConfig fields, got {engine_options!r}")
+        check.refuse_unknown(engine_options, set(EngineConfig.__dataclass_fields__), "engine_options")
+        try:
+            EngineConfig(**engine_options)
+        except ValueError as exc:
+            raise ValueError(f"engine_options: {exc}") from None
+    return ct
 
 
 def _tokens(ids) -> list[int]:

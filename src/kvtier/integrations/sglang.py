@@ -10,8 +10,10 @@ SGLang's cache controller builds it through its dynamic backend factory::
 
 and then calls, from its prefetch and backup threads (settings: ``sglang_settings``):
 
-    KVTierHiCache(storage_config, kwargs)         tiers built and checked; bad settings raise here
-    register_mem_pool_host(pool)                  the host pool whose pages move; its page shape
+    KVTierHiCache(storage_config, kwargs)         settings checked, tiers built; bad settings raise
+                                                  here, a Redis that does not answer is a warning
+    register_mem_pool_host(pool)                  the host pool whose pages move; its page shape and
+                                                  the KV dtype the model runs
     batch_exists(keys, extra_info) -> int         pages present from the start: one round trip per tier
     batch_set_v1(keys, host_indices, extra_info)  pages written from the pool in place -> list[bool]
     batch_get_v1(keys, host_indices, extra_info)  pages read into the pool in place -> list[bool]
@@ -20,9 +22,12 @@ and then calls, from its prefetch and backup threads (settings: ``sglang_setting
 
 A failure is a miss: every call answers False (or a shorter hit count) for the pages it could
 not move, counts it, and never raises into SGLang, whose backup thread dies on an exception.
-Keys carry the model and the TP/PP ranks, except MLA's latent, which every TP rank shares and
-only the storage writer (TP rank 0) writes. Importable without SGLang and without a GPU; it
-subclasses SGLang's ``HiCacheStorage`` where that imports.
+Keys carry the model, the TP/PP ranks (except MLA's latent, which every TP rank shares and only
+the storage writer, TP rank 0, writes) and the KV dtype the model runs (``sglang_dtype``: fp8
+formats share a uint8 pool). A page is atomic: it is read whole from one tier, and its pieces
+must come from one write (``sglang_pages.page_group``); a page mixed from two writers is a miss,
+and is dropped from that tier so the next backup stores it whole. Importable without SGLang and
+without a GPU; it subclasses SGLang's ``HiCacheStorage`` where that imports.
 """
 
 from __future__ import annotations
@@ -35,10 +40,11 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvtier.store.header import ChunkHeader
+from kvtier.store.header import ChunkHeader, payload_checksum
 from kvtier.store.tier import contains_many, put_many
 
-from .sglang_pages import PageShape, chunk_key, page_views
+from .sglang_dtype import kv_dtype
+from .sglang_pages import PageShape, chunk_key, page_group, page_views
 from .sglang_settings import HiCacheSettings
 
 log = logging.getLogger(__name__)
@@ -124,19 +130,20 @@ class KVTierHiCache(_Base):
     # -- SGLang's calls -----------------------------------------------------------------
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
-        """Take the pool and measure its page shape once (its first page's pieces)."""
+        """Take the pool and measure its page shape once (its first page's pieces); learn the
+        KV dtype the model runs (ValueError where a uint8 pool leaves it unknown)."""
         import torch
 
         if not hasattr(mem_pool_host, "get_page_buffer_meta"):
             raise ValueError(
                 f"mem_pool_host must have get_page_buffer_meta, got {type(mem_pool_host).__name__}"
             )
+        dtype = kv_dtype(mem_pool_host, self.settings.kv_cache_dtype)
         page_size = int(mem_pool_host.page_size)
         _, sizes = mem_pool_host.get_page_buffer_meta(torch.arange(page_size, dtype=torch.int64))
         self.shape = PageShape.of(sizes, self.settings.gather_below_bytes)
         self.mem_pool_host = mem_pool_host
         layout = str(getattr(mem_pool_host, "layout", "unknown"))
-        dtype = str(getattr(mem_pool_host, "dtype", "unknown")).removeprefix("torch.")
         self._layout = f"sglang_{layout}_{'page' if self.shape.gathered else 'piece'}"
         self._ns = f"{self._suffix}\0{layout}\0{dtype}\0p{page_size}\0{self.settings.key_salt}"
 
@@ -315,8 +322,11 @@ class KVTierHiCache(_Base):
                     pos += piece.nbytes
             else:
                 payloads = views[i]
-            for ck, payload in zip(self._chunks(keys[i]), payloads, strict=True):
-                header = ChunkHeader.for_payload(ck, payload, (payload.nbytes,), "uint8", self._layout)
+            sums = [payload_checksum(p) for p in payloads]
+            tag = page_group(sums)
+            for ck, payload, checksum in zip(self._chunks(keys[i]), payloads, sums, strict=True):
+                nbytes = payload.nbytes
+                header = ChunkHeader(ck, (nbytes,), "uint8", self._layout, nbytes, checksum, group=tag)
                 items.append((ck, header, payload))
                 owner.append(n)
         stored = self._put_items(items)
@@ -351,9 +361,7 @@ class KVTierHiCache(_Base):
                     piece[:] = stage[pos : pos + piece.nbytes]
                     pos += piece.nbytes
             else:
-                ok = all(
-                    self._read(ck, piece, self._layout) for ck, piece in zip(chunks, views[i], strict=True)
-                )
+                ok = self._read_pieces(chunks, views[i])
             if not ok:
                 with self._lock:
                     first_failed[0] = min(first_failed[0], i)
@@ -363,24 +371,58 @@ class KVTierHiCache(_Base):
     def _read(self, key: bytes, dest: memoryview, layout: str) -> bool:
         """``key`` into ``dest`` from the first tier that holds it intact and of this shape."""
         for tier in self.tiers:
-            name = getattr(tier, "name", "tier")
-            try:
-                header = tier.get_into(key, dest)
-            except Exception as exc:  # DestTooSmall or a tier bug: this tier misses
-                log.warning("kvtier hicache: %s get_into failed: %s", name, exc)
-                self._count(f"{name}_read_errors")
-                continue
-            if header is None:
-                continue
-            if header.layout != layout or header.payload_len != dest.nbytes:
-                self._count(f"{name}_shape_mismatch")  # same key, other bytes: never loaded
-                continue
-            self._count(f"{name}_chunk_hits")
-            return True
+            if self._read_from(tier, key, dest, layout) is not None:
+                return True
         self._count("chunks_missed")
         return False
 
+    def _read_pieces(self, chunks: list[bytes], pieces) -> bool:
+        """A page stored in place, into its ``pieces``: every chunk from one tier, and every one
+        of the same write (``page_group``). A page of two writes is a miss, and is dropped from
+        that tier: nobody could load it, and the next backup can then store it whole."""
+        for tier in self.tiers:
+            headers = []
+            for ck, piece in zip(chunks, pieces, strict=True):
+                header = self._read_from(tier, ck, piece, self._layout)
+                if header is None:
+                    break
+                headers.append(header)
+            else:
+                tag = page_group([h.checksum for h in headers])
+                if all(h.group == tag for h in headers):
+                    return True
+                name = getattr(tier, "name", "tier")
+                log.warning("kvtier hicache: %s holds a page mixed from two writes; dropped", name)
+                self._count(f"{name}_pages_mixed")
+                for ck in chunks:
+                    try:
+                        tier.delete(ck)
+                    except Exception as exc:  # the miss stands; the page stays unloadable until evicted
+                        log.debug("kvtier hicache: dropping a mixed page from %s: %s", name, exc)
+        self._count("chunks_missed")
+        return False
+
+    def _read_from(self, tier, key: bytes, dest: memoryview, layout: str) -> ChunkHeader | None:
+        """``key`` into ``dest`` from ``tier``: its header, or None (a miss, an error, or a
+        chunk of another shape)."""
+        name = getattr(tier, "name", "tier")
+        try:
+            header = tier.get_into(key, dest)
+        except Exception as exc:  # DestTooSmall or a tier bug: this tier misses
+            log.warning("kvtier hicache: %s get_into failed: %s", name, exc)
+            self._count(f"{name}_read_errors")
+            return None
+        if header is None:
+            return None
+        if header.layout != layout or header.payload_len != dest.nbytes:
+            self._count(f"{name}_shape_mismatch")  # same key, other bytes: never loaded
+            return None
+        self._count(f"{name}_chunk_hits")
+        return header
+
     def _exists(self, keys: list[str], flat: bool) -> int:
+        """Pages from the start that some tier holds whole (every chunk of a page in one tier:
+        a page is read from one tier). One round trip per tier asked."""
         if self.shape is None or not keys:
             return 0
         per = 1 if flat else len(self.shape.parts())
@@ -389,21 +431,22 @@ class KVTierHiCache(_Base):
             if flat
             else [c for k in keys for c in self._chunks(k)]
         )
-        held = [False] * len(names)
+        held = [False] * len(keys)
         for tier in self.tiers:
-            todo = [c for c, h in enumerate(held) if not h]
+            todo = [p for p, h in enumerate(held) if not h]
             if not todo:
                 break
+            asked = [c for p in todo for c in names[p * per : (p + 1) * per]]
             try:
-                found = contains_many(tier, [names[c] for c in todo])  # one pipelined round trip
+                found = contains_many(tier, asked)  # one pipelined round trip
             except Exception as exc:  # an unreachable tier holds nothing for this call
                 log.warning("kvtier hicache: %s exists failed: %s", getattr(tier, "name", tier), exc)
                 self._count("exists_errors")
                 continue
-            for c, f in zip(todo, found, strict=True):
-                held[c] = bool(f)
-        for p in range(len(keys)):
-            if not all(held[p * per : (p + 1) * per]):
+            for n, p in enumerate(todo):
+                held[p] = all(found[n * per : (n + 1) * per])
+        for p, h in enumerate(held):
+            if not h:
                 self._count("exists_pages_missed")
                 return p
         return len(keys)

@@ -11,16 +11,24 @@ in a layer-first one. A page becomes chunks in one of two ways:
 
 ``PageShape`` is measured once, when the pool is registered (every page has the same), so
 ``batch_exists`` can name a page's chunks without its host indices. The chunk key hashes the
-SGLang page key with everything that decides the bytes (model, rank suffix, pool layout, dtype,
-the piece's place and size, a salt) into kvtier's 16-byte keys.
+SGLang page key with everything that decides the bytes (model, rank suffix, pool layout, the
+KV dtype the model runs, the piece's place and size, a salt) into kvtier's 16-byte keys.
+
+A page stored in place is several chunks, and two servers may write the same page (the same
+prefix) with different bytes, each chunk first-writer-wins: ``page_group`` ties every piece of
+one write together (its header's ``group``), so a reader can refuse K of one write beside V of
+another.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import struct
 from dataclasses import dataclass
 from functools import lru_cache
+
+import xxhash
 
 KEY_BYTES = 16
 
@@ -88,4 +96,13 @@ def chunk_key(page_key: str, namespace: str, part: str) -> bytes:
     ranks, layout, dtype, salt), ``part`` which piece (and its size)."""
     if not isinstance(page_key, str) or not page_key:
         raise ValueError(f"page_key must be a non-empty str, got {page_key!r}")
-    return hashlib.sha256(f"kvtier.sglang.v1\0{namespace}\0{page_key}\0{part}".encode()).digest()[:KEY_BYTES]
+    return hashlib.sha256(f"kvtier.sglang.v2\0{namespace}\0{page_key}\0{part}".encode()).digest()[:KEY_BYTES]
+
+
+def page_group(checksums: list[int]) -> int:
+    """The ``group`` of one write of a page: a hash of its pieces' checksums, so every piece of
+    that write carries it and pieces of two writes with different bytes never agree. 0 (no
+    group) for a page of one chunk, which is atomic on its own."""
+    if len(checksums) < 2:
+        return 0
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(checksums)}Q", *checksums)) or 1

@@ -5,7 +5,8 @@ header is caught before any field of it is trusted:
 
     magic "KVTC" | version u16 | algo u8 | pad u8 | header_len u32 | payload_len u64 |
     checksum u64 | key_len u8 key | ndim u8 shape u64*ndim | dtype_len u8 dtype |
-    layout_len u8 layout | header_crc u32 (zlib.crc32 of all bytes before it)
+    layout_len u8 layout | [group u64, only where nonzero] |
+    header_crc u32 (zlib.crc32 of all bytes before it)
 
 Payload checksum: xxh3-64 by default, several times faster than zlib.crc32 (and than blake2b)
 on a CPU, so verifying a chunk on every read costs little next to reading it.
@@ -29,6 +30,7 @@ ALGOS = {"xxh3_64": 1, "crc32": 2}
 _ALGO_NAMES = {v: k for k, v in ALGOS.items()}
 _FIXED = struct.Struct("<4sHBBIQQ")
 _CRC = struct.Struct("<I")
+_GROUP = struct.Struct("<Q")
 MAX_HEADER_BYTES = 1024  # bounds what a reader reads before it can check anything
 
 
@@ -50,6 +52,9 @@ class ChunkHeader:
     """key: the chunk key. shape / dtype / layout: how the payload bytes are read back as
     KV (e.g. ``(layers, 2, tokens, heads, dim)``, "bfloat16", "vllm_flash") — carried, not
     interpreted, by tiers. payload_len: bytes. checksum: of the payload, by ``algo``.
+    group: what ties chunks written as one unit (e.g. the pieces of one SGLang page) to that
+    write, so a reader that assembles the unit can tell one write from a mix of two; 0: none.
+    Tiers carry it, never interpret it.
     """
 
     key: bytes
@@ -59,6 +64,7 @@ class ChunkHeader:
     payload_len: int
     checksum: int
     algo: str = "xxh3_64"
+    group: int = 0
 
     def __post_init__(self) -> None:
         check_key(self.key)
@@ -76,14 +82,23 @@ class ChunkHeader:
             raise ValueError(f"checksum must be an int in [0, 2**64), got {self.checksum!r}")
         if self.algo not in ALGOS:
             raise ValueError(f"algo must be one of {tuple(ALGOS)}, got {self.algo!r}")
+        if isinstance(self.group, bool) or not isinstance(self.group, int) or not 0 <= self.group < 2**64:
+            raise ValueError(f"group must be an int in [0, 2**64), got {self.group!r}")
 
     @classmethod
     def for_payload(
-        cls, key: bytes, payload, shape: tuple[int, ...], dtype: str, layout: str, algo: str = "xxh3_64"
+        cls,
+        key: bytes,
+        payload,
+        shape: tuple[int, ...],
+        dtype: str,
+        layout: str,
+        algo: str = "xxh3_64",
+        group: int = 0,
     ):
         """The header of ``payload`` (its length and checksum computed here)."""
         view = as_view(payload)
-        return cls(key, tuple(shape), dtype, layout, view.nbytes, payload_checksum(view, algo), algo)
+        return cls(key, tuple(shape), dtype, layout, view.nbytes, payload_checksum(view, algo), algo, group)
 
     def verify(self, payload) -> bool:
         """True if ``payload`` has this header's length and checksum."""
@@ -101,6 +116,7 @@ class ChunkHeader:
             + dtype
             + bytes([len(layout)])
             + layout
+            + (_GROUP.pack(self.group) if self.group else b"")
         )
         total = _FIXED.size + len(body) + _CRC.size
         head = _FIXED.pack(MAGIC, VERSION, ALGOS[self.algo], 0, total, self.payload_len, self.checksum) + body
@@ -133,10 +149,21 @@ class ChunkHeader:
             pos += 1 + 8 * ndim
             dtype, pos = _take(view, pos)
             layout, pos = _take(view, pos)
+            group = 0
+            if pos + _GROUP.size == total - _CRC.size:
+                (group,) = _GROUP.unpack_from(view, pos)
+                pos += _GROUP.size
             if pos != total - _CRC.size:
                 raise HeaderError("header fields do not fill header_len")
             header = cls(
-                key, tuple(shape), dtype.decode(), layout.decode(), payload_len, checksum, _ALGO_NAMES[algo]
+                key,
+                tuple(shape),
+                dtype.decode(),
+                layout.decode(),
+                payload_len,
+                checksum,
+                _ALGO_NAMES[algo],
+                group,
             )
         except HeaderError:
             raise

@@ -62,6 +62,15 @@ class CircuitBreaker:
                 self._open_until = self.clock() + self.cooldown_s
                 self._probing = False
 
+    def trip(self) -> None:
+        """Open now, as after ``failure_threshold`` failures (a tier found down at start)."""
+        with self._lock:
+            self._failures = max(self._failures, self.failure_threshold)
+            if self._open_until is None:
+                self._trips += 1
+            self._open_until = self.clock() + self.cooldown_s
+            self._probing = False
+
     @property
     def is_open(self) -> bool:
         """True while callers are being turned away (open, or half-open with a probe out)."""

@@ -1,6 +1,13 @@
-"""redis-py clients for the Redis tier, and what their exceptions mean to the tier."""
+"""redis-py clients for the Redis tier, and what their exceptions mean to the tier.
+
+make_client(url, cluster, timeout_s) -> client   short timeouts, no retries; a cluster that
+                                                 does not answer yet is reached later
+classify(exc) -> str                             "timeout", "full" or "error" (metrics)
+"""
 
 from __future__ import annotations
+
+import threading
 
 
 def make_client(
@@ -10,7 +17,6 @@ def make_client(
     one timeout and turn into a miss, not stall the serving loop through retries."""
     from redis import Redis
     from redis.backoff import NoBackoff
-    from redis.cluster import RedisCluster
     from redis.retry import Retry
 
     kwargs = dict(
@@ -19,8 +25,45 @@ def make_client(
         retry=Retry(NoBackoff(), 0),
     )
     if cluster:
-        return RedisCluster.from_url(url, **kwargs)
+        return PendingCluster(url, kwargs).connect(raise_errors=False)
     return Redis.from_url(url, **kwargs)
+
+
+class PendingCluster:
+    """A Redis Cluster client made once some node answers. redis-py's ``RedisCluster`` reads the
+    slot map when it is made, so a cluster that is down at start would fail it: until a node
+    answers, every use tries again and raises redis-py's ``ConnectionError`` (the tier's circuit
+    breaker spaces the tries out), and from then on this object hands every call to the client."""
+
+    def __init__(self, url: str, kwargs: dict) -> None:
+        self._url, self._kwargs = url, kwargs
+        self._client = None
+        self._lock = threading.Lock()  # one slot-map read at a time; the client is made once
+
+    def connect(self, raise_errors: bool = True):
+        """The cluster's client, made now if it was not yet; ``self`` while no node answers
+        (``raise_errors``: the ConnectionError instead)."""
+        from redis.cluster import RedisCluster
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import RedisClusterException, RedisError
+
+        with self._lock:
+            if self._client is None:
+                try:
+                    self._client = RedisCluster.from_url(self._url, **self._kwargs)
+                except (RedisClusterException, RedisError, OSError) as exc:
+                    if raise_errors:
+                        raise RedisConnectionError(str(exc)) from exc
+                    return self
+        return self._client
+
+    def __getattr__(self, name: str):
+        client = self._client  # once made, no lock: every call of the tier comes through here
+        return getattr(client if client is not None else self.connect(), name)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
 
 
 def classify(exc: Exception) -> str:

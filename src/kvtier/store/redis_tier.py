@@ -14,6 +14,10 @@ or bytes that fail the header checksum, make a miss. Capacity and eviction are t
 (``maxmemory`` with ``maxmemory-policy allkeys-lru``): several serving hosts share this tier,
 so no one client's bookkeeping could see what the others store — and the server evicts
 orphans of failed puts.
+
+A server that does not answer when the tier is made (a closed port, a wrong password, a db it
+does not have) is a warning then, naming the URL (password masked: ``url``) and what failed; the
+tier starts as a miss, its breakers open, and it reconnects on its own once the server answers.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from .health import CircuitBreaker
 from .keys import check_key
 from .metrics import StoreMetrics
 from .redis_client import classify, make_client
+from .redis_url import check_url, mask_url
 from .redis_write import MANIFEST, PRESENT, STORED, Target, put_chunks
 from .tier import DestTooSmall, TierReads, check_put_args
 
@@ -51,8 +56,9 @@ class RedisTier(TierReads):
     part_bytes: payloads go out in parts of this size (one part for a payload that fits).
     parts_per_batch: parts a read fetches a round trip. ttl_s: optional expiry of every key.
     timeout_s: per-command socket timeout when the client is made here.
-    A ``RedisCluster`` client reads the slot map when it is made, so an unreachable cluster
-    raises here, at setup — never later from put / get.
+    url: ``redis://``, ``rediss://`` (TLS) or ``unix://``, as redis-py takes it; checked here
+    (ValueError naming ``url``). ``self.url`` is it with the password masked, for logs and stats.
+    The server is asked once here (PING): no answer is a warning, never an exception.
     """
 
     def __init__(
@@ -82,9 +88,12 @@ class RedisTier(TierReads):
         if not isinstance(prefix, str):
             raise ValueError(f"prefix must be a str, got {prefix!r}")
         if client is None:
+            check_url(url, "url")
             client = make_client(url, cluster, timeout_s)
+            self.url = mask_url(url)
         else:  # a RedisCluster routes by slot; a plain Redis has no nodes to list
             cluster = callable(getattr(client, "get_nodes", None))
+            self.url = _address(client)
         self.name = name
         self.prefix = prefix
         self.part_bytes = part_bytes
@@ -95,6 +104,7 @@ class RedisTier(TierReads):
         self._m.occupancy(0, 0, 0, 0)  # the server owns capacity; these stay unknown (0)
         self._read_health = CircuitBreaker(failure_threshold, cooldown_s)
         self._write_health = CircuitBreaker(failure_threshold, cooldown_s)
+        self._check_at_start()
 
     # -- public API ---------------------------------------------------------------------
 
@@ -194,6 +204,23 @@ class RedisTier(TierReads):
 
     # -- internals ----------------------------------------------------------------------
 
+    def _check_at_start(self) -> None:
+        """PING once; no answer: a warning naming the URL, and both breakers open, so the first
+        requests miss at once instead of each paying a timeout until the server answers."""
+        try:
+            self.client.ping()
+        except Exception as exc:  # any failure: the tier starts as a miss, not as an error
+            log.warning(
+                "kvtier: redis tier %s at %s does not answer at start (%s: %s); it runs as a miss "
+                "and reconnects when the server answers",
+                self.name,
+                self.url,
+                type(exc).__name__,
+                exc,
+            )
+            self._read_health.trip()
+            self._write_health.trip()
+
     def _get(self, key: bytes, dest: memoryview | None) -> tuple[ChunkHeader, memoryview] | None:
         check_key(key)
         t0 = time.perf_counter()
@@ -288,3 +315,14 @@ class RedisTier(TierReads):
         nonce, nparts, _ = MANIFEST.unpack_from(rec, 1)
         self._target.delete(self._target.part_keys(key, nonce, min(nparts, 1 << 20)), raise_errors=True)
         return True
+
+
+def _address(client) -> str:
+    """Where a redis-py client given to the tier points (no password), for logs."""
+    try:
+        kw = client.connection_pool.connection_kwargs
+        if "path" in kw:
+            return f"unix://{kw['path']}?db={kw.get('db', 0)}"
+        return f"redis://{kw.get('host', 'localhost')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"
+    except Exception:  # a cluster or a wrapper: its nodes are its own business
+        return f"<{type(client).__name__}>"

@@ -1,9 +1,12 @@
-"""VllmSettings: the connector's knobs, read from vLLM's ``kv_connector_extra_config``."""
+"""VllmSettings: the connector's knobs, read from vLLM's ``kv_connector_extra_config``, each
+checked when the connector is made (``setting_checks``: sizes, paths, URLs, numbers) with an
+error naming it as the operator typed it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
+from kvtier.integrations import setting_checks as check
 from kvtier.store.keys import HASHES
 
 WRITE_POLICIES = ("write_through", "write_back")
@@ -11,18 +14,27 @@ WRITE_POLICIES = ("write_through", "write_back")
 # scheduler side does not); a test keeps the two equal.
 VLLM_ORDERS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 KV_LAYOUTS = ("auto", "any", *VLLM_ORDERS)
+# `kvtier.engine.Path`'s values (that module imports torch: the scheduler side does not); a test
+# keeps the two equal.
+ENGINE_PATHS = ("auto", "staged", "kernel", "batch")
+EXTRA = "kv_connector_extra_config"
 
 
 @dataclass(slots=True)
 class VllmSettings:
-    """Every setting of ``kv_connector_extra_config`` (unknown names are an error).
+    """Every setting of ``kv_connector_extra_config`` (unknown names are an error). Sizes
+    (``host_bytes``, ``disk_bytes``, ``staging_bytes``) take bytes or a string with a unit
+    ("32GiB", "512MiB", "64GB"; `setting_checks.byte_size`) and hold bytes once checked.
 
     chunk_tokens: tokens per stored chunk, a multiple of vLLM's block size (None: 16 blocks);
         the unit of lookup, save, load and eviction. A local prefix hit that ends inside a chunk
         takes no kvtier hit (a chunk is never loaded over blocks vLLM already shares).
-    host_bytes: the pinned pool per worker (the host tier and the landing zone of lower tiers).
-    disk_path / disk_bytes: a local `DiskTier` per worker (None: no disk tier).
-    redis_url / redis_cluster: a `RedisTier` shared by instances (None: no Redis).
+    host_bytes: the pinned pool per worker (the host tier and the landing zone of lower tiers);
+        at least three chunks (checked once the worker knows a chunk's size).
+    disk_path / disk_bytes: a local `DiskTier` per worker (None: no disk tier); the directory
+        exists and is writable, or can be created.
+    redis_url / redis_cluster: a `RedisTier` shared by instances (None: no Redis): redis://,
+        rediss:// (TLS) or unix://, as redis-py takes it.
     write_policy: "write_through" (each saved chunk pushed down at once) or "write_back".
     model: the identity keys are salted with (None: vLLM's model name and revision).
     salt: a per-tenant secret string mixed into every key. hash_name: kvtier's key hash.
@@ -40,12 +52,14 @@ class VllmSettings:
         backend accepts it, else nothing; "any" asks for nothing (vLLM's own choice); an order
         name asks for that order. VLLM_KV_CACHE_LAYOUT, where set, wins, and vLLM ignores (with a
         warning) an order its backends do not accept.
+    where: how errors name these settings: ``kv_connector_extra_config`` or, for settings in a
+        nested block, ``kv_connector_extra_config['kvtier']``.
     """
 
     chunk_tokens: int | None = None
-    host_bytes: int = 4 << 30
+    host_bytes: int | str = 4 << 30
     disk_path: str | None = None
-    disk_bytes: int = 64 << 30
+    disk_bytes: int | str = 64 << 30
     redis_url: str | None = None
     redis_cluster: bool = False
     write_policy: str = "write_through"
@@ -56,55 +70,68 @@ class VllmSettings:
     prefetch_timeout_s: float = 2.0
     index_entries: int = 1 << 20
     engine_path: str = "auto"
-    staging_bytes: int = 256 << 20
+    staging_bytes: int | str = 256 << 20
     kv_layout: str = "auto"
+    where: str = field(default=EXTRA, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("host_bytes", "disk_bytes", "index_entries", "staging_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"kv_connector_extra_config[{name!r}]: an int >= 1, got {value!r}")
-        ct = self.chunk_tokens
-        if ct is not None and (isinstance(ct, bool) or not isinstance(ct, int) or ct < 1):
-            raise ValueError(f"kv_connector_extra_config['chunk_tokens']: an int >= 1, got {ct!r}")
-        if self.write_policy not in WRITE_POLICIES:
-            raise ValueError(
-                f"kv_connector_extra_config['write_policy']: one of {WRITE_POLICIES}, "
-                f"got {self.write_policy!r}"
-            )
-        if self.hash_name not in HASHES:
-            raise ValueError(
-                f"kv_connector_extra_config['hash_name']: one of {HASHES}, got {self.hash_name!r}"
-            )
-        for name in ("redis_cluster", "layerwise"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"kv_connector_extra_config[{name!r}]: a bool, got {getattr(self, name)!r}")
-        t = self.prefetch_timeout_s
-        if isinstance(t, bool) or not isinstance(t, int | float) or t < 0:
-            raise ValueError(f"kv_connector_extra_config['prefetch_timeout_s']: seconds >= 0, got {t!r}")
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(
-                f"kv_connector_extra_config['kv_layout']: one of {KV_LAYOUTS}, got {self.kv_layout!r}"
-            )
+        def name(key: str) -> str:
+            return f"{self.where}[{key!r}]"
+
+        for key in ("host_bytes", "disk_bytes", "staging_bytes"):
+            setattr(self, key, check.byte_size(getattr(self, key), name(key)))
+        check.whole(self.index_entries, name("index_entries"))
+        if self.chunk_tokens is not None:
+            check.whole(self.chunk_tokens, name("chunk_tokens"))
+        for key, allowed in (
+            ("write_policy", WRITE_POLICIES),
+            ("hash_name", HASHES),
+            ("kv_layout", KV_LAYOUTS),
+            ("engine_path", ENGINE_PATHS),
+        ):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{name(key)}: one of {allowed}, got {getattr(self, key)!r}")
+        for key in ("redis_cluster", "layerwise"):
+            setattr(self, key, check.flag(getattr(self, key), name(key)))
+        self.prefetch_timeout_s = check.seconds(self.prefetch_timeout_s, name("prefetch_timeout_s"), True)
         if not isinstance(self.salt, str):
-            raise ValueError(f"kv_connector_extra_config['salt']: a str, got {self.salt!r}")
+            raise ValueError(f"{name('salt')}: a str, got {self.salt!r}")
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"{name('model')}: a non-empty str (or none: vLLM's model), got {self.model!r}")
+        if self.disk_path is not None:
+            check.disk_dir(self.disk_path, name("disk_path"))
+        if self.redis_url is not None:
+            check.redis_url(self.redis_url, name("redis_url"))
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> VllmSettings:
-        """Settings from ``kv_connector_extra_config`` (kvtier's keys may sit under "kvtier")."""
-        extra = dict(extra or {})
-        extra = dict(extra.get("kvtier", extra))
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ValueError(f"kv_connector_extra_config: unknown settings {unknown}; known: {sorted(known)}")
-        return cls(**extra)
+        """Settings from ``kv_connector_extra_config``; kvtier's keys may sit in a "kvtier" block,
+        and then nothing may sit beside it (a setting there would be ignored)."""
+        if extra is not None and not isinstance(extra, dict):
+            raise ValueError(f"{EXTRA}: a dict of settings, got {type(extra).__name__}")
+        extra, where = dict(extra or {}), EXTRA
+        if "kvtier" in extra:
+            block = extra.pop("kvtier")
+            if extra:
+                raise ValueError(
+                    f"{EXTRA}: {sorted(map(str, extra))} beside the 'kvtier' block would be ignored; "
+                    "put every kvtier setting inside 'kvtier'"
+                )
+            if not isinstance(block, dict):
+                raise ValueError(f"{EXTRA}['kvtier']: a dict of settings, got {type(block).__name__}")
+            extra, where = dict(block), f"{EXTRA}['kvtier']"
+        check.refuse_unknown(extra, {f.name for f in fields(cls)} - {"where"}, where)
+        return cls(**extra, where=where)
+
+    def check_host_bytes(self, chunk_nbytes: int) -> None:
+        """ValueError naming ``host_bytes`` when the pinned pool cannot hold the host tier for
+        chunks of ``chunk_nbytes`` (asked by the worker, once a chunk's size is known, before
+        it allocates anything)."""
+        check.pool_room(self.host_bytes, chunk_nbytes, f"{self.where}['host_bytes']")
 
     def chunk_tokens_for(self, block_size: int) -> int:
         """chunk_tokens for vLLM's ``block_size``, checked against it."""
         ct = self.chunk_tokens if self.chunk_tokens is not None else 16 * block_size
         if ct % block_size:
-            raise ValueError(
-                f"kv_connector_extra_config['chunk_tokens']: a multiple of block_size={block_size}, got {ct}"
-            )
+            raise ValueError(f"{self.where}['chunk_tokens']: a multiple of block_size={block_size}, got {ct}")
         return ct

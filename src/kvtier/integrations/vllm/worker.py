@@ -81,6 +81,8 @@ class WorkerSide:
         names = list(kv_caches)
         self._layer_index = {name: i for i, name in enumerate(names)}
         kv = layout.vllm_paged(kv_caches, self.order or "LBHNC")
+        ct = self.settings.chunk_tokens_for(self.block_size or kv.block_size)
+        self.settings.check_host_bytes(kv.chunk_nbytes(ct // kv.block_size))  # before anything is allocated
         first = next(iter(kv_caches.values()))
         dev = self._device
         if dev is None:
