@@ -18,6 +18,8 @@ and then calls, from its prefetch and backup threads (settings: ``sglang_setting
     batch_set_v1(keys, host_indices, extra_info)  pages written from the pool in place -> list[bool]
     batch_get_v1(keys, host_indices, extra_info)  pages read into the pool in place -> list[bool]
     get / set / batch_get / batch_set / exists    the copying interface, without ``interface_v1``
+    register_mem_host_pool_v2 / batch_*_v2        a hybrid model's other host pools (sliding window,
+                                                  Mamba state, DSA indexer): ``sglang_v2``
     get_stats() / stats() / close()               SGLang's StorageMetrics (+ ``.kvtier``); counters
 
 A failure is a miss: every call answers False (or a shorter hit count) for the pages it could
@@ -46,6 +48,7 @@ from kvtier.store.tier import contains_many, put_many
 from .sglang_dtype import kv_dtype
 from .sglang_pages import PageShape, chunk_key, page_group, page_views
 from .sglang_settings import HiCacheSettings
+from .sglang_v2 import HybridPools
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +99,7 @@ def is_writer(cfg) -> bool:
     return not getattr(cfg, "is_mla_model", False) or cfg.tp_rank == 0
 
 
-class KVTierHiCache(_Base):
+class KVTierHiCache(HybridPools, _Base):
     """storage_config: SGLang's ``HiCacheStorageConfig`` (or any object with its fields:
     tp_rank, tp_size, pp_rank, pp_size, is_mla_model, model_name, extra_config). kwargs: what
     SGLang's factory passes beside it (unused). tiers: prebuilt tiers instead of those the
@@ -120,6 +123,7 @@ class KVTierHiCache(_Base):
         self.shape: PageShape | None = None
         self._ns = ""
         self._layout = ""
+        self._pools: dict = {}  # a hybrid model's host pools by name (``sglang_v2``)
         self._exec = ThreadPoolExecutor(self.settings.io_threads, thread_name_prefix="kvtier-hicache")
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -253,6 +257,8 @@ class KVTierHiCache(_Base):
         with self._lock:
             out: dict = dict(self._counts)
         out["tiers"] = {getattr(t, "name", str(i)): t.stats() for i, t in enumerate(self.tiers)}
+        if pools := self._pool_stats():
+            out["pools"] = pools
         return out
 
     def close(self) -> None:
@@ -425,6 +431,18 @@ class KVTierHiCache(_Base):
         a page is read from one tier). One round trip per tier asked."""
         if self.shape is None or not keys:
             return 0
+        held = self._held(keys, flat)
+        for p, h in enumerate(held):
+            if not h:
+                self._count("exists_pages_missed")
+                return p
+        return len(keys)
+
+    def _held(self, keys: list[str], flat: bool) -> list[bool]:
+        """For each of ``keys``, whether some tier holds the page whole. One round trip per tier
+        asked (a tier is asked only for the pages the tiers before it miss)."""
+        if self.shape is None or not keys:
+            return [False] * len(keys)
         per = 1 if flat else len(self.shape.parts())
         names = (
             [chunk_key(k, self._ns, "flat") for k in keys]
@@ -445,11 +463,7 @@ class KVTierHiCache(_Base):
                 continue
             for n, p in enumerate(todo):
                 held[p] = all(found[n * per : (n + 1) * per])
-        for p, h in enumerate(held):
-            if not h:
-                self._count("exists_pages_missed")
-                return p
-        return len(keys)
+        return held
 
     def _count(self, what: str, n: int = 1) -> None:
         with self._lock:
