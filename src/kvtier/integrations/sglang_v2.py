@@ -10,8 +10,8 @@ SGLang's ``HybridCacheController`` calls, from its prefetch and backup threads:
                                               KV dtype and keys fixed here; bad input raises
     on_host_pools_registered()                logs each pool and how its pages are kept
     batch_exists_v2(keys, transfers, info)    the longest prefix of ``keys`` that the KV pool and
-        -> PoolTransferResult                 every pool of ``transfers`` can restore, per the
-                                              pool's hit policy; the prefix lengths that can be
+        -> PoolTransferResult                 every pool of ``transfers`` can restore, per each
+                                              pool's hit policy, and every such prefix length
     batch_set_v2(transfers, info)             each pool's pages written -> {name: [bool]}
     batch_get_v2(transfers, info)             each pool's pages read    -> {name: [bool]}
 
