@@ -33,6 +33,7 @@ from sglang.srt.mem_cache.memory_pool import (  # noqa: E402
     MHATokenToKVPool,
     MLATokenToKVPool,
 )
+from sglang.srt.mem_cache.ple_state_pool import ShortConvPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host import HostPoolGroup, common  # noqa: E402
 from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
@@ -84,10 +85,11 @@ def _swa_group():
     return group, full
 
 
-def _mamba_group(layout: str, mla: bool = False):
+def _mamba_group(layout: str, mla: bool = False, side_state: bool = False):
     """Qwen3-Next / Nemotron-H: full attention (layers 1, 3) beside Mamba2 state (layers 0, 2),
-    the two host pools ``build_hybrid_mamba_stack`` makes; ``mla``: an MLA latent for the full
-    attention (Kimi Linear)."""
+    the two host pools ``build_hybrid_mamba_stack`` makes. ``mla``: an MLA latent for the full
+    attention (Kimi Linear); ``side_state``: a per-slot side state registered on the state pool
+    (a PLE short-conv window), which the host pool keeps in a buffer of its own."""
     full = MLATokenToKVPool(TOKENS, PAGE, torch.bfloat16, 64, 16, 2, "cpu", False) if mla else _mha(2)
     shape = Mamba2StateShape.create(
         tp_world_size=1,
@@ -106,6 +108,10 @@ def _mamba_group(layout: str, mla: bool = False):
         mamba_layer_ids=[0, 2],
         device="cpu",
     )
+    if side_state:
+        state.register_slot_state(
+            ShortConvPool(size=8, state_shape=(8, 3), layer_ids=[1], dtype=torch.bfloat16, device="cpu")
+        )
     (info,) = state.get_device_pool_infos()
     kv_host = assembler.build_kv_host_pool(kv_pool=full, page_size=PAGE, use_mla=mla)
     state_host = assembler.build_mamba_host_pool(state, info, host_size=0, layout=layout)
@@ -425,9 +431,11 @@ def _mamba_backup(cc, group, tokens, keys):
     return _pages(kv, kv_idx), _page(state, slot[0])
 
 
-@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
-def test_mamba_state_at_node_boundaries(tmp_path, layout):
-    built = _mamba_group(layout)
+@pytest.mark.parametrize(
+    "layout, side_state", [("page_first", False), ("page_first_direct", False), ("page_first", True)]
+)
+def test_mamba_state_at_node_boundaries(tmp_path, layout, side_state):
+    built = _mamba_group(layout, side_state=side_state)
     group = built[0]
     cc = _controller(built, _extra(tmp_path))
     _randomize(group)
