@@ -253,9 +253,12 @@ class HybridPools:
             if policy == ALL_PAGES:
                 first_missing = page_held.index(False) if False in page_held else span
                 ok = set(range(1, first_missing + 1))
-            else:  # the pool's last n pages before the prefix's end
-                n = max(1, len(transfer.keys or ()))
-                ok = {p for p in range(1, span + 1) if all(page_held[max(0, p - n) : p])}
+            else:  # the pool's last n pages before the prefix's end: a run of n held pages
+                n, run, ok = max(1, len(transfer.keys or ())), 0, set()
+                for p, held_page in enumerate(page_held, start=1):
+                    run = run + 1 if held_page else 0
+                    if run >= min(n, p):
+                        ok.add(p)
             if ok:
                 hits[transfer.name] = max(ok)
             else:
@@ -267,7 +270,7 @@ class HybridPools:
     def _pool_stats(self) -> dict:
         """Each non-KV pool's counters (pages, chunks, errors)."""
         out = {}
-        for name, view in self._pools.items():
+        for name, view in list(self._pools.items()):  # a pool may register meanwhile
             if view is not self:
                 with view._lock:
                     out[name] = dict(view._counts)
