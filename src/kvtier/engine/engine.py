@@ -22,6 +22,7 @@ Tracing: with `engine.trace` set, `save` / `load` are the traced twins (`_traced
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import threading
@@ -146,16 +147,19 @@ class TransferEngine:
         num_tokens: int | None = None,
         per_layer: bool = True,
         path: str | None = None,
+        skip_blocks: int = 0,
     ) -> LoadJob:
         """Copy the READY slot `slot` (a save job's `.slot`) into blocks `block_ids`.
 
-        block_ids: n distinct ids, as in `save`; slot.nbytes must be kv.chunk_nbytes(n).
+        block_ids: n distinct ids, as in `save`; slot.nbytes must be kv.chunk_nbytes(n + skip_blocks).
         per_layer: the job's `layer_events[l]` completes once layer l landed (on the kernel path a
             true event per layer; on the staged path every layer's event is the job's).
         num_tokens, path: as in `save`; tokens past num_tokens are left untouched in the cache.
+        skip_blocks: the slot's first blocks are not loaded (the cache holds them already); its
+            blocks skip_blocks.. go to `block_ids` (a slot is block-major: they are its byte suffix).
         """
         t0 = time.perf_counter()
-        ids = self._load_ids(slot, block_ids, num_tokens, per_layer)
+        ids = self._load_ids(slot, block_ids, num_tokens, per_layer, skip_blocks)
         p = self._auto.get(("load", per_layer)) if path is None else None  # decided once: see `_path`
         if p is None:
             p = self._path("load", path, per_layer)
@@ -164,8 +168,9 @@ class TransferEngine:
         with self._lock:
             k, waits = self._load_waits(slot, ids)
             e_load = self.device.new_event(f"e_load#{k}")
+            src = _tail(slot, skip_blocks * self._block_nbytes) if skip_blocks else slot
             try:
-                layers = self.mover.load(p, ids, slot, self.load_stream, per_layer, f"e_load#{k}", e_load)
+                layers = self.mover.load(p, ids, src, self.load_stream, per_layer, f"e_load#{k}", e_load)
             except BaseException:
                 self._quiesce(self.load_stream)  # its enqueued copies must not outlive the error
                 raise
@@ -468,7 +473,9 @@ class TransferEngine:
             for s in left:
                 self.slots.release(s)  # nothing of the job is in flight any more
 
-    def _load_ids(self, slot: Slot, block_ids, num_tokens: int | None, per_layer: bool) -> CheckedIds:
+    def _load_ids(
+        self, slot: Slot, block_ids, num_tokens: int | None, per_layer: bool, skip_blocks: int = 0
+    ) -> CheckedIds:
         """The arguments of a load checked (each error names its argument); its ids."""
         if self._closed:
             self._check_open()
@@ -477,10 +484,13 @@ class TransferEngine:
         self.pool.check(slot)  # a released or reused slot: its bytes may be another request's KV
         if per_layer is not True and per_layer is not False:
             raise ValueError(f"per_layer: expected True or False, got {per_layer!r}")
+        if type(skip_blocks) is not int or skip_blocks < 0:  # a bool is no count
+            raise ValueError(f"skip_blocks: expected an int >= 0, got {skip_blocks!r}")
         ids = self._ids.checked(block_ids, True, num_tokens)
-        nbytes = len(ids) * self._block_nbytes
+        nbytes = (len(ids) + skip_blocks) * self._block_nbytes
         if slot.nbytes != nbytes:
-            raise ValueError(f"slot: holds {slot.nbytes} B, {len(ids)} blocks need {nbytes} B")
+            why = f"{len(ids)} blocks after {skip_blocks} skipped need {nbytes} B"
+            raise ValueError(f"slot: holds {slot.nbytes} B, {why}")
         return ids
 
     def _load_waits(self, slot: Slot, ids: CheckedIds) -> tuple[int, list[Event]]:
@@ -534,10 +544,12 @@ class TransferEngine:
         tr.end()
         return job
 
-    def _traced_load(self, slot, block_ids, *, num_tokens=None, per_layer=True, path=None) -> LoadJob:
+    def _traced_load(
+        self, slot, block_ids, *, num_tokens=None, per_layer=True, path=None, skip_blocks=0
+    ) -> LoadJob:
         tr, t0 = self._trace, time.perf_counter()
         tr.begin("load")
-        ids = self._load_ids(slot, block_ids, num_tokens, per_layer)
+        ids = self._load_ids(slot, block_ids, num_tokens, per_layer, skip_blocks)
         tr.mark("ids")
         p = self._path("load", path, per_layer)
         if self.slots.state(slot) is SlotState.FILLING:
@@ -547,8 +559,9 @@ class TransferEngine:
             k, waits = self._load_waits(slot, ids)
             tr.mark("tracker_wait")
             e_load = self.device.new_event(f"e_load#{k}")
+            src = _tail(slot, skip_blocks * self._block_nbytes) if skip_blocks else slot
             try:
-                layers = self.mover.load(p, ids, slot, self.load_stream, per_layer, f"e_load#{k}", e_load)
+                layers = self.mover.load(p, ids, src, self.load_stream, per_layer, f"e_load#{k}", e_load)
             except BaseException:
                 self._quiesce(self.load_stream)  # its enqueued copies must not outlive the error
                 raise
@@ -646,6 +659,19 @@ def _check_counts(counts) -> list[int]:
     if not got or not all(type(c) is int and c > 0 for c in got):
         raise ValueError(f"counts: expected a non-empty list of positive ints, got {counts!r}")
     return got
+
+
+def _tail(slot: Slot, offset: int) -> Slot:
+    """The bytes of `slot` from `offset` on, as a Slot for the movers to read (the trackers and the
+    pool keep `slot` itself: its state and events are the whole slot's)."""
+    return dataclasses.replace(
+        slot,
+        offset=slot.offset + offset,
+        nbytes=slot.nbytes - offset,
+        span=slot.span - offset,
+        ptr=slot.ptr + offset,
+        _tensor=None,
+    )
 
 
 def _check_slot(slot) -> None:
