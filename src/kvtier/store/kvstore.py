@@ -31,6 +31,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -79,7 +80,10 @@ class KVStore:
     string that changes when the weights do). tiers: the lower tiers, fastest first, with
     distinct names other than "host". config: a `StoreConfig`, or its fields as keyword
     arguments. metrics: where the host tier and the store count (pass the same `StoreMetrics`
-    to the tiers for one registry).
+    to the tiers for one registry). on_evict(keys): told of the keys of every chunk the host
+    tier drops (evicted, deleted, or a fill that failed), from whichever thread drops them and
+    under the host's lock: it must only note them and return (a lower tier's own evictions
+    reach whoever made its policy: `EvictionPolicy.on_gone`).
 
     Tokens are token ids, a sequence of ints or a 1-D integer tensor ``[num_tokens]``; block ids
     are the request's GPU blocks in order, a sequence of ints or a 1-D integer tensor
@@ -115,6 +119,7 @@ class KVStore:
         tiers: tuple[Tier, ...] | list[Tier] = (),
         config: StoreConfig | None = None,
         metrics: StoreMetrics | None = None,
+        on_evict: Callable[[list[bytes]], None] | None = None,
         **options,
     ) -> None:
         if config is not None and options:
@@ -137,6 +142,7 @@ class KVStore:
             release=self._release_slot,
             spill=self._spill if self.write_back and self._tiers else None,
             metrics=self.metrics,
+            on_gone=on_evict,
         )
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
@@ -278,7 +284,14 @@ class KVStore:
         return cut, why
 
     def load(
-        self, tokens, block_ids, *, per_layer: bool = True, first_chunk: int = 0, path: str | None = None
+        self,
+        tokens,
+        block_ids,
+        *,
+        per_layer: bool = True,
+        first_chunk: int = 0,
+        first_block: int = 0,
+        path: str | None = None,
     ) -> LoadHandle:
         """Load the longest available chunk prefix of ``tokens`` (``[num_tokens]``) into
         ``block_ids`` (``[num_blocks]``, distinct GPU blocks of the request, in order; chunks
@@ -289,6 +302,10 @@ class KVStore:
 
         first_chunk: start there (the caller recomputes the chunks before); chunk first_chunk + i
         goes into ``block_ids[i*bpc:(i+1)*bpc]`` and ``handle.tokens`` counts from there.
+        first_block: the cache holds the first blocks of chunk first_chunk already (a prefix the
+        serving engine computed or shares, ending inside the chunk): only its blocks first_block..
+        are loaded, into ``block_ids[:bpc - first_block]``, and every later chunk shifts down by
+        first_block blocks; ``handle.tokens`` counts the tokens written.
 
         path: the engine's copy path for these loads (`kvtier.engine.paths`; None: the engine's
         own). A load running beside a forward (a split hit) passes "staged": its copies then hold
@@ -299,17 +316,67 @@ class KVStore:
         (True, 64, ('host', 'host'))
         """
         t0 = self._check_open()
-        keys = self.keys(tokens)
+        keys, bpc = self.keys(tokens), self.fmt.blocks
         if type(first_chunk) is not int or not 0 <= first_chunk <= len(keys):  # a bool is no index
             raise ValueError(f"first_chunk: must be an int within [0, {len(keys)}], got {first_chunk!r}")
+        if (
+            type(first_block) is not int
+            or not 0 <= first_block < bpc
+            or (first_block and first_chunk == len(keys))
+        ):
+            raise ValueError(
+                f"first_block: must be an int within [0, {bpc}) of a chunk of tokens, got {first_block!r}"
+            )
         keys = keys[first_chunk:]
         path = None if path is None else parse_path(path)
         ids = self._block_ids(block_ids, need=0, unique=True)
         self._reap()
         handle = LoadHandle(num_layers=self.kv.num_layers, _on_done=self._reap)
-        # The walk ends at the first chunk no tier delivers: the rest of the prefix is useless.
         layer_major = per_layer and (path or self.engine.load_path(per_layer=True)) is Path.KERNEL
+        tiers: list[str] = []
+        if first_block:
+            head = bpc - first_block
+            if len(ids) >= head and self._load_head(
+                keys[0], ids[:head], first_block, handle, layer_major, path
+            ):
+                tiers.append(handle.tiers[0])
+                keys, ids = keys[1:], ids[head:]
+            else:
+                keys = []  # the first chunk is missing: nothing after it is of use
+        if keys:
+            tiers += self._load_run(keys, ids, handle, layer_major, path)
+        handle.tiers = tuple(tiers)
+        handle.tokens = len(handle.jobs) * self.fmt.tokens - (
+            first_block * self.kv.block_size if tiers else 0
+        )
+        chunks = Counter(f"load_chunks_{t}" for t in handle.tiers)
+        self._count(loads=1, load_tokens=handle.tokens, _call=("load", t0), **chunks)
+        return handle
+
+    def _load_head(self, key: bytes, ids, skip: int, handle: LoadHandle, layer_major: bool, path) -> bool:
+        """A chunk whose first ``skip`` blocks the cache holds: its other blocks into ``ids``
+        (one engine job reading the slot's byte suffix). False if no tier delivers it."""
+        got = self._take(key)
+        if got is None:
+            return False
+        try:
+            per_layer = layer_major  # the layer-major path's own job; else the whole-job path's
+            job = self.engine.load(got.entry.slot, ids, per_layer=per_layer, path=path, skip_blocks=skip)
+        except BaseException:
+            self._give_back([got])  # nothing was submitted from the slot
+            raise
+        finally:
+            self.host.count_hits(int(got.acquired), int(got.acquired) * self.fmt.span)
+        self._track(job, got.entry, got.kind)  # its pin drops once e_load completed
+        handle.jobs.append(job)
+        handle.tiers = (got.tier,)
+        return True
+
+    def _load_run(self, keys: list[bytes], ids, handle: LoadHandle, layer_major: bool, path) -> list[str]:
+        """The walk over ``keys`` into ``ids`` (chunk i into ids[i*bpc:(i+1)*bpc]) and its copies,
+        appended to ``handle.jobs``; returns the tier of each chunk loaded."""
         whole = None if layer_major else path or self.engine.load_path(per_layer=False)
+        # The walk ends at the first chunk no tier delivers: the rest of the prefix is useless.
         got_all: list[_Taken] = []
         jobs = []
         try:
@@ -345,11 +412,7 @@ class KVStore:
             for job, got in zip(jobs, got_all, strict=True):
                 self._track(job, got.entry, got.kind)  # pins drop once e_load completed
         handle.jobs.extend(jobs)
-        handle.tokens = len(handle.jobs) * self.fmt.tokens
-        handle.tiers = tuple(got.tier for got in got_all)
-        chunks = Counter(f"load_chunks_{t}" for t in handle.tiers)
-        self._count(loads=1, load_tokens=handle.tokens, _call=("load", t0), **chunks)
-        return handle
+        return [got.tier for got in got_all]
 
     def _load_whole(self, taken: list[_Taken], ids, first: int, path, whole) -> list:
         """Submit the chunks ``taken`` (chunk ``first`` on) in one engine call on path ``whole``
