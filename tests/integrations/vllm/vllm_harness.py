@@ -316,6 +316,15 @@ class Engine:
         """Every block any rank reported as not loaded, over every step."""
         return set().union(*(kv.invalid_block_ids for _, kv in self.history if kv is not None))
 
+    def counts(self) -> dict[str, int]:
+        """The workers' stats (vLLM's kv_connector_stats) summed over every step."""
+        out: dict[str, int] = {}
+        for _, kv in self.history:
+            if kv is not None and kv.kv_connector_stats is not None:
+                for k, v in kv.kv_connector_stats.data.items():
+                    out[k] = out.get(k, 0) + v
+        return out
+
     def violations(self, rid: str | None = None) -> list[str]:
         return [str(v) for v in self.model.violations if rid is None or v.req_id == rid]
 
