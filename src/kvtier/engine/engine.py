@@ -76,6 +76,7 @@ class TransferEngine:
         self.device, self.kv, self.pool, self.config = device, kv, pool, config
         self.sanitize = sanitize_enabled(config.sanitize)
         self.save_stream: Stream = device.new_stream("kvtier-save")
+        self._save_streams: set[Stream] = {self.save_stream}  # every stream a save was put on
         self.load_stream: Stream = device.new_stream("kvtier-load")
         self.slots = SlotTracker(pool, sanitize=self.sanitize)
         self.blocks = BlockTracker(sanitize=self.sanitize)
@@ -189,6 +190,7 @@ class TransferEngine:
         num_tokens: int | None = None,
         path: str | None = None,
         timeout: float | None = None,
+        stream: Stream | None = None,
     ) -> list[SaveJob]:
         """Copy blocks `block_ids` into len(counts) new slots in one submission: slot j gets the
         next counts[j] ids (kv.chunk_nbytes(counts[j]) bytes). One SaveJob per slot, in order,
@@ -202,10 +204,19 @@ class TransferEngine:
         timeout: seconds to wait for pool room for each slot, as in `save`. Slots are taken in
             order; where the pool has no room for slot j, slots j.. are not saved and fewer jobs
             than counts come back (PoolExhausted, nothing submitted, when slot 0 has none).
+        stream: the copy stream of this job, one of this device's (None: `save_stream`). A
+            stream runs in order: e_save completes only after every job queued before it there.
+            Jobs on other streams do not wait for each other (staged jobs excepted on CUDA: they
+            share the staging buffers), so a caller that must wait for one request's saves alone
+            (before its blocks are reused) puts requests' saves on streams of their own.
         """
         t0 = time.perf_counter()
         if self._closed:
             self._check_open()
+        if stream is None:
+            stream = self.save_stream
+        elif not isinstance(stream, Stream):
+            raise ValueError(f"stream: expected a Stream of this engine's device, got {stream!r}")
         counts = _check_counts(counts)
         ids = self._ids.checked(block_ids, False, num_tokens)
         if sum(counts) != len(ids):
@@ -226,10 +237,11 @@ class TransferEngine:
                 counts = counts[: len(slots)]
                 ids = CheckedIds(ids.ids[: sum(counts)], ids.bound, False, self.kv.block_size)
             with self._lock:
-                k, waited = self._save_waits(ids, after)
+                k, waited = self._save_waits(ids, after, stream)
                 e_save = self.device.new_event(f"e_save#{k}")
-                self.mover.save_slots(p, ids, counts, slots, self.save_stream)
-                e_save.record(self.save_stream)  # after every slot's copies: then each slot is READY
+                self._save_streams.add(stream)
+                self.mover.save_slots(p, ids, counts, slots, stream)
+                e_save.record(stream)  # after every slot's copies: then each slot is READY
                 self.blocks.register(Access.SAVE, ids, e_save, waited)
                 jobs, at = [], 0
                 for s, c in zip(slots, counts, strict=True):
@@ -238,7 +250,7 @@ class TransferEngine:
                     at += c
                 self._jobs.extend(jobs)
         except BaseException:
-            self._undo_save(*slots)
+            self._undo_save(*slots, stream=stream)
             raise
         spent = time.perf_counter() - t0
         for j in jobs:
@@ -379,7 +391,8 @@ class TransferEngine:
         if self._closed:
             return
         try:
-            self.save_stream.synchronize()  # submitted is not done: the copies must land first
+            for s in self._save_streams:
+                s.synchronize()  # submitted is not done: the copies must land first
             self.load_stream.synchronize()
             self.mover.synchronize()
             self.poll()
@@ -447,15 +460,16 @@ class TransferEngine:
             stream.wait_event(e)
         return waits
 
-    def _save_waits(self, ids: CheckedIds, after: Event | None) -> tuple[int, list[Event]]:
-        """Under the lock: the job's number, and the events the save stream now waits for."""
+    def _save_waits(self, ids: CheckedIds, after: Event | None, stream: Stream | None = None):
+        """Under the lock: the job's number, and the events its save stream now waits for."""
+        stream = self.save_stream if stream is None else stream
         k = next(self._seq)
-        waits = self.blocks.waits_for(Access.SAVE, ids, self.save_stream)
+        waits = self.blocks.waits_for(Access.SAVE, ids, stream)
         if after is None:
-            return k, self._wait_all(self.save_stream, waits)
+            return k, self._wait_all(stream, waits)
         # The copy must not read KV the compute has not finished writing (vLLM #31341).
-        self.save_stream.wait_event(after)
-        return k, [*self._wait_all(self.save_stream, waits), after]
+        stream.wait_event(after)
+        return k, [*self._wait_all(stream, waits), after]
 
     def _begin_save(self, ids: CheckedIds, slot: Slot, e_save: Event, waited, p: Path, t0: float) -> SaveJob:
         """Under the lock, after the copies and e_save were enqueued: the trackers' moves, the job."""
@@ -466,10 +480,10 @@ class TransferEngine:
         self._jobs.append(job)
         return job
 
-    def _undo_save(self, *slots: Slot) -> None:
+    def _undo_save(self, *slots: Slot, stream: Stream | None = None) -> None:
         # A failed mover may have enqueued copies into the slots: they land before one is reused.
         left = [s for s in slots if self.slots.state(s) is SlotState.ALLOCATED]
-        if left and self._quiesce(self.save_stream):
+        if left and self._quiesce(self.save_stream if stream is None else stream):
             for s in left:
                 self.slots.release(s)  # nothing of the job is in flight any more
 

@@ -185,12 +185,14 @@ class KVStore:
         self._count(lookups=1, lookup_tokens=len(found) * self.fmt.tokens, _call=("lookup", t0))
         return Lookup(len(found) * self.fmt.tokens, tuple(found))
 
-    def save(self, tokens, block_ids, *, after=None) -> SaveHandle:
+    def save(self, tokens, block_ids, *, after=None, stream=None) -> SaveHandle:
         """Save the full chunks of ``tokens`` (``[num_tokens]``) from GPU blocks ``block_ids``
         (``[num_blocks]``, the request's blocks in order; at least bpc per full chunk).
         ``after``: an event on the compute stream recorded after these blocks' KV was written.
-        Asynchronous: the handle's events complete when the blocks have been read (only then
-        may they be overwritten). A chunk already held is skipped; a full pool ends the save. A
+        ``stream``: the copy stream (`TransferEngine.save_slots`; None: the engine's save
+        stream): the handle's events wait only for what runs there before them. Asynchronous:
+        the handle's events complete when the blocks have been read (only then may they be
+        overwritten). A chunk already held is skipped; a full pool ends the save. A
         save never evicts the earlier chunks of its own prefix (saved now or held already): a
         prefix longer than the host keeps its head (what a later lookup can use), and the chunks
         past the room are counted as failed.
@@ -207,7 +209,7 @@ class KVStore:
         through = not self.write_back and bool(self._tiers)
         held: list[HostEntry] = []  # this save's chunks, pinned until it returns (see above)
         try:
-            self._save_chunks(keys, ids, after, handle, through, held)
+            self._save_chunks(keys, ids, after, handle, through, held, stream)
         finally:
             for e in held:
                 self.host.unpin(e)  # the save is over: its chunks may be evicted like any other
@@ -216,7 +218,7 @@ class KVStore:
         self._count(save_chunks_failed=h.failed)
         return handle
 
-    def _save_chunks(self, keys, ids, after, handle: SaveHandle, through: bool, held: list) -> None:
+    def _save_chunks(self, keys, ids, after, handle: SaveHandle, through: bool, held: list, stream) -> None:
         """Reserve the chunks from the first and save the new ones in engine submissions
         (`engine.save_slots`: a slot and a job per chunk): the first LEAD_CHUNKS as soon as they
         are reserved, so their copies run while the host reserves and submits the rest (one
@@ -235,12 +237,12 @@ class KVStore:
                 break
             plan.append(entry)
             if i + 1 == LEAD_CHUNKS < len(keys):
-                cut, why_cut = self._save_new(plan, 0, ids, after, handle, through, held)
+                cut, why_cut = self._save_new(plan, 0, ids, after, handle, through, held, stream)
                 sent = len(plan)
                 if cut is not None:  # the pool is full already: nothing more is reserved
                     break
         if cut is None:
-            cut, why_cut = self._save_new(plan, sent, ids, after, handle, through, held)
+            cut, why_cut = self._save_new(plan, sent, ids, after, handle, through, held, stream)
         if cut is not None:
             stop, why = cut, why_cut
         handle.skipped += sum(e is None for e in plan[:stop])
@@ -249,7 +251,9 @@ class KVStore:
             log.info("kvstore: save stops at chunk %d of %d: %s", stop, len(keys), why)
             handle.failed = len(keys) - stop
 
-    def _save_new(self, plan: list, first: int, ids, after, handle: SaveHandle, through: bool, held: list):
+    def _save_new(
+        self, plan: list, first: int, ids, after, handle: SaveHandle, through: bool, held: list, stream
+    ):
         """One engine submission of the new chunks of ``plan[first:]``. Returns (None, "") when
         every one got a slot, else (the first chunk without one, why); the entries without a slot
         are cancelled."""
@@ -259,7 +263,8 @@ class KVStore:
         jobs, why, cut = [], "", None
         counts, wait_s = [self.fmt.blocks] * len(new), self.alloc_timeout_s
         try:
-            jobs = self.engine.save_slots(self._chunks(ids, new), counts, after=after, timeout=wait_s)
+            chunks = self._chunks(ids, new)
+            jobs = self.engine.save_slots(chunks, counts, after=after, timeout=wait_s, stream=stream)
         except PoolExhausted as exc:  # back-pressure: the rest is recomputed next time
             why = str(exc)
         except BaseException:

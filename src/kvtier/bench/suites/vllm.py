@@ -184,9 +184,7 @@ class Replay:
         if self.ctx.on_gpu:
             torch.cuda.synchronize(self.ctx.device)
         else:
-            self.dev.current_stream().synchronize()
-            self.ws.store.engine.save_stream.synchronize()
-            self.ws.store.engine.load_stream.synchronize()
+            self.dev.synchronize()  # every stream: compute, the loads' and each save lane's
 
     def ring_waits(self) -> int:
         """Host waits so far on the pinned ids buffers of the staged graphs (`fastpath.ring`): a

@@ -3,7 +3,9 @@
 Per step, in vLLM's call order (`KVTierMetadata` bound first):
 
     handle_preemptions(meta)   later compute waits for the pending saves of preempted requests'
-                               blocks: vLLM may hand them to another request
+                               blocks (vLLM may hand them to another request), and only for those:
+                               requests' saves run on SAVE_LANES copy streams, each request's on
+                               one no other request's save is queued on while one is idle
     start_load(meta)           prefetches start; each load: lower-tier reads, then the copies on
                                the copy stream, one event per layer (from the block vLLM's own hit
                                ends at); what no tier delivered is reported as load errors (vLLM
@@ -33,6 +35,10 @@ from .metadata import ChunkRun, KVTierMetadata, KVTierWorkerMetadata
 from .settings import VllmSettings
 
 log = logging.getLogger(__name__)
+# Copy streams the saves spread over. A stream runs in order, so a save's event completes only
+# after every save queued before it there: with one stream, a preemption's wait for one request's
+# saves would wait for every request's.
+SAVE_LANES = 4
 
 
 class WorkerSide:
@@ -71,6 +77,9 @@ class WorkerSide:
         self._extra_sent = False
         self._counts: Counter = Counter()
         self._owned: list = []  # what register_kv_caches made, closed in reverse at shutdown
+        self._lanes: list = []  # the save streams, made at register
+        self._lane_last: list = []  # per lane, the last save handle put on it
+        self._lane_order: deque[int] = deque()  # lanes, least recently used first
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -115,6 +124,11 @@ class WorkerSide:
         # the scheduler of those no local tier holds any more.
         self.store = HashKeyedStore(engine, self.model, tiers=tiers, config=cfg, on_evict=self._gone.extend)
         self.dev, self.kv, self.torch = dev, kv, torch
+        self._lanes = [
+            dev.new_stream(f"kvtier-save-{i}") for i in range(SAVE_LANES)
+        ]  # at start, not in a step
+        self._lane_last = [None] * SAVE_LANES
+        self._lane_order = deque(range(SAVE_LANES))
 
     def _make_tiers(self) -> list:
         s, tiers = self.settings, []
@@ -141,8 +155,13 @@ class WorkerSide:
             return  # the common step: no device stream looked up
         stream = self.dev.current_stream()
         for rid in meta.preempted:
-            for h, _, _ in self._saves.get(rid, ()):
-                h.wait_on(stream)  # vLLM reuses these blocks: no overwrite before the copy read them
+            self.wait_saves(rid, stream)
+
+    def wait_saves(self, req_id: str, stream) -> None:
+        """Later work on ``stream`` waits for ``req_id``'s pending saves, and for nothing else
+        (what runs before them on their lane)."""
+        for h, _, _ in self._saves.get(req_id, ()):
+            h.wait_on(stream)  # vLLM reuses these blocks: no overwrite before the copy read them
 
     def start_load(self, meta: KVTierMetadata) -> None:
         if self.store is None:
@@ -211,12 +230,14 @@ class WorkerSide:
             return
         after = self.dev.current_stream().record()  # the forward wrote the KV before this event
         for run in meta.saves:
+            lane = self._lane()
             try:
-                h = self.store.save(run.ids, run.block_ids, after=after)
+                h = self.store.save(run.ids, run.block_ids, after=after, stream=self._lanes[lane])
             except Exception as exc:  # a failed save is only a later miss
                 log.warning("kvtier: save of %s failed: %s", run.req_id, exc)
                 self._counts["save_errors"] += 1
                 continue
+            self._lane_last[lane] = h
             if h.failed:  # the pool was full: those chunks are a later miss
                 self._counts["save_errors"] += h.failed
             self._saves.setdefault(run.req_id, []).append((h, run, time.perf_counter()))
@@ -273,6 +294,15 @@ class WorkerSide:
         self._owned = []
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _lane(self) -> int:
+        """The save stream for the next request's saves: the least recently used one whose last
+        save has landed, else the least recently used (every lane busy: it queues behind one)."""
+        order = self._lane_order
+        lane = next((i for i in order if (h := self._lane_last[i]) is None or h.done()), order[0])
+        order.remove(lane)
+        order.append(lane)
+        return lane
 
     def _holds(self, key: bytes) -> bool:
         """Whether a local tier holds ``key`` (or the host is filling it: its save reports it)."""
