@@ -18,7 +18,7 @@ EXTRA = {"chunk_tokens": 32, "host_bytes": 1 << 22}
 
 def _keys(e, rank: int, tokens: list[int], chunks: list[int]) -> list[bytes]:
     """Rank ``rank``'s store keys of chunks ``chunks`` of ``tokens`` (ids from vLLM's hashes)."""
-    from vllm_harness import create_request
+    from vllm_utils import create_request
 
     req = create_request("__keys__", tokens)
     ids = [bytes(req.block_hashes[2 * c + 1]) for c in chunks]  # 2 blocks a chunk: its last hash

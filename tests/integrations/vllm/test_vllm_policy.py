@@ -7,7 +7,8 @@ recomputed and the request completes with the true tokens."""
 from __future__ import annotations
 
 import pytest
-from vllm_harness import Engine, create_kv_cache_config, create_vllm_config
+from vllm_harness import Engine
+from vllm_utils import create_kv_cache_config, create_vllm_config
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 
