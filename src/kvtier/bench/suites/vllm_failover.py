@@ -221,11 +221,11 @@ def failed_load_row(ctx: Context, fwd, replay, order: str, shape: dict, tokens: 
 
         r.poison()
         report()  # the workers' first report: their key fields
-        assert sched.lookup(a, 0) == (0, False)
+        sched.lookup(a, 0)  # a miss: nothing is held yet
         sched.after_alloc(a, Blocks(r.src[: granted * bpc]), 0)
         meta = sched.build_meta(output(new=[("A", r.src[: granted * bpc], 0, granted * ct)]))
         step(meta, lambda: paged_step(lean, r, r.src, ids[:, : granted * ct], 0, granted * ct))
-        r.settle_saves()
+        r.settle_saves()  # A's copies landed: its chunks are held before the scheduler is told
         report()  # A's chunks held: the scheduler grants them
 
         hit, _ = sched.lookup(b, 0)
@@ -242,7 +242,7 @@ def failed_load_row(ctx: Context, fwd, replay, order: str, shape: dict, tokens: 
         # vLLM's recompute: from the first block reported, over the blocks that did load.
         meta = sched.build_meta(output(cached=[("B", failed * ct, n - failed * ct)]))
         b_logits, _ = step(meta, lambda: paged_step(lean, r, r.dst, ids, failed * ct, n))
-        r.settle_saves()
+        r.settle_saves()  # the recompute's saves landed before C asks for them
         report()
 
         r.cache[:, r.src[:need]] = torch.tensor(-7.0, dtype=r.cache.dtype)  # only C's load writes them
@@ -250,7 +250,7 @@ def failed_load_row(ctx: Context, fwd, replay, order: str, shape: dict, tokens: 
         sched.after_alloc(cc, Blocks(r.src[:need]), hit_c)
         meta = sched.build_meta(output(new=[("C", r.src[:need], hit_c, n - hit_c)]))
         c_logits, c_errors = step(meta, lambda: paged_step(lean, r, r.src, ids, hit_c, n))
-        r.sync()
+        r.sync()  # C's copies landed before its blocks are compared
         loaded = sum(len(x.ids) for x in meta.loads)
         same_kv = torch.equal(
             r.cache[:, r.src[: c * bpc]].contiguous().view(torch.uint8),
