@@ -108,3 +108,27 @@ def test_a_request_that_ends_in_its_load_step_still_saves_its_chunks(tmp_path, a
         assert not e.violations(), e.violations()
     finally:
         e.close()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("fail", [False, True], ids=["loaded", "failed"])
+def test_a_prompt_prefilled_over_several_steps_after_its_load_saves_every_chunk(
+    tmp_path, async_scheduling, fail
+):
+    e = Engine(tmp_path, EXTRA, async_scheduling=async_scheduling, max_num_batched_tokens=48)
+    try:
+        e.add("a", A)
+        e.settle()
+        e.sched.reset_prefix_cache()
+        if fail:
+            _lose_in_flight(e, 0, 1)
+        e.add("b", B)  # 104 tokens past the hit: three steps of at most 48
+        e.settle()
+        assert e.loads("b") == [3] and len(e.scheduled("b")) > 2 and bool(e.invalid_blocks()) == fail
+        e.sched.reset_prefix_cache()
+        e.add("c", B)
+        e.settle()
+        assert e.loads("c") == [6], e.loads("c")
+        assert not e.violations("c"), e.violations("c")
+    finally:
+        e.close()
