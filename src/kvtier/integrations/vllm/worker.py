@@ -31,6 +31,7 @@ import time
 from collections import Counter, deque
 
 from .hash_store import HashKeyedStore
+from .holdings import Holdings
 from .metadata import ChunkRun, KVTierMetadata, KVTierWorkerMetadata
 from .settings import VllmSettings
 
@@ -68,9 +69,7 @@ class WorkerSide:
         self._released: set[str] = set()  # finished requests reported once their saves are done
         self._prefetches: list = []  # (req id, ChunkRun, Future)
         self._errors: set[int] = set()
-        self._keys: dict[bytes, bool] = {}  # tier key -> held by a local tier (since the last report)
-        self._gone: deque[bytes] = deque()  # keys a local tier dropped: held elsewhere, or lost
-        self._watched: list = []  # lower tiers whose evictions reach `_gone` (the disk)
+        self._holdings = Holdings()  # what the host and disk hold, for the scheduler's index
         self._loaded: dict[int, int] = {}  # load tag -> this rank's bit: every block delivered
         self._failed: dict[int, int] = {}
         self._prefetched: dict[str, int] = {}
@@ -122,11 +121,9 @@ class WorkerSide:
         )
         # Every chunk the host drops is noted (a deque append, under the host's lock); `report` tells
         # the scheduler of those no local tier holds any more.
-        self.store = HashKeyedStore(engine, self.model, tiers=tiers, config=cfg, on_evict=self._gone.extend)
+        self.store = HashKeyedStore(engine, self.model, tiers=tiers, config=cfg, on_evict=self._holdings.gone)
         self.dev, self.kv, self.torch = dev, kv, torch
-        self._lanes = [
-            dev.new_stream(f"kvtier-save-{i}") for i in range(SAVE_LANES)
-        ]  # at start, not in a step
+        self._lanes = [dev.new_stream(f"kvtier-save-{i}") for i in range(SAVE_LANES)]  # made at start
         self._lane_last = [None] * SAVE_LANES
         self._lane_order = deque(range(SAVE_LANES))
 
@@ -136,11 +133,10 @@ class WorkerSide:
             from kvtier.store.disk import DiskTier
             from kvtier.store.policy import LRU
 
-            policy = LRU(s.disk_bytes)
-            policy.on_gone = self._gone.extend  # the disk's evictions and deletions, noted as the host's
+            policy = LRU(s.disk_bytes)  # its evictions and deletions reach the scheduler's index
             disk = DiskTier(f"{s.disk_path}/tp{self.tp_rank}", s.disk_bytes, policy=policy)
+            self._holdings.watch(disk, policy)
             tiers.append(disk)
-            self._watched.append(disk)
         if s.redis_url:
             from kvtier.store.redis_tier import RedisTier
 
@@ -201,7 +197,7 @@ class WorkerSide:
             return
         # The scheduler holds its saves back until every rank's outcome is in (`SchedulerSide`).
         self._failed[run.tag] = mask
-        self._keys[self.store.keys(run.ids[got : got + 1])[0]] = False  # no tier delivered it
+        self._holdings.lost(self.store.keys(run.ids[got : got + 1])[0])  # no tier delivered it
         self._counts["miss_chunks"] += len(run.ids) - got
         self._errors.update(run.block_ids[max(0, got * bpc - run.skip) :])
 
@@ -260,19 +256,12 @@ class WorkerSide:
         if self.store is None:
             return None
         self._settle()
-        if not self._extra_sent:  # the first report: the key fields, and what the disk holds from before
-            for tier in self._watched:
-                self._keys.update(dict.fromkeys(tier.resident_keys(), True))
-        while self._gone:  # dropped by one local tier: lost unless another still holds it
-            key = self._gone.popleft()
-            if not self._holds(key):
-                self._keys[key] = False
-        held = {k for k, v in self._keys.items() if v}
-        wm = KVTierWorkerMetadata(held, set(self._keys) - held, self._loaded, self._failed, self._prefetched)
+        held, lost = self._holdings.take(self.store.host)
+        wm = KVTierWorkerMetadata(held, lost, self._loaded, self._failed, self._prefetched)
         if not self._extra_sent:
             x = self.store.extra
             wm.extra, self._extra_sent = (x.model, x.kv_dtype, x.layout, x.tp_size, x.salt), True
-        self._keys, self._loaded, self._failed, self._prefetched = {}, {}, {}, {}
+        self._loaded, self._failed, self._prefetched = {}, {}, {}
         return None if wm.is_empty() else wm
 
     def stats(self) -> dict:
@@ -304,10 +293,6 @@ class WorkerSide:
         order.append(lane)
         return lane
 
-    def _holds(self, key: bytes) -> bool:
-        """Whether a local tier holds ``key`` (or the host is filling it: its save reports it)."""
-        return self.store.host.contains(key) or any(t.contains(key) for t in self._watched)
-
     def _settle(self) -> None:
         """Completed loads, saves and prefetches: counted, reported, their requests released."""
         if self.store is None:
@@ -328,7 +313,7 @@ class WorkerSide:
                     continue
                 self._account("save", h.saved * nbytes, t0)
                 if h.tokens:
-                    self._keys.update(dict.fromkeys(self.store.keys(run.ids[: h.tokens // tokens]), True))
+                    self._holdings.held(self.store.keys(run.ids[: h.tokens // tokens]))
             if left:
                 self._saves[rid] = left
             else:
@@ -340,7 +325,7 @@ class WorkerSide:
                 continue
             got = fut.result() // tokens if fut.exception() is None else 0
             if got:
-                self._keys.update(dict.fromkeys(self.store.keys(run.ids[:got]), True))
+                self._holdings.held(self.store.keys(run.ids[:got]))
             self._prefetched[rid] = mask
         self._prefetches = pending
 
