@@ -61,8 +61,10 @@ def test_after_a_restart_the_disk_tier_is_hit(tmp_path, tp_size):
         e.close()
 
 
-def test_a_disk_smaller_than_the_working_set_is_granted_only_what_it_holds(tmp_path):
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+def test_a_disk_smaller_than_the_working_set_is_granted_only_what_it_holds(tmp_path, write_policy):
     extra = {
+        "write_policy": write_policy,  # write_back: a chunk reaches the disk as the host evicts it
         "chunk_tokens": 32,
         "host_bytes": 8 * CHUNK,  # the host index: 5 chunks
         "disk_path": str(tmp_path / "disk"),
