@@ -125,6 +125,9 @@ class Engine:
         self.history: list = []  # (scheduler output, aggregated KV connector output) per step run
         self.steps = 0
         self.before_execute = None  # f(scheduler output): runs after schedule, before the workers
+        # (step, req id) whose reads need not be true: its load failed there (and, async, the step
+        # already scheduled after it); vLLM drops their output and recomputes
+        self.failed_loads: set[tuple[int, str]] = set()
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -210,7 +213,13 @@ class Engine:
         return out
 
     def violations(self, rid: str | None = None) -> list[str]:
-        return [str(v) for v in self.model.violations if rid is None or v.req_id == rid]
+        """Reads of KV that was not true, but for those of a step whose load failed (vLLM drops
+        that step's output and recomputes: the protocol promises nothing of its reads)."""
+        return [
+            str(v)
+            for v in self.model.violations
+            if (rid is None or v.req_id == rid) and (v.step, v.req_id) not in self.failed_loads
+        ]
 
     def first_token(self, tokens: list[int]) -> int:
         """The token the model samples after ``tokens`` from the true KV (a recompute's)."""
@@ -268,6 +277,12 @@ class Engine:
             outputs.append(create_model_runner_output(list(so.num_scheduled_tokens), sampled, kv))
         out = self.aggregator.aggregate(outputs)
         self.history.append((so, out.kv_connector_output))
+        bad = out.kv_connector_output.invalid_block_ids if out.kv_connector_output else set()
+        for rid in so.num_scheduled_tokens if bad else ():
+            if bad & set(self.blocks[rid]):  # its load failed: this step read what never loaded
+                self.failed_loads |= (
+                    {(self.steps, rid), (self.steps + 1, rid)} if self.async_ else {(self.steps, rid)}
+                )
         return out
 
     def _forward(self, so) -> dict[str, list[int]]:
