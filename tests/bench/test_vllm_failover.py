@@ -90,3 +90,45 @@ def test_the_orders_asked_by_the_environment():
     assert orders_asked("lbhnc, BLHNC") == ("LBHNC", "BLHNC")
     with pytest.raises(ValueError, match="KVTIER_VLLM_ORDERS"):
         orders_asked("LBHNC,XYZ")
+
+
+def _failed_load_row(order):
+    from kvtier.bench.suites.vllm import TINY, Replay
+    from kvtier.bench.suites.vllm_failover import failed_load_row
+    from kvtier.bench.suites.vllm_rows import Forward
+
+    shape = TINY | {"dtype": torch.float32}  # fp32: B's own first token is compared too
+    ctx = _ctx()
+    rows = list(failed_load_row(ctx, Forward(ctx, shape), Replay, order, shape, 1280))  # 5 chunks
+    assert len(rows) == 1, ctx.skipped
+    return rows[0]
+
+
+@pytest.mark.parametrize("order", ["LBHNC", "BLHNC"])
+def test_a_load_failing_mid_request_stores_only_what_vllm_recomputed(order):
+    row = _failed_load_row(order)
+    p = row.params
+    assert p["chunks"] == 4 and p["chunks_granted"] == 3 and p["failed_chunk"] == 2
+    assert p["saves_in_failing_step"] == 0 and p["error_blocks"] == p["expected_error_blocks"] == 16
+    assert p["chunks_loaded"] == 4 and p["loaded_equals_recomputed"] is True
+    assert p["first_token"] == p["recompute_token"] and p["recompute_logits_max_abs_diff"] < 1e-3
+    assert row.correct is True
+
+
+def test_the_row_sees_chunks_saved_from_a_failed_load(monkeypatch):
+    """A scheduler side that saves in the load step (as kvtier's did) stores KV computed over the
+    blocks that never loaded: the row says so."""
+    from kvtier.integrations.vllm.scheduler import SchedulerSide
+
+    def eager(self, meta, st, computed_after):
+        if st.load is not None:
+            meta.loads.append(st.load)
+            st.loading, self._tag_req[st.load.tag] = st.load.tag, st.request.request_id
+            st.load = None
+        st.computed = computed_after
+        self._add_save(meta, st.request.request_id, st)  # not held back
+
+    monkeypatch.setattr(SchedulerSide, "_scheduled", eager)
+    row = _failed_load_row("LBHNC")
+    assert row.params["saves_in_failing_step"] > 0 and row.params["loaded_equals_recomputed"] is False
+    assert row.correct is False

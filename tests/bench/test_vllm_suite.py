@@ -90,3 +90,12 @@ def test_vllm_quick_loads_layer_major_by_default_and_whole_beside(rows):
     for x in rows:
         if _kind(x).startswith("ttft_hit"):
             assert x["params"]["tail_ms"] > 0, x["case"]
+
+
+def test_vllm_quick_failed_load_rows_per_order(rows):
+    from kvtier.layout import VLLM_ORDERS
+
+    failed = [x for x in rows if _kind(x) == "load_failed_mid_request"]
+    assert sorted(x["params"]["order"] for x in failed) == sorted(VLLM_ORDERS)
+    for x in failed:
+        assert x["correct"] is True and x["params"]["saves_in_failing_step"] == 0, x["case"]

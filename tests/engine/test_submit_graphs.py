@@ -206,6 +206,7 @@ def test_the_movers_key_is_graph_key(num_tokens, direction):
         _save_staging=(),
         _load_staging=(),
         _staging_key={"save": (1, 2), "load": (3, 4)},
+        _staged_on=lambda stream: None,  # the staging buffers' order across save streams: none here
     )
     slot, stream = SimpleNamespace(nbytes=4096, ptr=77), SimpleNamespace(raw="raw")
     ids = IdCheck(num_blocks=8, block_size=16).checked(np.arange(3), direction == "load", num_tokens)

@@ -6,7 +6,8 @@ the bytes themselves.
 store (`kvtier.store.KVStore`):
 
     save(block_ids, after) -> SaveJob      gather blocks into a new slot; READY once its event completed
-    load(slot, block_ids)  -> LoadJob      scatter a READY slot into blocks; one event per layer
+    load(slot, block_ids)  -> LoadJob      scatter a READY slot (from block skip_blocks on) into blocks;
+                                           one event per layer
     save_slots(block_ids, counts, after) -> [SaveJob]  blocks into several new slots, one submission
     load_slots(slots, block_ids) -> [LoadJob]  several slots into one request's blocks, one submission
                                            (kernel path: layer-major; batch: one batched copy)

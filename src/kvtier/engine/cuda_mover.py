@@ -57,6 +57,7 @@ class CudaMover:
         self.chunk_blocks = max(1, cfg.staging_bytes // 2 // kv.block_nbytes)
         self._save_staging = None  # made on first use: a pure-kernel user never pays for them
         self._load_staging = None
+        self._staged_stream = None  # the save stream of the last staged save (`_staged_on`)
         self.gather_stream = torch.cuda.Stream(device=kv.device)  # staged saves' short gathers
         self.scatter_stream = torch.cuda.Stream(device=kv.device)  # staged loads' scatters
         self.batch_available = batch.available()
@@ -93,6 +94,7 @@ class CudaMover:
         staging = self._save_staging
         if staging is None:  # made on first use; the hot path makes no call once it is
             staging = self._staging("save")
+        self._staged_on(stream)
         g = self.graphs
         key = None
         if g is not None and g.enabled:  # the graph key (`graph_key`'s tuple) inline: a call fewer
@@ -208,6 +210,7 @@ class CudaMover:
         if path is Path.STAGED and len(slots) > 1:
             # One pipelined sequence: slot j + 1's gather overlaps slot j's DMA (a graph per slot
             # is one operation of the copy stream: it would wait for the DMA before it).
+            self._staged_on(stream)
             dev = self._ids_for(ids, False, stream.raw, self.gather_stream)
             chunks = [s.tensor for s in slots]
             save_slot_chunks(
@@ -250,6 +253,15 @@ class CudaMover:
             return
         for part, slot in zip(ids.split(counts, self.kv.block_size), slots, strict=True):
             self.load(path, part, slot, stream, False, label)
+
+    def _staged_on(self, stream: Stream) -> None:
+        """A staged save is about to run on `stream`: the save staging buffers are shared by every
+        save stream, so one on another stream than the last staged save first waits for that
+        stream's tail (its DMAs out of the buffers); on one stream, order alone keeps them apart."""
+        last = self._staged_stream
+        if last is not None and last != stream:
+            stream.raw.wait_stream(last.raw)  # the buffers may still be under the other stream's DMAs
+        self._staged_stream = stream
 
     def _staging(self, direction: str):
         """The two staging buffers of "save" or "load", made on first use (a pure-kernel user

@@ -22,6 +22,7 @@ Tracing: with `engine.trace` set, `save` / `load` are the traced twins (`_traced
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import threading
@@ -76,6 +77,7 @@ class TransferEngine:
         self.device, self.kv, self.pool, self.config = device, kv, pool, config
         self.sanitize = sanitize_enabled(config.sanitize)
         self.save_stream: Stream = device.new_stream("kvtier-save")
+        self._save_streams: set[Stream] = {self.save_stream}  # every stream a save was put on
         self.load_stream: Stream = device.new_stream("kvtier-load")
         self.slots = SlotTracker(pool, sanitize=self.sanitize)
         self.blocks = BlockTracker(sanitize=self.sanitize)
@@ -149,19 +151,22 @@ class TransferEngine:
         per_layer: bool = True,
         path: str | None = None,
         flags: FlagStep | None = None,
+        skip_blocks: int = 0,
     ) -> LoadJob:
         """Copy the READY slot `slot` (a save job's `.slot`) into blocks `block_ids`.
 
-        block_ids: n distinct ids, as in `save`; slot.nbytes must be kv.chunk_nbytes(n).
+        block_ids: n distinct ids, as in `save`; slot.nbytes must be kv.chunk_nbytes(n + skip_blocks).
         per_layer: the job's `layer_events[l]` completes once layer l landed (on the kernel path a
             true event per layer; on the staged path every layer's event is the job's).
         num_tokens, path: as in `save`; tokens past num_tokens are left untouched in the cache.
         flags: a step of this engine's `layer_flags()` (`LayerFlags.arm`): the job joins it, so its
             layer l counts before the step's flag l is set (per layer where the path has per-layer
             events, at the job's end otherwise). None: no flags.
+        skip_blocks: the slot's first blocks are not loaded (the cache holds them already); its
+            blocks skip_blocks.. go to `block_ids` (a slot is block-major: they are its byte suffix).
         """
         t0 = time.perf_counter()
-        ids = self._load_ids(slot, block_ids, num_tokens, per_layer)
+        ids = self._load_ids(slot, block_ids, num_tokens, per_layer, skip_blocks)
         p = self._auto.get(("load", per_layer)) if path is None else None  # decided once: see `_path`
         if p is None:
             p = self._path("load", path, per_layer)
@@ -170,12 +175,13 @@ class TransferEngine:
         with self._lock:
             k, waits = self._load_waits(slot, ids)
             e_load = self.device.new_event(f"e_load#{k}")
+            src = _tail(slot, skip_blocks * self._block_nbytes) if skip_blocks else slot
             w = None if flags is None else self._join(flags)
             try:
                 layers = self.mover.load(
                     p,
                     ids,
-                    slot,
+                    src,
                     self.load_stream,
                     per_layer,
                     f"e_load#{k}",
@@ -205,6 +211,7 @@ class TransferEngine:
         num_tokens: int | None = None,
         path: str | None = None,
         timeout: float | None = None,
+        stream: Stream | None = None,
     ) -> list[SaveJob]:
         """Copy blocks `block_ids` into len(counts) new slots in one submission: slot j gets the
         next counts[j] ids (kv.chunk_nbytes(counts[j]) bytes). One SaveJob per slot, in order,
@@ -218,10 +225,19 @@ class TransferEngine:
         timeout: seconds to wait for pool room for each slot, as in `save`. Slots are taken in
             order; where the pool has no room for slot j, slots j.. are not saved and fewer jobs
             than counts come back (PoolExhausted, nothing submitted, when slot 0 has none).
+        stream: the copy stream of this job, one of this device's (None: `save_stream`). A
+            stream runs in order: e_save completes only after every job queued before it there.
+            Jobs on other streams do not wait for each other (staged jobs excepted on CUDA: they
+            share the staging buffers), so a caller that must wait for one request's saves alone
+            (before its blocks are reused) puts requests' saves on streams of their own.
         """
         t0 = time.perf_counter()
         if self._closed:
             self._check_open()
+        if stream is None:
+            stream = self.save_stream
+        elif not isinstance(stream, Stream):
+            raise ValueError(f"stream: expected a Stream of this engine's device, got {stream!r}")
         counts = _check_counts(counts)
         ids = self._ids.checked(block_ids, False, num_tokens)
         if sum(counts) != len(ids):
@@ -242,10 +258,11 @@ class TransferEngine:
                 counts = counts[: len(slots)]
                 ids = CheckedIds(ids.ids[: sum(counts)], ids.bound, False, self.kv.block_size)
             with self._lock:
-                k, waited = self._save_waits(ids, after)
+                k, waited = self._save_waits(ids, after, stream)
                 e_save = self.device.new_event(f"e_save#{k}")
-                self.mover.save_slots(p, ids, counts, slots, self.save_stream)
-                e_save.record(self.save_stream)  # after every slot's copies: then each slot is READY
+                self._save_streams.add(stream)
+                self.mover.save_slots(p, ids, counts, slots, stream)
+                e_save.record(stream)  # after every slot's copies: then each slot is READY
                 self.blocks.register(Access.SAVE, ids, e_save, waited)
                 jobs, at = [], 0
                 for s, c in zip(slots, counts, strict=True):
@@ -254,7 +271,7 @@ class TransferEngine:
                     at += c
                 self._jobs.extend(jobs)
         except BaseException:
-            self._undo_save(*slots)
+            self._undo_save(*slots, stream=stream)
             raise
         spent = time.perf_counter() - t0
         for j in jobs:
@@ -428,7 +445,8 @@ class TransferEngine:
         try:
             if self._flags is not None:
                 self._flags.close()  # a step left armed is sealed: no wait on its flags blocks forever
-            self.save_stream.synchronize()  # submitted is not done: the copies must land first
+            for s in self._save_streams:
+                s.synchronize()  # submitted is not done: the copies must land first
             self.load_stream.synchronize()
             self.mover.synchronize()
             self.poll()
@@ -496,15 +514,16 @@ class TransferEngine:
             stream.wait_event(e)
         return waits
 
-    def _save_waits(self, ids: CheckedIds, after: Event | None) -> tuple[int, list[Event]]:
-        """Under the lock: the job's number, and the events the save stream now waits for."""
+    def _save_waits(self, ids: CheckedIds, after: Event | None, stream: Stream | None = None):
+        """Under the lock: the job's number, and the events its save stream now waits for."""
+        stream = self.save_stream if stream is None else stream
         k = next(self._seq)
-        waits = self.blocks.waits_for(Access.SAVE, ids, self.save_stream)
+        waits = self.blocks.waits_for(Access.SAVE, ids, stream)
         if after is None:
-            return k, self._wait_all(self.save_stream, waits)
+            return k, self._wait_all(stream, waits)
         # The copy must not read KV the compute has not finished writing (vLLM #31341).
-        self.save_stream.wait_event(after)
-        return k, [*self._wait_all(self.save_stream, waits), after]
+        stream.wait_event(after)
+        return k, [*self._wait_all(stream, waits), after]
 
     def _begin_save(self, ids: CheckedIds, slot: Slot, e_save: Event, waited, p: Path, t0: float) -> SaveJob:
         """Under the lock, after the copies and e_save were enqueued: the trackers' moves, the job."""
@@ -515,14 +534,16 @@ class TransferEngine:
         self._jobs.append(job)
         return job
 
-    def _undo_save(self, *slots: Slot) -> None:
+    def _undo_save(self, *slots: Slot, stream: Stream | None = None) -> None:
         # A failed mover may have enqueued copies into the slots: they land before one is reused.
         left = [s for s in slots if self.slots.state(s) is SlotState.ALLOCATED]
-        if left and self._quiesce(self.save_stream):
+        if left and self._quiesce(self.save_stream if stream is None else stream):
             for s in left:
                 self.slots.release(s)  # nothing of the job is in flight any more
 
-    def _load_ids(self, slot: Slot, block_ids, num_tokens: int | None, per_layer: bool) -> CheckedIds:
+    def _load_ids(
+        self, slot: Slot, block_ids, num_tokens: int | None, per_layer: bool, skip_blocks: int = 0
+    ) -> CheckedIds:
         """The arguments of a load checked (each error names its argument); its ids."""
         if self._closed:
             self._check_open()
@@ -531,10 +552,13 @@ class TransferEngine:
         self.pool.check(slot)  # a released or reused slot: its bytes may be another request's KV
         if per_layer is not True and per_layer is not False:
             raise ValueError(f"per_layer: expected True or False, got {per_layer!r}")
+        if type(skip_blocks) is not int or skip_blocks < 0:  # a bool is no count
+            raise ValueError(f"skip_blocks: expected an int >= 0, got {skip_blocks!r}")
         ids = self._ids.checked(block_ids, True, num_tokens)
-        nbytes = len(ids) * self._block_nbytes
+        nbytes = (len(ids) + skip_blocks) * self._block_nbytes
         if slot.nbytes != nbytes:
-            raise ValueError(f"slot: holds {slot.nbytes} B, {len(ids)} blocks need {nbytes} B")
+            why = f"{len(ids)} blocks after {skip_blocks} skipped need {nbytes} B"
+            raise ValueError(f"slot: holds {slot.nbytes} B, {why}")
         return ids
 
     def _load_waits(self, slot: Slot, ids: CheckedIds) -> tuple[int, list[Event]]:
@@ -589,11 +613,11 @@ class TransferEngine:
         return job
 
     def _traced_load(
-        self, slot, block_ids, *, num_tokens=None, per_layer=True, path=None, flags=None
+        self, slot, block_ids, *, num_tokens=None, per_layer=True, path=None, flags=None, skip_blocks=0
     ) -> LoadJob:
         tr, t0 = self._trace, time.perf_counter()
         tr.begin("load")
-        ids = self._load_ids(slot, block_ids, num_tokens, per_layer)
+        ids = self._load_ids(slot, block_ids, num_tokens, per_layer, skip_blocks)
         tr.mark("ids")
         p = self._path("load", path, per_layer)
         if self.slots.state(slot) is SlotState.FILLING:
@@ -603,12 +627,13 @@ class TransferEngine:
             k, waits = self._load_waits(slot, ids)
             tr.mark("tracker_wait")
             e_load = self.device.new_event(f"e_load#{k}")
+            src = _tail(slot, skip_blocks * self._block_nbytes) if skip_blocks else slot
             w = None if flags is None else self._join(flags)
             try:
                 layers = self.mover.load(
                     p,
                     ids,
-                    slot,
+                    src,
                     self.load_stream,
                     per_layer,
                     f"e_load#{k}",
@@ -730,6 +755,19 @@ def _check_counts(counts) -> list[int]:
     if not got or not all(type(c) is int and c > 0 for c in got):
         raise ValueError(f"counts: expected a non-empty list of positive ints, got {counts!r}")
     return got
+
+
+def _tail(slot: Slot, offset: int) -> Slot:
+    """The bytes of `slot` from `offset` on, as a Slot for the movers to read (the trackers and the
+    pool keep `slot` itself: its state and events are the whole slot's)."""
+    return dataclasses.replace(
+        slot,
+        offset=slot.offset + offset,
+        nbytes=slot.nbytes - offset,
+        span=slot.span - offset,
+        ptr=slot.ptr + offset,
+        _tensor=None,
+    )
 
 
 def _check_slot(slot) -> None:

@@ -45,7 +45,8 @@ class HostEntry:
 class HostTier:
     """capacity_bytes: pool bytes the index may hold (slot spans). policy: "lru", "arc" or an
     EvictionPolicy. release(slot): hand a slot back (through the engine). spill(entry): write-back
-    only — push a dirty evicted entry down, then release its slot.
+    only — push a dirty evicted entry down, then release its slot. on_gone(keys): told of every
+    key that left the index (evicted, deleted, cancelled), under the index lock: note and return.
     """
 
     name = "host"
@@ -59,9 +60,12 @@ class HostTier:
         spill: Callable[[HostEntry], None] | None = None,
         metrics: StoreMetrics | None = None,
         name: str = "host",
+        on_gone: Callable[[list[bytes]], None] | None = None,
     ) -> None:
         self.name = name
         self._policy = make_policy(policy, capacity_bytes)
+        if on_gone is not None:
+            self._policy.on_gone = on_gone
         self._release, self._spill = release, spill
         self._m = (metrics if metrics is not None else StoreMetrics()).tier(name)
         self._lock = threading.Lock()

@@ -31,6 +31,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -79,7 +80,10 @@ class KVStore:
     string that changes when the weights do). tiers: the lower tiers, fastest first, with
     distinct names other than "host". config: a `StoreConfig`, or its fields as keyword
     arguments. metrics: where the host tier and the store count (pass the same `StoreMetrics`
-    to the tiers for one registry).
+    to the tiers for one registry). on_evict(keys): told of the keys of every chunk the host
+    tier drops (evicted, deleted, or a fill that failed), from whichever thread drops them and
+    under the host's lock: it must only note them and return (a lower tier's own evictions
+    reach whoever made its policy: `EvictionPolicy.on_gone`).
 
     Tokens are token ids, a sequence of ints or a 1-D integer tensor ``[num_tokens]``; block ids
     are the request's GPU blocks in order, a sequence of ints or a 1-D integer tensor
@@ -115,6 +119,7 @@ class KVStore:
         tiers: tuple[Tier, ...] | list[Tier] = (),
         config: StoreConfig | None = None,
         metrics: StoreMetrics | None = None,
+        on_evict: Callable[[list[bytes]], None] | None = None,
         **options,
     ) -> None:
         if config is not None and options:
@@ -137,6 +142,7 @@ class KVStore:
             release=self._release_slot,
             spill=self._spill if self.write_back and self._tiers else None,
             metrics=self.metrics,
+            on_gone=on_evict,
         )
         self._counts: Counter[str] = Counter()
         self._counts_lock = threading.Lock()
@@ -179,12 +185,14 @@ class KVStore:
         self._count(lookups=1, lookup_tokens=len(found) * self.fmt.tokens, _call=("lookup", t0))
         return Lookup(len(found) * self.fmt.tokens, tuple(found))
 
-    def save(self, tokens, block_ids, *, after=None) -> SaveHandle:
+    def save(self, tokens, block_ids, *, after=None, stream=None) -> SaveHandle:
         """Save the full chunks of ``tokens`` (``[num_tokens]``) from GPU blocks ``block_ids``
         (``[num_blocks]``, the request's blocks in order; at least bpc per full chunk).
         ``after``: an event on the compute stream recorded after these blocks' KV was written.
-        Asynchronous: the handle's events complete when the blocks have been read (only then
-        may they be overwritten). A chunk already held is skipped; a full pool ends the save. A
+        ``stream``: the copy stream (`TransferEngine.save_slots`; None: the engine's save
+        stream): the handle's events wait only for what runs there before them. Asynchronous:
+        the handle's events complete when the blocks have been read (only then may they be
+        overwritten). A chunk already held is skipped; a full pool ends the save. A
         save never evicts the earlier chunks of its own prefix (saved now or held already): a
         prefix longer than the host keeps its head (what a later lookup can use), and the chunks
         past the room are counted as failed.
@@ -201,7 +209,7 @@ class KVStore:
         through = not self.write_back and bool(self._tiers)
         held: list[HostEntry] = []  # this save's chunks, pinned until it returns (see above)
         try:
-            self._save_chunks(keys, ids, after, handle, through, held)
+            self._save_chunks(keys, ids, after, handle, through, held, stream)
         finally:
             for e in held:
                 self.host.unpin(e)  # the save is over: its chunks may be evicted like any other
@@ -210,7 +218,7 @@ class KVStore:
         self._count(save_chunks_failed=h.failed)
         return handle
 
-    def _save_chunks(self, keys, ids, after, handle: SaveHandle, through: bool, held: list) -> None:
+    def _save_chunks(self, keys, ids, after, handle: SaveHandle, through: bool, held: list, stream) -> None:
         """Reserve the chunks from the first and save the new ones in engine submissions
         (`engine.save_slots`: a slot and a job per chunk): the first LEAD_CHUNKS as soon as they
         are reserved, so their copies run while the host reserves and submits the rest (one
@@ -229,12 +237,12 @@ class KVStore:
                 break
             plan.append(entry)
             if i + 1 == LEAD_CHUNKS < len(keys):
-                cut, why_cut = self._save_new(plan, 0, ids, after, handle, through, held)
+                cut, why_cut = self._save_new(plan, 0, ids, after, handle, through, held, stream)
                 sent = len(plan)
                 if cut is not None:  # the pool is full already: nothing more is reserved
                     break
         if cut is None:
-            cut, why_cut = self._save_new(plan, sent, ids, after, handle, through, held)
+            cut, why_cut = self._save_new(plan, sent, ids, after, handle, through, held, stream)
         if cut is not None:
             stop, why = cut, why_cut
         handle.skipped += sum(e is None for e in plan[:stop])
@@ -243,7 +251,9 @@ class KVStore:
             log.info("kvstore: save stops at chunk %d of %d: %s", stop, len(keys), why)
             handle.failed = len(keys) - stop
 
-    def _save_new(self, plan: list, first: int, ids, after, handle: SaveHandle, through: bool, held: list):
+    def _save_new(
+        self, plan: list, first: int, ids, after, handle: SaveHandle, through: bool, held: list, stream
+    ):
         """One engine submission of the new chunks of ``plan[first:]``. Returns (None, "") when
         every one got a slot, else (the first chunk without one, why); the entries without a slot
         are cancelled."""
@@ -253,7 +263,8 @@ class KVStore:
         jobs, why, cut = [], "", None
         counts, wait_s = [self.fmt.blocks] * len(new), self.alloc_timeout_s
         try:
-            jobs = self.engine.save_slots(self._chunks(ids, new), counts, after=after, timeout=wait_s)
+            chunks = self._chunks(ids, new)
+            jobs = self.engine.save_slots(chunks, counts, after=after, timeout=wait_s, stream=stream)
         except PoolExhausted as exc:  # back-pressure: the rest is recomputed next time
             why = str(exc)
         except BaseException:
@@ -284,6 +295,7 @@ class KVStore:
         *,
         per_layer: bool = True,
         first_chunk: int = 0,
+        first_block: int = 0,
         path: str | None = None,
         flags=None,
     ) -> LoadHandle:
@@ -296,6 +308,10 @@ class KVStore:
 
         first_chunk: start there (the caller recomputes the chunks before); chunk first_chunk + i
         goes into ``block_ids[i*bpc:(i+1)*bpc]`` and ``handle.tokens`` counts from there.
+        first_block: the cache holds the first blocks of chunk first_chunk already (a prefix the
+        serving engine computed or shares, ending inside the chunk): only its blocks first_block..
+        are loaded, into ``block_ids[:bpc - first_block]``, and every later chunk shifts down by
+        first_block blocks; ``handle.tokens`` counts the tokens written.
 
         path: the engine's copy path for these loads (`kvtier.engine.paths`; None: the engine's
         own). A load running beside a forward (a split hit) passes "staged": its copies then hold
@@ -309,17 +325,73 @@ class KVStore:
         (True, 64, ('host', 'host'))
         """
         t0 = self._check_open()
-        keys = self.keys(tokens)
+        keys, bpc = self.keys(tokens), self.fmt.blocks
         if type(first_chunk) is not int or not 0 <= first_chunk <= len(keys):  # a bool is no index
             raise ValueError(f"first_chunk: must be an int within [0, {len(keys)}], got {first_chunk!r}")
+        if (
+            type(first_block) is not int
+            or not 0 <= first_block < bpc
+            or (first_block and first_chunk == len(keys))
+        ):
+            raise ValueError(
+                f"first_block: must be an int within [0, {bpc}) of a chunk of tokens, got {first_block!r}"
+            )
         keys = keys[first_chunk:]
         path = None if path is None else parse_path(path)
         ids = self._block_ids(block_ids, need=0, unique=True)
         self._reap()
         handle = LoadHandle(num_layers=self.kv.num_layers, _on_done=self._reap)
-        # The walk ends at the first chunk no tier delivers: the rest of the prefix is useless.
         layer_major = per_layer and (path or self.engine.load_path(per_layer=True)) is Path.KERNEL
+        tiers: list[str] = []
+        if first_block:
+            head = bpc - first_block
+            if len(ids) >= head and self._load_head(
+                keys[0], ids[:head], first_block, handle, layer_major, path, flags
+            ):
+                tiers.append(handle.tiers[0])
+                keys, ids = keys[1:], ids[head:]
+            else:
+                keys = []  # the first chunk is missing: nothing after it is of use
+        if keys:
+            tiers += self._load_run(keys, ids, handle, layer_major, path, flags)
+        handle.tiers = tuple(tiers)
+        handle.tokens = len(handle.jobs) * self.fmt.tokens - (
+            first_block * self.kv.block_size if tiers else 0
+        )
+        chunks = Counter(f"load_chunks_{t}" for t in handle.tiers)
+        self._count(loads=1, load_tokens=handle.tokens, _call=("load", t0), **chunks)
+        return handle
+
+    def _load_head(
+        self, key: bytes, ids, skip: int, handle: LoadHandle, layer_major: bool, path, flags
+    ) -> bool:
+        """A chunk whose first ``skip`` blocks the cache holds: its other blocks into ``ids``
+        (one engine job reading the slot's byte suffix). False if no tier delivers it."""
+        got = self._take(key)
+        if got is None:
+            return False
+        try:
+            per_layer = layer_major  # the layer-major path's own job; else the whole-job path's
+            job = self.engine.load(
+                got.entry.slot, ids, per_layer=per_layer, path=path, skip_blocks=skip, flags=flags
+            )
+        except BaseException:
+            self._give_back([got])  # nothing was submitted from the slot
+            raise
+        finally:
+            self.host.count_hits(int(got.acquired), int(got.acquired) * self.fmt.span)
+        self._track(job, got.entry, got.kind)  # its pin drops once e_load completed
+        handle.jobs.append(job)
+        handle.tiers = (got.tier,)
+        return True
+
+    def _load_run(
+        self, keys: list[bytes], ids, handle: LoadHandle, layer_major: bool, path, flags
+    ) -> list[str]:
+        """The walk over ``keys`` into ``ids`` (chunk i into ids[i*bpc:(i+1)*bpc]) and its copies,
+        appended to ``handle.jobs``; returns the tier of each chunk loaded."""
         whole = None if layer_major else path or self.engine.load_path(per_layer=False)
+        # The walk ends at the first chunk no tier delivers: the rest of the prefix is useless.
         got_all: list[_Taken] = []
         jobs = []
         try:
@@ -356,11 +428,7 @@ class KVStore:
             for job, got in zip(jobs, got_all, strict=True):
                 self._track(job, got.entry, got.kind)  # pins drop once e_load completed
         handle.jobs.extend(jobs)
-        handle.tokens = len(handle.jobs) * self.fmt.tokens
-        handle.tiers = tuple(got.tier for got in got_all)
-        chunks = Counter(f"load_chunks_{t}" for t in handle.tiers)
-        self._count(loads=1, load_tokens=handle.tokens, _call=("load", t0), **chunks)
-        return handle
+        return [got.tier for got in got_all]
 
     def _load_whole(self, taken: list[_Taken], ids, first: int, path, whole, flags=None) -> list:
         """Submit the chunks ``taken`` (chunk ``first`` on) in one engine call on path ``whole``

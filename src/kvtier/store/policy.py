@@ -6,15 +6,24 @@ or writing it) is never chosen as a victim — eviction skips to the next candid
 
 Events: ``touch(key)`` on a hit, ``admit(key, nbytes)`` when a new chunk is stored (returns
 the victims, already dropped from the accounting), ``remove(key)`` when a chunk is deleted.
+``on_gone(keys)``, where set, hears of every key that left: an admit's victims and each removed
+key (so whoever grants hits from what a tier holds learns of its evictions).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 
 class EvictionPolicy:
-    """Shared accounting: sizes, pins, capacity. Subclasses order the victims."""
+    """Shared accounting: sizes, pins, capacity. Subclasses order the victims.
+
+    on_gone: None, or called with the keys that left (an admit's victims, a removed key), under
+    the owning tier's lock: it must only note them (e.g. append to a deque) and return.
+    """
+
+    on_gone: Callable[[list[bytes]], None] | None = None
 
     def __init__(self, capacity_bytes: int) -> None:
         if not isinstance(capacity_bytes, int) or capacity_bytes < 1:
@@ -71,6 +80,8 @@ class EvictionPolicy:
         victims = self._admit(key, nbytes)
         self._size[key] = nbytes
         self.used_bytes += nbytes
+        if victims and self.on_gone is not None:
+            self.on_gone(victims)
         return victims
 
     def touch(self, key: bytes) -> bool:
@@ -89,6 +100,8 @@ class EvictionPolicy:
             return False
         self._drop(key)
         self.used_bytes -= self._size.pop(key)
+        if self.on_gone is not None:
+            self.on_gone([key])
         return True
 
     def _evict(self, key: bytes) -> None:

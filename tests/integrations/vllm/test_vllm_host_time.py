@@ -41,6 +41,7 @@ class Rig:
         m = KVTierMetadata()
         if save:
             m.saves.append(ChunkRun("save", self.ids, self.src))
+            m.release.add("save")  # finished: reported once its saves read the blocks
         if load:
             m.loads.append(ChunkRun("load", self.ids, self.dst))
         return m

@@ -1,4 +1,5 @@
-"""A real vLLM 0.33 `Scheduler` with kvtier's connector, on the CPU, from a local config.json.
+"""A real vLLM 0.33 `Scheduler` with kvtier's connector (configs from `vllm_utils.py`), on the CPU.
+The earlier, simpler rig (`vllm_harness.py` drives both schedulers, TP ranks and a checked model).
 
 Requests run whole: ``step()`` schedules, plays the worker side of every rank on CPU tensors
 (a mock model runner: the "forward" writes each computed token's KV as a function of the
@@ -8,96 +9,32 @@ output back into the scheduler.
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from pathlib import Path
 
 import torch
-
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # no accelerator: vLLM's CPU platform
-
-CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 2,
-    "vocab_size": 1000,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5,
-    "torch_dtype": "float16",
-    "head_dim": 16,
-}
-NUM_LAYERS, HEADS, HEAD_DIM, BLOCK = 2, 2, 16, 16
+from vllm_utils import (
+    BLOCK,
+    HEAD_DIM,
+    HEADS,
+    NUM_LAYERS,
+    create_kv_cache_config,
+    create_request,
+    create_scheduler,
+    create_vllm_config,
+)
 
 
 def make_scheduler(tmp: Path, extra: dict, num_blocks: int = 64, tp_size: int = 1, policy: str = "recompute"):
-    from vllm.config import (
-        CacheConfig,
-        KVTransferConfig,
-        ModelConfig,
-        ParallelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    (tmp / "model").mkdir(exist_ok=True)
-    (tmp / "model" / "config.json").write_text(json.dumps(CONFIG))
-    mc = ModelConfig(model=str(tmp / "model"), skip_tokenizer_init=True, dtype="float16", max_model_len=2048)
-    cfg = VllmConfig(
-        model_config=mc,
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=8,
-            max_num_batched_tokens=2048,
-            max_model_len=2048,
-            is_encoder_decoder=False,
-            disable_hybrid_kv_cache_manager=True,
-        ),
-        parallel_config=ParallelConfig(tensor_parallel_size=1),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KVTierConnector",
-            kv_connector_module_path="kvtier.integrations.vllm",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra,
-            kv_load_failure_policy=policy,
-        ),
-    )
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float16)
-    page = spec.page_size_bytes
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS)]
-    kcc = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(
-                size=page * num_blocks * NUM_LAYERS,
-                layers=names,
-                layer_stride=page * num_blocks,
-                block_stride=page,
-            )
-        ],
-        kv_cache_groups=[KVCacheGroupSpec(names, spec)],
-    )
-    cfg.cache_config.num_gpu_blocks = num_blocks
-    sched = Scheduler(cfg, kcc, StructuredOutputManager(cfg), block_size=BLOCK, log_stats=True)
-    return cfg, kcc, sched
+    """(VllmConfig, KVCacheConfig, Scheduler) of one worker's view (the workers' TP rank and size
+    are set on each `Worker`)."""
+    cfg = create_vllm_config(tmp, extra, policy=policy)
+    kcc = create_kv_cache_config(num_blocks)
+    return cfg, kcc, create_scheduler(cfg, kcc)
 
 
 def make_request(rid: str, tokens: list[int], max_tokens: int = 2):
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return Request(rid, tokens, sp, None, block_hasher=get_request_block_hasher(BLOCK, sha256))
+    return create_request(rid, tokens, max_tokens)
 
 
 def kv_value(tokens: list[int], pos: int, layer: int) -> float:

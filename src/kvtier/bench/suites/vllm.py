@@ -38,6 +38,10 @@ head_size 128, bf16, 16-token blocks; 8K and 32K tokens, 32 and 128 chunks of 16
 - redis_killed_mid_load: a Redis tier killed in the middle of a load, then vLLM's recompute of
   what did not arrive, checked against a healthy hit of the same length
   (`vllm_failover.py`; skipped without redis-server and redis-py).
+- load_failed_mid_request: a load failing in the middle of a request while the forward runs
+  past it, through both halves of the connector; then the same prompt again: every chunk loaded,
+  the KV equal bit for bit to what vLLM's recompute computed, the first token a recompute's
+  (`vllm_failover.py`).
 
 $KVTIER_VLLM_ORDERS (comma-separated, e.g. "LBHNC,BLHNC") measures only those orders.
 
@@ -55,12 +59,13 @@ import torch
 
 from kvtier import layout
 from kvtier.bench.suite import Context, GiB, register
-from kvtier.bench.suites.vllm_failover import killed_row
+from kvtier.bench.suites.vllm_failover import failed_load_row, killed_row
 from kvtier.bench.suites.vllm_graphs import full_graph_rows
 
 LLAMA = dict(L=32, H=8, D=128, N=16, dtype=torch.bfloat16)  # Llama-3-8B's KV
 TINY = dict(L=2, H=2, D=16, N=16, dtype=torch.bfloat16)
 IDLE_REPS = 200
+FAILOVER_TOKENS = 1280  # the failed-load row's least prompt: 5 chunks of 16 blocks
 HOST_SLACK_CHUNKS = 4  # host pool room past one request's chunks: a timed save never finds it full
 
 
@@ -188,9 +193,7 @@ class Replay:
         if self.ctx.on_gpu:
             torch.cuda.synchronize(self.ctx.device)
         else:
-            self.dev.current_stream().synchronize()
-            self.ws.store.engine.save_stream.synchronize()
-            self.ws.store.engine.load_stream.synchronize()
+            self.dev.synchronize()  # every stream: compute, the loads' and each save lane's
 
     def ring_waits(self) -> int:
         """Host waits so far on the pinned ids buffers of the staged graphs (`fastpath.ring`): a
@@ -393,6 +396,7 @@ def vllm(ctx: Context):
             yield from _whole_rows(ctx, fwd, order, shape, tokens, params)
             if fwd is not None and tokens == token_counts[0]:
                 yield from killed_row(ctx, fwd, Replay, order, shape, tokens)
+                yield from failed_load_row(ctx, fwd, Replay, order, shape, max(tokens, FAILOVER_TOKENS))
             if ctx.on_gpu:
                 torch.cuda.empty_cache()
     del fwd

@@ -1,5 +1,23 @@
-"""The `vllm` suite's failover row: a Redis tier killed in the middle of a load, through the
-connector's worker hooks, and the first token after vLLM's recompute of what did not arrive.
+"""The `vllm` suite's failover rows: a load that fails in the middle of a request, through the
+connector's hooks, and what vLLM computes and kvtier stores after it.
+
+  load_failed_mid_request <order> <n>
+      Both halves of the connector (`SchedulerSide` as vLLM's scheduler calls it, `WorkerSide` in
+      vLLM's per-step order) and the model's forward over the request's blocks (`paged_step`).
+      Request A computes and saves the prompt's first half. Request B, the whole prompt, is
+      granted that half; right before its step the host loses a chunk in the middle of it (an
+      eviction racing the grant): the load delivers the chunks before it, and B's forward runs
+      on past the hit over the blocks that did not load, computing the rest of the prompt (what
+      would be saved). vLLM's recompute follows (kv_load_failure_policy="recompute": the tokens
+      from the first block reported on), saving what it computes. Request C, the same prompt, then
+      loads every chunk. correct: no save of B was sent in the failing step, the blocks reported
+      are exactly those not loaded, C loads every chunk, the KV C loaded equals, bit for bit, what
+      B's recompute computed (the KV a healthy save holds), and C's first token's logits equal,
+      bit for bit, those of the same forward over B's blocks (a recompute's); on the CPU (fp32)
+      B's own first token after the recompute equals C's too. Params: chunks, chunks_granted,
+      failed_chunk, saves_in_failing_step, error_blocks, expected_error_blocks, chunks_loaded,
+      loaded_equals_recomputed, first_token, recompute_token, recompute_logits_max_abs_diff.
+      Time: B's failing step's host time (hooks and forward).
 
   redis_killed_mid_load <order> <n>
       The request's blocks hold the prompt's own KV (the model's forward over it); a step saves
@@ -21,7 +39,7 @@ connector's worker hooks, and the first token after vLLM's recompute of what did
       logits_max_abs_diff (against the whole prompt's recompute). Time: the load step's host time
       (the hooks, the reads, the failures).
 
-Skipped without a redis-server binary on PATH or redis-py.
+  (redis_killed_mid_load is skipped without a redis-server binary on PATH or redis-py.)
 """
 
 from __future__ import annotations
@@ -30,6 +48,7 @@ import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -161,3 +180,118 @@ def killed_row(ctx: Context, fwd, replay, order: str, shape: dict, tokens: int):
             logits_max_abs_diff=diff,
             direction="load",
         )
+
+
+def failed_load_row(ctx: Context, fwd, replay, order: str, shape: dict, tokens: int):
+    """Yield the load_failed_mid_request row of `order`; replay: `vllm.Replay`."""
+    from kvtier.bench.suites.vllm_engine_step import Blocks, Request, output, paged_step
+    from kvtier.integrations.vllm.scheduler import SchedulerSide
+
+    case = f"load_failed_mid_request {order} {tokens} tokens"
+    r = replay(ctx, order, shape, tokens)
+    try:
+        if r.chunks < 5:
+            ctx.skip(case, f"needs 5 chunks, {tokens} tokens make {r.chunks}")
+            return
+        if ctx.on_progress:
+            ctx.on_progress(f"vllm/{case}")
+        ws, lean, bs = r.ws, fwd.lean, shape["N"]
+        bpc, ct = r.blocks // r.chunks, r.blocks // r.chunks * bs
+        c = r.chunks - 1  # the prompt's chunks; the last chunk's blocks take the new tokens
+        granted, failed = c // 2 + 1, c // 4 + 1  # A's chunks; the one lost in the middle of them
+        n = c * ct + fwd.new
+        ids, need = fwd.prompt(n), -(-n // bs)
+        a, b, cc = Request("A", ids[:, : granted * ct], bs), Request("B", ids, bs), Request("C", ids, bs)
+        sched = SchedulerSide(ws.settings, bs, bs, 1)
+
+        def report():
+            """build_connector_worker_meta, into update_connector_output."""
+            sched.update(SimpleNamespace(kv_connector_worker_meta=ws.report()))
+
+        def step(meta, forward):
+            """One step of the worker hooks in vLLM's order, `forward` in the middle."""
+            ws.handle_preemptions(meta)
+            ws.start_load(meta)
+            out = forward()
+            ws.save(meta)
+            ws.finished(set())
+            errors = ws.load_errors()
+            report()
+            return out, errors
+
+        r.poison()
+        report()  # the workers' first report: their key fields
+        sched.lookup(a, 0)  # a miss: nothing is held yet
+        sched.after_alloc(a, Blocks(r.src[: granted * bpc]), 0)
+        meta = sched.build_meta(output(new=[("A", r.src[: granted * bpc], 0, granted * ct)]))
+        step(meta, lambda: paged_step(lean, r, r.src, ids[:, : granted * ct], 0, granted * ct))
+        r.settle_saves()  # A's copies landed: its chunks are held before the scheduler is told
+        report()  # A's chunks held: the scheduler grants them
+
+        hit, _ = sched.lookup(b, 0)
+        sched.after_alloc(b, Blocks(r.dst[:need]), hit)
+        meta = sched.build_meta(output(new=[("B", r.dst[:need], hit, n - hit)]))
+        held_back = sum(len(x.ids) for x in meta.saves if x.req_id == "B")
+        lost = ws.store.keys([bytes(b.block_hashes[(failed + 1) * bpc - 1])])
+        ws.store.host.evict(lost)  # the host drops a granted chunk before B's load runs
+        t0 = time.perf_counter()
+        _, errors = step(meta, lambda: paged_step(lean, r, r.dst, ids, hit, n))
+        spent = time.perf_counter() - t0
+        want_errors = set(r.dst[failed * bpc : granted * bpc])
+
+        # vLLM's recompute: from the first block reported, over the blocks that did load.
+        meta = sched.build_meta(output(cached=[("B", failed * ct, n - failed * ct)]))
+        b_logits, _ = step(meta, lambda: paged_step(lean, r, r.dst, ids, failed * ct, n))
+        r.settle_saves()  # the recompute's saves landed before C asks for them
+        report()
+
+        r.cache[:, r.src[:need]] = torch.tensor(-7.0, dtype=r.cache.dtype)  # only C's load writes them
+        hit_c, _ = sched.lookup(cc, 0)
+        sched.after_alloc(cc, Blocks(r.src[:need]), hit_c)
+        meta = sched.build_meta(output(new=[("C", r.src[:need], hit_c, n - hit_c)]))
+        c_logits, c_errors = step(meta, lambda: paged_step(lean, r, r.src, ids, hit_c, n))
+        r.sync()  # C's copies landed before its blocks are compared
+        loaded = sum(len(x.ids) for x in meta.loads)
+        same_kv = torch.equal(
+            r.cache[:, r.src[: c * bpc]].contiguous().view(torch.uint8),
+            r.cache[:, r.dst[: c * bpc]].contiguous().view(torch.uint8),
+        )
+        healthy = paged_step(lean, r, r.dst, ids, c * ct, n)  # the same forward over B's blocks
+        tok, b_tok, diff = (
+            int(c_logits.argmax()),
+            int(b_logits.argmax()),
+            float((c_logits - b_logits).abs().max()),
+        )
+        ok = (
+            held_back == 0
+            and errors == want_errors
+            and not c_errors
+            and hit_c == c * ct
+            and loaded == c
+            and same_kv
+            and bits_equal(c_logits, healthy)
+            and (ctx.on_gpu or (tok == b_tok and diff < 1e-3))
+        )
+        yield ctx.row(
+            case,
+            r.kv.chunk_nbytes(c * bpc),
+            summarize([spent * 1e3], "perf_counter"),
+            "h2d_pinned" if ctx.on_gpu else "host_memcpy",
+            correct=ok,
+            order=order,
+            tokens=n,
+            chunks=c,
+            chunks_granted=granted,
+            failed_chunk=failed,
+            saves_in_failing_step=held_back,
+            error_blocks=len(errors),
+            expected_error_blocks=len(want_errors),
+            chunks_loaded=loaded,
+            loaded_equals_recomputed=same_kv,
+            first_token=tok,
+            recompute_token=b_tok,
+            recompute_logits_max_abs_diff=diff,
+            direction="load",
+        )
+    finally:
+        r.close()

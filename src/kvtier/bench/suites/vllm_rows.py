@@ -259,7 +259,8 @@ class Forward:
 
     def beside_save_row(self, r, label: str, params: dict):
         """A prefill alone vs beside the connector's save of `r`'s chunks (wait_for_save's copies)."""
-        ctx, dev, save_stream = self.ctx, r.dev, r.ws.store.engine.save_stream
+        ctx, dev = self.ctx, r.dev
+        save_end = dev.new_stream("save-end")  # marks the save's end: waits for its copies alone
         ids, save = self.prompt(self.forward_tokens), r.meta(save=True)
         if ctx.on_progress:
             ctx.on_progress(f"vllm/forward_beside_save/{label}")
@@ -277,9 +278,10 @@ class Forward:
             r.settle()  # an empty host: the save copies every chunk
             s0 = dev.current_stream().record()
             r.ws.save(save)  # wait_for_save: the copies wait for the compute stream's event, then run
-            # Recorded before the prefill is launched: after every copy of the save (all queued on
-            # this stream), not after the host finished launching the prefill too.
-            s1 = save_stream.record()
+            # Recorded before the prefill is launched: after every copy of the save, not after the
+            # host finished launching the prefill too.
+            r.ws.wait_saves("save", save_end)
+            s1 = save_end.record()
             start_b, end_b = prefill()
             end_b.synchronize()  # times are known once the events completed
             s1.synchronize()  # and the save's end only once its copies have run

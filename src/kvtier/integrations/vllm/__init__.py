@@ -3,6 +3,7 @@
     KVTierConnector   the class vLLM loads (`connector.py`), one per role
     SchedulerSide     lookup / alloc / metadata / finish, no tensors (`scheduler.py`)
     WorkerSide        loads, saves, preemptions through kvtier's store (`worker.py`)
+    Holdings          what a worker's host and disk hold, as changes for the scheduler (`holdings.py`)
     VllmSettings      ``kv_connector_extra_config``, checked (`settings.py`)
 
 See README.md beside this file for the ``vllm serve`` line and what each setting costs.

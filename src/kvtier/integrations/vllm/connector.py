@@ -8,8 +8,12 @@ vLLM makes one instance per role: the scheduler's delegates to `SchedulerSide` (
 each worker's to `WorkerSide` (the engine and the store). Settings: `VllmSettings`.
 
 A best-effort cache (``requires_kv_delivery`` False): a save that does not happen is a later
-miss; a load that does not happen is reported (``get_block_ids_with_load_errors``) and vLLM
-recomputes those blocks (``kv_load_failure_policy="recompute"``, its default).
+miss; a load that does not happen (a chunk evicted between the grant and the load, a tier that
+fails) is reported (``get_block_ids_with_load_errors``) and vLLM recomputes those blocks. That
+needs ``kv_load_failure_policy="recompute"``: vLLM 0.33's default is "fail", under which each
+such hit would end its request with FINISHED_ERROR, and a cache cannot promise that every hit
+it grants is still there when the load runs. The connector refuses to start under "fail" (in
+both roles, with a message naming the setting).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        _check_failure_policy(self._kv_transfer_config)
         self.settings = s = VllmSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
         block_size = cc.block_size
@@ -190,6 +195,18 @@ def _accepted_layouts(vllm_config) -> list[str]:
     except Exception as exc:  # a layout preference is not worth failing vLLM's start-up
         log.info("kvtier: the attention backends' KV cache layouts not found (%s): no layout asked", exc)
         return []
+
+
+def _check_failure_policy(kv_transfer_config) -> None:
+    """Refuse what would fail requests: a cache's hit can be gone by the time its load runs."""
+    policy = getattr(kv_transfer_config, "kv_load_failure_policy", "recompute")
+    if policy != "recompute":
+        raise ValueError(
+            f'kvtier: kv_transfer_config kv_load_failure_policy={policy!r} (vLLM\'s default is "fail") '
+            "would end a request with an error whenever a chunk kvtier granted is evicted before its "
+            'load; set "kv_load_failure_policy": "recompute" in --kv-transfer-config: vLLM then '
+            "recomputes the blocks not loaded"
+        )
 
 
 def _tp_rank() -> int:

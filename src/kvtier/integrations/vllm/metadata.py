@@ -1,8 +1,10 @@
 """What the scheduler side sends the workers each step, and what the workers send back.
 
-    KVTierMetadata        scheduler -> workers: loads, saves, prefetches, preempted requests
-    KVTierWorkerMetadata  workers -> scheduler: chunks each rank now holds or lost, finished
-                          prefetches, the key fields (summed over ranks by ``aggregate``)
+    KVTierMetadata        scheduler -> workers: loads, saves, prefetches, preempted requests,
+                          finished requests to release once their saves completed
+    KVTierWorkerMetadata  workers -> scheduler: the tier keys each rank's local tiers now hold or
+                          lost, each load's outcome per rank, finished prefetches, the key fields
+                          (merged over ranks by ``aggregate``)
 
 Plain data (lists, bytes, ints): vLLM serialises both between processes. Without vLLM (the
 `vllm` bench suite replaying the worker's hooks) the classes stand on plain bases.
@@ -28,12 +30,16 @@ except ImportError:  # no vLLM (a replay of the worker's hooks): the same data w
 
 @dataclass
 class ChunkRun:
-    """Chunks ``ids`` of request ``req_id`` to move into / out of ``block_ids`` (bpc blocks
-    per chunk, in order)."""
+    """Chunks ``ids`` of request ``req_id`` to move into / out of ``block_ids`` (bpc blocks per
+    chunk, in order). Loads only: ``skip``, the first chunk's blocks vLLM holds already (its
+    local prefix cache ends inside the chunk): ``block_ids`` starts at that chunk's block
+    ``skip``; ``tag``, the number the workers report the load's outcome under."""
 
     req_id: str
     ids: list[bytes]
     block_ids: list[int]
+    skip: int = 0
+    tag: int = 0
 
 
 @dataclass
@@ -42,16 +48,21 @@ class KVTierMetadata(KVConnectorMetadata):
     saves: list[ChunkRun] = field(default_factory=list)
     prefetches: list[ChunkRun] = field(default_factory=list)  # block_ids empty: into the host only
     preempted: set[str] = field(default_factory=set)
+    release: set[str] = field(default_factory=set)  # finished, no save to come: report once saved
 
 
 @dataclass
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """held / lost: chunk id -> bit mask of the TP ranks that now hold / lost it; prefetched:
-    req id -> mask of the ranks whose prefetch finished; extra: (model, kv_dtype, layout,
-    tp_size, salt) once a worker registered its cache. ``aggregate`` ORs the masks."""
+    """held / lost: tier keys (each names one rank's chunk) that a rank's local tiers (host,
+    disk) now hold / no longer hold; loaded / failed: load tag -> bit mask of the ranks whose
+    load delivered every block / not; prefetched: req id -> mask of the ranks whose prefetch
+    finished; extra: (model, kv_dtype, layout, tp_size, salt) of the ranks' keys, once.
+    ``aggregate`` merges two ranks' reports."""
 
-    held: dict[bytes, int] = field(default_factory=dict)
-    lost: dict[bytes, int] = field(default_factory=dict)
+    held: set[bytes] = field(default_factory=set)
+    lost: set[bytes] = field(default_factory=set)
+    loaded: dict[int, int] = field(default_factory=dict)
+    failed: dict[int, int] = field(default_factory=dict)
     prefetched: dict[str, int] = field(default_factory=dict)
     extra: tuple | None = None
 
@@ -59,14 +70,16 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
         if not isinstance(other, KVTierWorkerMetadata):
             return self
         return KVTierWorkerMetadata(
-            _or(self.held, other.held),
-            _or(self.lost, other.lost),
+            self.held | other.held,
+            self.lost | other.lost,
+            _or(self.loaded, other.loaded),
+            _or(self.failed, other.failed),
             _or(self.prefetched, other.prefetched),
             self.extra or other.extra,
         )
 
     def is_empty(self) -> bool:
-        return not (self.held or self.lost or self.prefetched or self.extra)
+        return not (self.held or self.lost or self.loaded or self.failed or self.prefetched or self.extra)
 
 
 def _or(a: dict, b: dict) -> dict:

@@ -1,30 +1,52 @@
 """SchedulerSide: the connector's half in vLLM's scheduler process (no torch tensors, no GPU).
 
 It decides; the workers move. Per request it names the chunks by vLLM's block hashes
-(`chunk_ids`) and answers vLLM from what it knows the workers hold:
+(`chunk_ids`) and each rank's copy of a chunk by its tier key (`chunk_keys`, from the key fields
+the workers report once), and answers vLLM from what the workers say their local tiers hold:
 
-    lookup(request, num_computed)      -> (tokens, False) | (None, False)   no side effects but
-                                          one: a chunk only a shared lower tier holds starts a
-                                          prefetch into the hosts, and vLLM asks again until it
-                                          landed (or ``prefetch_timeout_s`` passed)
+    lookup(request, num_computed)      -> (tokens, False) | (None, False): the held chunks past
+                                          vLLM's own hit, from the block it ends at (inside a
+                                          chunk too); None ("ask again") while a shared tier's
+                                          chunks are read into the hosts, or before the workers'
+                                          first report when a disk or shared tier may hold some
     after_alloc(request, blocks, n)       a hit becomes a load into the blocks vLLM allocated
-    build_meta(scheduler_output)          loads, saves of newly computed full chunks, prefetches,
-                                          preempted requests -> `KVTierMetadata`
-    update(connector_output)              the workers' reports: chunks held / lost, prefetches done
-    finished(request)                     True while its saves may still read its blocks
+    build_meta(scheduler_output)          loads, saves, prefetches, preempted and released
+                                          requests -> `KVTierMetadata`
+    update(connector_output)              the workers' reports: keys held / lost, load outcomes
+    finished(request)                     True while a save of it may still read its blocks
 
-What the workers hold is an index fed by their reports: a chunk counts only once every TP rank
-reported it (a rank alone cannot load a prefix). It is a hint: a chunk the hosts evicted since
-(and no lower tier keeps) makes the load deliver less, and the worker reports those blocks
-(`get_block_ids_with_load_errors`): vLLM recomputes them, never reads wrong KV.
+The index holds the tier keys the workers' local tiers (host, disk) hold: a key arrives when a
+save landed, a load or prefetch brought the chunk into the host, or, at start, for every chunk a
+rank's disk holds; it leaves when no local tier of that rank holds it (an eviction from the host
+or the disk, a load that found nothing). A chunk is held when every rank's key is in the index
+(a rank alone cannot load a prefix). It stays a hint (an eviction can race a grant): the worker
+then reports the blocks it did not load, and vLLM (kv_load_failure_policy="recompute")
+recomputes them.
+
+Saves, and loads that fail, for any TP size: a chunk is saved only if every block before it held
+valid KV when it was computed. In the step a request loads, every rank computes the tokens past
+the hit from what attention read on every rank (TP's all-reduce), and no rank can know in that
+step whether another's load failed. So while a load is unconfirmed, the request's newly computed
+chunks are held back: they are sent to be saved once every rank reported its load complete
+(``update``; a step later, two under AsyncScheduler, whose reports lag a step), its blocks the
+request's until then (a request finished meanwhile has its free delayed). If any rank's load
+failed, vLLM recomputes from the first block not loaded: what was held back is dropped, and the
+request saves from the load's first chunk on as vLLM recomputes (the store skips chunks it
+holds). A preemption drops what was held back (vLLM frees the blocks).
+
+A finished request whose free vLLM delayed is released (`KVTierMetadata.release`) once nothing of
+it is held back here; each worker reports it finished once its saves have read the blocks.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from kvtier.store.keys import KeyExtra
 
 from .chunk_ids import chunk_ids, chunk_keys
 from .metadata import ChunkRun, KVTierMetadata, KVTierWorkerMetadata
@@ -37,16 +59,19 @@ log = logging.getLogger(__name__)
 class _Req:
     request: object
     block_ids: list[int] = field(default_factory=list)
-    saved: int = 0  # chunks of the prefix sent to be saved (or loaded: held already)
-    load: ChunkRun | None = None
+    computed: int = 0  # tokens whose KV the scheduled steps computed (as of the last one)
+    saved: int = 0  # chunks [0, saved) held already or sent to be saved
+    load: ChunkRun | None = None  # to send with the next metadata
+    loading: int | None = None  # tag of the load whose outcome is not in yet: saves held back
+    load_first: int = 0  # that load's first chunk: a failure re-saves from there
     any_save: bool = False
 
 
 class SchedulerSide:
     """settings: `VllmSettings`. block_size / hash_block_size: vLLM's (tokens per block, per
     block hash). tp_size: workers per engine that must all hold a chunk. redis: a `RedisTier`
-    shared with other instances, asked for chunks this instance's workers never reported
-    (None: no such lookup)."""
+    shared with other instances, asked for chunks this instance's workers do not hold (None: no
+    such lookup)."""
 
     def __init__(
         self, settings: VllmSettings, block_size: int, hash_block_size: int, tp_size: int, redis=None
@@ -55,31 +80,44 @@ class SchedulerSide:
         self.chunk_tokens = ct = settings.chunk_tokens_for(block_size)
         if ct % hash_block_size:
             raise ValueError(f"chunk_tokens={ct}: a multiple of vLLM's hash_block_size={hash_block_size}")
-        self.hash_block_size, self.blocks_per_chunk = hash_block_size, ct // block_size
-        self.hashes_per_chunk = ct // hash_block_size
+        self.block_size, self.hash_block_size = block_size, hash_block_size
+        self.blocks_per_chunk, self.hashes_per_chunk = ct // block_size, ct // hash_block_size
         self.all_ranks = (1 << tp_size) - 1
         self.tp_size, self.redis = tp_size, redis
-        self._held: OrderedDict[bytes, int] = OrderedDict()  # chunk id -> mask of ranks holding it
+        self._held: OrderedDict[bytes, None] = OrderedDict()  # tier keys the ranks' local tiers hold
+        self._extras: list[KeyExtra] | None = None  # per rank, once the workers reported theirs
+        self._keys: dict[str, tuple[list[bytes], list[tuple[bytes, ...]]]] = {}  # rid -> (ids, keys)
         self._reqs: dict[str, _Req] = {}
         self._hits: dict[str, int] = {}  # req id -> chunks of its last lookup's hit
+        self._asked: dict[str, float] = {}  # req id -> until when it waits for the first report
+        self._tags = itertools.count(1)
+        self._tag_req: dict[int, str] = {}  # load tag -> req id, until every rank reported it
+        self._outcomes: dict[int, tuple[int, int]] = {}  # load tag -> (ranks ok, ranks failed)
+        self._confirmed: set[str] = set()  # loads every rank completed: saves may be sent
+        self._finishing: set[str] = set()  # finished, free delayed, not released yet
         self._prefetching: dict[str, float] = {}  # req id -> deadline (0: settled)
         self._prefetch_done: dict[str, int] = {}
         self._prefetch_out: list[ChunkRun] = []
-        self._extra: tuple | None = None  # the workers' key fields, for the shared-tier lookup
 
     # -- vLLM's hooks --------------------------------------------------------------------------
 
     def lookup(self, request, num_computed: int) -> tuple[int | None, bool]:
         rid, ct = request.request_id, self.chunk_tokens
+        if self._extras is None:
+            if self._may_hold() and time.monotonic() < self._asked.setdefault(rid, self._deadline()):
+                return None, False  # the workers' first report (what their disks hold) is not in yet
+            self._hits[rid] = 0
+            return 0, False
         # vLLM computes at least the last prompt token itself: a hit stops before it.
         ids = chunk_ids(
             request.block_hashes, self.hashes_per_chunk, request.num_tokens - 1, self.hash_block_size
         )
-        n = self._held_prefix(ids)
-        if self.redis is not None and self._extra is not None and n < len(ids):
+        keys = self._keys_of(rid, ids)
+        n = self._held_prefix(keys)
+        if self.redis is not None and n < len(ids):
             deadline = self._prefetching.get(rid)
             if deadline is None:
-                more = self._shared_prefix(ids[n:])
+                more = self._shared_prefix(keys[n:])
                 if more:  # only a shared tier has them: into the hosts first, vLLM asks again
                     self._prefetching[rid] = time.monotonic() + self.settings.prefetch_timeout_s
                     self._prefetch_out.append(ChunkRun(rid, ids[: n + more], []))
@@ -92,31 +130,38 @@ class SchedulerSide:
             else:
                 self._prefetching[rid] = 0.0
         self._hits[rid] = n
-        if num_computed % ct or n * ct <= num_computed:
-            return 0, False  # a chunk is never loaded over blocks vLLM already computed or shares
+        if num_computed % self.block_size or n * ct <= num_computed:
+            return 0, False  # a load starts on a block: never over a block vLLM computed or shares
         return n * ct - num_computed, False
 
     def after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         rid = request.request_id
-        st = self._reqs.setdefault(rid, _Req(request))
+        st = self._reqs.get(rid)
+        if st is None:
+            st = self._reqs[rid] = _Req(request)
         st.request = request
         if num_external_tokens <= 0:
             return
         n, ct, bpc = self._hits.get(rid, 0), self.chunk_tokens, self.blocks_per_chunk
-        first = n - num_external_tokens // ct
+        first, within = divmod(n * ct - num_external_tokens, ct)  # where vLLM's own hit ends
+        skip = within // self.block_size
         ids = chunk_ids(request.block_hashes, self.hashes_per_chunk, n * ct, self.hash_block_size)
         block_ids = list(blocks.get_block_ids()[0])
-        st.load = ChunkRun(rid, ids[first:n], block_ids[first * bpc : n * bpc])
-        st.saved = max(st.saved, n)  # loaded chunks are held already: not saved again
+        st.load = ChunkRun(rid, ids[first:n], block_ids[first * bpc + skip : n * bpc], skip, next(self._tags))
+        st.load_first = first
+        st.saved = max(st.saved, n)  # held already (a failed load takes this back)
 
     def build_meta(self, so) -> KVTierMetadata:
         meta = KVTierMetadata(preempted=set(so.preempted_req_ids or ()))
-        computed: dict[str, int] = {}
+        for rid in meta.preempted:
+            self._preempted(rid)
         for new in so.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is not None:
                 st.block_ids = list(new.block_ids[0])
-                computed[new.req_id] = new.num_computed_tokens
+                self._scheduled(
+                    meta, st, new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0)
+                )
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             st = self._reqs.get(rid)
@@ -127,17 +172,17 @@ class SchedulerSide:
                 st.block_ids = list(nb[0]) if nb else []
             elif nb:
                 st.block_ids.extend(nb[0])
-            computed[rid] = cached.num_computed_tokens[i]
-        for rid, before in computed.items():
-            st = self._reqs[rid]
-            if st.load is not None:
-                meta.loads.append(st.load)
-                st.load = None
-            self._add_save(meta, st, rid, before + so.num_scheduled_tokens.get(rid, 0))
-        for rid in meta.preempted:
+            self._scheduled(meta, st, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0))
+        for rid in self._confirmed:  # their loads completed on every rank: what was held back goes
             st = self._reqs.get(rid)
-            if st is not None:
-                st.block_ids, st.load = [], None
+            if st is not None and st.loading is None and st.block_ids:
+                self._add_save(meta, rid, st)
+        self._confirmed.clear()
+        for rid in list(self._finishing):
+            st = self._reqs.get(rid)
+            if st is None or st.loading is None:  # nothing of it held back: its last saves are sent
+                meta.release.add(rid)
+                self._forget(rid)
         meta.prefetches, self._prefetch_out = self._prefetch_out, []
         return meta
 
@@ -145,59 +190,126 @@ class SchedulerSide:
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(wm, KVTierWorkerMetadata):
             return
-        if wm.extra is not None:
-            self._extra = wm.extra
-        for cid, mask in wm.held.items():
-            self._held[cid] = self._held.get(cid, 0) | mask
-            self._held.move_to_end(cid)
-        for cid, mask in wm.lost.items():
-            left = self._held.get(cid, 0) & ~mask
-            if left:
-                self._held[cid] = left
-            else:
-                self._held.pop(cid, None)
+        if wm.extra is not None and self._extras is None:
+            model, dtype, layout, tp_size, salt = wm.extra
+            self._extras = [KeyExtra(model, dtype, layout, r, tp_size, salt) for r in range(tp_size)]
+        for key in wm.lost:
+            self._held.pop(key, None)
+        for key in wm.held:
+            self._held[key] = None
+            self._held.move_to_end(key)
         while len(self._held) > self.settings.index_entries:
             self._held.popitem(last=False)
+        for tag, mask in wm.loaded.items():
+            self._outcome(tag, mask, 0)
+        for tag, mask in wm.failed.items():
+            self._outcome(tag, 0, mask)
         for rid, mask in wm.prefetched.items():
             if rid in self._prefetching:
                 self._prefetch_done[rid] = self._prefetch_done.get(rid, 0) | mask
 
     def finished(self, request) -> bool:
         rid = request.request_id
-        st = self._reqs.pop(rid, None)
-        for d in (self._hits, self._prefetching, self._prefetch_done):
+        for d in (self._hits, self._asked, self._keys, self._prefetching, self._prefetch_done):
             d.pop(rid, None)
-        return bool(st is not None and st.any_save)
+        st = self._reqs.get(rid)
+        if st is None:
+            return False
+        st.load = None  # never sent: the request is done
+        pending = st.loading is not None or rid in self._confirmed
+        if not st.block_ids or not (pending or st.any_save):
+            self._forget(rid)  # no save reads its blocks (a preempted request has none)
+            return False
+        self._finishing.add(rid)  # freed once released and every worker's saves read them
+        return True
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _add_save(self, meta: KVTierMetadata, st: _Req, rid: str, computed_after: int) -> None:
-        """The full chunks whose KV this step completes: saved after the forward wrote them."""
-        ids = chunk_ids(st.request.block_hashes, self.hashes_per_chunk, computed_after, self.hash_block_size)
+    def _scheduled(self, meta: KVTierMetadata, st: _Req, computed_after: int) -> None:
+        """A request the step computes ``computed_after`` tokens of: its load, and its saves unless
+        a load of it is unconfirmed (they are held back until it is)."""
+        rid = st.request.request_id
+        if st.load is not None:
+            meta.loads.append(st.load)
+            st.loading, self._tag_req[st.load.tag] = st.load.tag, rid
+            st.load = None
+        st.computed = computed_after
+        if st.loading is None:
+            self._add_save(meta, rid, st)
+
+    def _add_save(self, meta: KVTierMetadata, rid: str, st: _Req) -> None:
+        """The full chunks computed so far and not saved yet: saved after this step's forward."""
+        ids = chunk_ids(st.request.block_hashes, self.hashes_per_chunk, st.computed, self.hash_block_size)
         bpc = self.blocks_per_chunk
         n = min(len(ids), len(st.block_ids) // bpc)
         if n > st.saved:
             meta.saves.append(ChunkRun(rid, ids[st.saved : n], st.block_ids[st.saved * bpc : n * bpc]))
             st.saved, st.any_save = n, True
 
-    def _held_prefix(self, ids: list[bytes]) -> int:
-        n = 0
-        for cid in ids:
-            if self._held.get(cid, 0) != self.all_ranks:
+    def _outcome(self, tag: int, ok: int, failed: int) -> None:
+        """Ranks' outcomes of load ``tag``; once every rank's is in, the load is confirmed (its
+        held-back saves go) or, if any failed, taken back (saves resume from its first chunk)."""
+        have = self._outcomes.get(tag, (0, 0))
+        have = (have[0] | ok, have[1] | failed)
+        if (have[0] | have[1]) != self.all_ranks:
+            self._outcomes[tag] = have
+            return
+        self._outcomes.pop(tag, None)
+        rid = self._tag_req.pop(tag, None)
+        st = self._reqs.get(rid) if rid is not None else None
+        if st is None or st.loading != tag:
+            return  # preempted or finished meanwhile: nothing was held back for it
+        st.loading = None
+        if have[1]:  # vLLM recomputes from the first block some rank did not load
+            st.saved = min(st.saved, st.load_first)
+        else:
+            self._confirmed.add(rid)
+
+    def _preempted(self, rid: str) -> None:
+        st = self._reqs.get(rid)
+        if st is not None:  # vLLM freed its blocks: nothing held back may read them
+            st.block_ids, st.load, st.loading, st.computed = [], None, None, 0
+            st.saved = 0  # on resume its chunks are recomputed or loaded; saving held ones is skipped
+        self._confirmed.discard(rid)
+
+    def _forget(self, rid: str) -> None:
+        self._reqs.pop(rid, None)
+        self._finishing.discard(rid)
+        self._confirmed.discard(rid)
+
+    def _may_hold(self) -> bool:
+        """Whether a tier may hold chunks before any worker reported (a disk, a shared tier)."""
+        return bool(self.settings.disk_path) or self.redis is not None
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.settings.prefetch_timeout_s
+
+    def _keys_of(self, rid: str, ids: list[bytes]) -> list[tuple[bytes, ...]]:
+        """Per chunk of ``ids``, every rank's tier key (computed once per request and chunk)."""
+        known, keys = self._keys.get(rid, ([], []))
+        if known != ids[: len(known)]:  # not a prefix of the chunks named before: start again
+            known, keys = [], []
+        if len(ids) > len(known):
+            new = ids[len(known) :]
+            per_rank = [chunk_keys(new, x, self.settings.hash_name) for x in self._extras]
+            known, keys = known + new, keys + list(zip(*per_rank, strict=True))
+            self._keys[rid] = (known, keys)
+        return keys[: len(ids)]
+
+    def _held_prefix(self, keys: list[tuple[bytes, ...]]) -> int:
+        held, n = self._held, 0
+        for ranks in keys:
+            if not all(k in held for k in ranks):
                 break
             n += 1
         return n
 
-    def _shared_prefix(self, ids: list[bytes]) -> int:
-        """How many of ``ids`` (from the first) the shared tier holds for every rank."""
-        from kvtier.store.keys import KeyExtra
-
-        model, dtype, layout, tp_size, salt = self._extra
-        n = len(ids)
+    def _shared_prefix(self, keys: list[tuple[bytes, ...]]) -> int:
+        """How many of the chunks of ``keys`` (from the first) the shared tier holds for every rank."""
+        n = len(keys)
         try:
-            for rank in range(tp_size):
-                extra = KeyExtra(model, dtype, layout, rank, tp_size, salt)
-                found = self.redis.contains_many(chunk_keys(ids[:n], extra, self.settings.hash_name))
+            for rank in range(self.tp_size):
+                found = self.redis.contains_many([k[rank] for k in keys[:n]])
                 n = next((i for i, f in enumerate(found) if not f), len(found))
                 if n == 0:
                     break

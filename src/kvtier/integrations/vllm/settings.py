@@ -27,8 +27,8 @@ class VllmSettings:
     ("32GiB", "512MiB", "64GB"; `setting_checks.byte_size`) and hold bytes once checked.
 
     chunk_tokens: tokens per stored chunk, a multiple of vLLM's block size (None: 16 blocks);
-        the unit of lookup, save, load and eviction. A local prefix hit that ends inside a chunk
-        takes no kvtier hit (a chunk is never loaded over blocks vLLM already shares).
+        the unit of lookup, save, load and eviction. Where vLLM's own prefix hit ends inside a
+        chunk, only that chunk's blocks past it are loaded (never over blocks vLLM computed or shares).
     host_bytes: the pinned pool per worker (the host tier and the landing zone of lower tiers);
         at least three chunks (checked once the worker knows a chunk's size).
     disk_path / disk_bytes: a local `DiskTier` per worker (None: no disk tier); the directory

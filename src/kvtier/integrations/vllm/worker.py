@@ -3,17 +3,22 @@
 Per step, in vLLM's call order (`KVTierMetadata` bound first):
 
     handle_preemptions(meta)   later compute waits for the pending saves of preempted requests'
-                               blocks: vLLM may hand them to another request
+                               blocks (vLLM may hand them to another request), and only for those:
+                               requests' saves run on SAVE_LANES copy streams, each request's on
+                               one no other request's save is queued on while one is idle
     start_load(meta)           prefetches start; each load: lower-tier reads, then the copies on
-                               the copy stream, one event per layer; what no tier delivered is
-                               reported as load errors (vLLM recomputes those blocks)
+                               the copy stream, one event per layer (from the block vLLM's own hit
+                               ends at); what no tier delivered is reported as load errors (vLLM
+                               recomputes those blocks), and each load's outcome to the scheduler
     wait_layer(name)           compute waits for that layer only (layerwise: the loads take the
                                engine's layer-major path, a true event per layer), no host blocking
     save(meta)                 after the forward: each new full chunk saved from its blocks, the
                                copy waiting for the compute stream's event; blocks held (the
                                request's free delayed) until the copy's event completed
-    finished(ids)              (saved, loaded) request ids whose transfers completed
-    report() / stats()         chunks held / lost for the scheduler; counters for vLLM's stats
+    finished(ids)              released request ids whose saves have all read their blocks
+    report() / stats()         for the scheduler: the tier keys this rank's local tiers (host,
+                               disk) now hold or no longer hold (every eviction, and at start
+                               what the disk holds), load outcomes; counters for vLLM's stats
 
 Every tier failure is a miss (fewer tokens loaded, a save skipped), never an exception into
 vLLM's forward. Block ids are vLLM's; chunk i of a run covers ``block_ids[i*bpc:(i+1)*bpc]``.
@@ -23,13 +28,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 
 from .hash_store import HashKeyedStore
+from .holdings import Holdings
 from .metadata import ChunkRun, KVTierMetadata, KVTierWorkerMetadata
 from .settings import VllmSettings
 
 log = logging.getLogger(__name__)
+# Copy streams the saves spread over. A stream runs in order, so a save's event completes only
+# after every save queued before it there: with one stream, a preemption's wait for one request's
+# saves would wait for every request's.
+SAVE_LANES = 4
 
 
 class WorkerSide:
@@ -56,16 +66,19 @@ class WorkerSide:
         self._layer_index: dict[str, int] = {}
         self._loads: list = []  # (LoadHandle, ChunkRun, t0) of this step and earlier
         self._saves: dict[str, list] = {}  # req id -> [(SaveHandle, ChunkRun, t0)]
-        self._finishing: set[str] = set()
-        self._had_save: set[str] = set()  # requests the scheduler sent saves for: their free waits on us
+        self._released: set[str] = set()  # finished requests reported once their saves are done
         self._prefetches: list = []  # (req id, ChunkRun, Future)
         self._errors: set[int] = set()
-        self._held: dict[bytes, int] = {}
-        self._lost: dict[bytes, int] = {}
+        self._holdings = Holdings()  # what the host and disk hold, for the scheduler's index
+        self._loaded: dict[int, int] = {}  # load tag -> this rank's bit: every block delivered
+        self._failed: dict[int, int] = {}
         self._prefetched: dict[str, int] = {}
         self._extra_sent = False
         self._counts: Counter = Counter()
         self._owned: list = []  # what register_kv_caches made, closed in reverse at shutdown
+        self._lanes: list = []  # the save streams, made at register
+        self._lane_last: list = []  # per lane, the last save handle put on it
+        self._lane_order: deque[int] = deque()  # lanes, least recently used first
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -108,15 +121,26 @@ class WorkerSide:
             salt=s.salt.encode(),
             hash_name=s.hash_name,
         )
-        self.store = HashKeyedStore(engine, self.model, tiers=tiers, config=cfg)
+        # Every chunk the host drops is noted (a deque append, under the host's lock); `report` tells
+        # the scheduler of those no local tier holds any more.
+        self.store = HashKeyedStore(engine, self.model, tiers=tiers, config=cfg, on_evict=self._holdings.gone)
         self.dev, self.kv, self.torch = dev, kv, torch
+        self._lanes = [dev.new_stream(f"kvtier-save-{i}") for i in range(SAVE_LANES)]  # made at start
+        self._lane_last = [None] * SAVE_LANES
+        self._lane_order = deque(range(SAVE_LANES))
 
     def _make_tiers(self) -> list:
         s, tiers = self.settings, []
         if s.disk_path:
             from kvtier.store.disk import DiskTier
+            from kvtier.store.policy import LRU
 
-            tiers.append(DiskTier(s.disk_path, s.disk_bytes, space=f"tp{self.tp_rank}", label="disk_path"))
+            policy = LRU(s.disk_bytes)  # its evictions and deletions reach the scheduler's index
+            disk = DiskTier(
+                s.disk_path, s.disk_bytes, policy=policy, space=f"tp{self.tp_rank}", label="disk_path"
+            )
+            self._holdings.watch(disk, policy)
+            tiers.append(disk)
         if s.redis_url:
             from kvtier.store.redis_tier import RedisTier
 
@@ -131,8 +155,13 @@ class WorkerSide:
             return  # the common step: no device stream looked up
         stream = self.dev.current_stream()
         for rid in meta.preempted:
-            for h, _, _ in self._saves.get(rid, ()):
-                h.wait_on(stream)  # vLLM reuses these blocks: no overwrite before the copy read them
+            self.wait_saves(rid, stream)
+
+    def wait_saves(self, req_id: str, stream) -> None:
+        """Later work on ``stream`` waits for ``req_id``'s pending saves, and for nothing else
+        (what runs before them on their lane)."""
+        for h, _, _ in self._saves.get(req_id, ()):
+            h.wait_on(stream)  # vLLM reuses these blocks: no overwrite before the copy read them
 
     def start_load(self, meta: KVTierMetadata) -> None:
         if self.store is None:
@@ -159,21 +188,22 @@ class WorkerSide:
         bpc, t0, got = self.store.fmt.blocks, time.perf_counter(), 0
         try:
             self.store.engine.compute_write(run.block_ids, zeroed)  # the copy waits for the zeroing
-            h = self.store.load(run.ids, run.block_ids, path=self.load_path())
-            got = h.tokens // self.store.fmt.tokens
+            h = self.store.load(run.ids, run.block_ids, first_block=run.skip, path=self.load_path())
+            got = len(h.jobs)  # chunks delivered (a job each), the first one from block run.skip on
             self._loads.append((h, run, t0))
             self._counts.update(f"hit_chunks_{t}" for t in h.tiers)
         except Exception as exc:  # a failing tier is a miss: vLLM recomputes what did not arrive
             log.warning("kvtier: load of %s failed: %s", run.req_id, exc)
             self._counts["load_errors"] += 1
         mask = 1 << self.tp_rank
-        for cid in run.ids[:got]:
-            self._held[cid] = mask
-        for cid in run.ids[got:]:
-            self._lost[cid] = mask
-        if got < len(run.ids):
-            self._counts["miss_chunks"] += len(run.ids) - got
-            self._errors.update(run.block_ids[got * bpc :])
+        if got == len(run.ids):
+            self._loaded[run.tag] = mask
+            return
+        # The scheduler holds its saves back until every rank's outcome is in (`SchedulerSide`).
+        self._failed[run.tag] = mask
+        self._holdings.lost(self.store.keys(run.ids[got : got + 1])[0])  # no tier delivered it
+        self._counts["miss_chunks"] += len(run.ids) - got
+        self._errors.update(run.block_ids[max(0, got * bpc - run.skip) :])
 
     def load_path(self) -> str | None:
         """Layerwise: the engine's layer-major path ("kernel": one launch per layer over every
@@ -195,27 +225,31 @@ class WorkerSide:
             h.wait_layer(layer, stream)  # attention of this layer must not read blocks still landing
 
     def save(self, meta: KVTierMetadata) -> None:
-        self._had_save.update(run.req_id for run in meta.saves)  # vLLM delays their frees until reported
+        self._released |= meta.release  # vLLM frees their blocks once we report them
         if self.store is None or not meta.saves:
             return
         after = self.dev.current_stream().record()  # the forward wrote the KV before this event
         for run in meta.saves:
+            lane = self._lane()
             try:
-                h = self.store.save(run.ids, run.block_ids, after=after)
+                h = self.store.save(run.ids, run.block_ids, after=after, stream=self._lanes[lane])
             except Exception as exc:  # a failed save is only a later miss
                 log.warning("kvtier: save of %s failed: %s", run.req_id, exc)
                 self._counts["save_errors"] += 1
                 continue
+            self._lane_last[lane] = h
             if h.failed:  # the pool was full: those chunks are a later miss
                 self._counts["save_errors"] += h.failed
             self._saves.setdefault(run.req_id, []).append((h, run, time.perf_counter()))
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        self._finishing |= finished_req_ids & self._had_save  # only those vLLM waits for
+        """Released requests (the scheduler sends no more saves of them) whose saves have all read
+        their blocks: vLLM may hand the blocks on."""
         self._settle()
-        done = {rid for rid in self._finishing if rid not in self._saves}
-        self._finishing -= done
-        self._had_save -= done
+        if not self._released:
+            return None, None
+        done = {rid for rid in self._released if rid not in self._saves}
+        self._released -= done
         return done or None, None
 
     def load_errors(self) -> set[int]:
@@ -223,12 +257,15 @@ class WorkerSide:
         return out
 
     def report(self) -> KVTierWorkerMetadata | None:
+        if self.store is None:
+            return None
         self._settle()
-        wm = KVTierWorkerMetadata(self._held, self._lost, self._prefetched)
-        if self.store is not None and not self._extra_sent:
+        held, lost = self._holdings.take(self.store.host)
+        wm = KVTierWorkerMetadata(held, lost, self._loaded, self._failed, self._prefetched)
+        if not self._extra_sent:
             x = self.store.extra
             wm.extra, self._extra_sent = (x.model, x.kv_dtype, x.layout, x.tp_size, x.salt), True
-        self._held, self._lost, self._prefetched = {}, {}, {}
+        self._loaded, self._failed, self._prefetched = {}, {}, {}
         return None if wm.is_empty() else wm
 
     def stats(self) -> dict:
@@ -251,9 +288,20 @@ class WorkerSide:
 
     # -- internals ------------------------------------------------------------------------------
 
+    def _lane(self) -> int:
+        """The save stream for the next request's saves: the least recently used one whose last
+        save has landed, else the least recently used (every lane busy: it queues behind one)."""
+        order = self._lane_order
+        lane = next((i for i in order if (h := self._lane_last[i]) is None or h.done()), order[0])
+        order.remove(lane)
+        order.append(lane)
+        return lane
+
     def _settle(self) -> None:
         """Completed loads, saves and prefetches: counted, reported, their requests released."""
-        mask, nbytes = 1 << self.tp_rank, self.store.fmt.nbytes if self.store else 0
+        if self.store is None:
+            return
+        mask, nbytes, tokens = 1 << self.tp_rank, self.store.fmt.nbytes, self.store.fmt.tokens
         keep = []
         for h, run, t0 in self._loads:
             if h.done():  # event queries: the copies landed, the slots' pins drop
@@ -268,8 +316,8 @@ class WorkerSide:
                     left.append((h, run, t0))
                     continue
                 self._account("save", h.saved * nbytes, t0)
-                for cid in run.ids[: h.tokens // self.store.fmt.tokens]:
-                    self._held[cid] = mask
+                if h.tokens:
+                    self._holdings.held(self.store.keys(run.ids[: h.tokens // tokens]))
             if left:
                 self._saves[rid] = left
             else:
@@ -279,9 +327,9 @@ class WorkerSide:
             if not fut.done():
                 pending.append((rid, run, fut))
                 continue
-            got = fut.result() // self.store.fmt.tokens if fut.exception() is None else 0
-            for cid in run.ids[:got]:
-                self._held[cid] = mask
+            got = fut.result() // tokens if fut.exception() is None else 0
+            if got:
+                self._holdings.held(self.store.keys(run.ids[:got]))
             self._prefetched[rid] = mask
         self._prefetches = pending
 
