@@ -70,6 +70,8 @@ def paged_step(lean, r, blocks: list[int], ids: torch.Tensor, start: int, end: i
     before, new = torch.arange(start, device=dev), torch.arange(start, end, device=dev)
     for i, name in enumerate(r.names):
         r.ws.wait_layer(name)  # attention of layer i reads its blocks only once they landed
+        if not r.ctx.on_gpu:
+            r.dev.current_stream().synchronize()  # the host runs the layer next: its copies landed
         view = r.cache[i]  # [blocks, H, N, K||V]
 
         def prefix(view=view):
