@@ -5,7 +5,6 @@ import threading
 import time
 
 import pytest
-import redis
 
 from kvtier.store.header import ChunkHeader
 from kvtier.store.redis_tier import RedisTier
@@ -13,6 +12,7 @@ from kvtier.store.tier import DestTooSmall, Tier
 
 from store_redis_fixtures import redis_server  # noqa: F401  (a fixture)
 
+redis = pytest.importorskip("redis", reason="redis-py is not installed (pip install redis)")
 pytestmark = pytest.mark.redis
 
 
