@@ -198,7 +198,7 @@ def _calibration(tmp_path, gpu_key="h200"):
     import json
 
     doc = {
-        "kvtier_calibration": 1, "gpu": "NVIDIA H200", "gpu_key": gpu_key,
+        "kvtier_calibration": 1, "device": "cuda", "gpu": "NVIDIA H200", "gpu_key": gpu_key,
         "fits": {"prefill": {"overhead_ms": 5.0, "efficiency": 0.5, "fit_points": 3},
                  "h2d": {"overhead_ms": 0.0, "efficiency": 0.5, "fit_points": 4}},
         "gpu_spec": {"bf16_tflops": 800.0, "mem_bw_gbps": 4800.0},

@@ -77,6 +77,8 @@ def print_specs(d: dict) -> None:
 
 
 def print_roofline(d: dict) -> None:
+    if not d["fits"]["fits"]:
+        return print_unfit(d)
     g, m = d["gpu"], d["model"]
     t = _table(f"Roofline: {m['name']} on {g['name']} ({d['dtype']})", "quantity", "value")
     rows = [
@@ -109,22 +111,50 @@ def print_roofline(d: dict) -> None:
 
 
 def fit_text(f: dict) -> str:
-    """Whether weights + KV fit one GPU and, if not, what would: the largest batch, or more GPUs."""
+    """One line: weights + KV against the GPU's memory, and the largest batch at this context."""
     sizes = (
         f"{f['weights_bytes'] / 1e9:.1f} GB weights + {f['kv_bytes'] / 1e9:.1f} GB KV = "
-        f"{f['total_bytes'] / 1e9:.1f} GB"
+        f"{f['total_bytes'] / 1e9:.1f} GB of {f['memory_bytes'] / 1e9:g} GB"
     )
-    if f["fits"]:
-        more = "" if f["max_batch"] is None else f"; up to batch {f['max_batch']} at {f['context']} tokens"
-        return f"yes: {sizes}{more}"
+    more = "" if f["max_batch"] is None else f"; up to batch {f['max_batch']:,} at {f['context']:,} tokens"
+    return f"{'yes' if f['fits'] else 'NO'}: {sizes}{more}"
+
+
+def fit_lines(d: dict) -> list[str]:
+    """A configuration that does not fit (`report.unfit_json`): its numbers, what would fit, and
+    why no time is printed."""
+    f, m, g = d["fits"], d["model"], d["gpu"]
+    name = m["name"] if isinstance(m, dict) else m
+    gpu = g["name"] if isinstance(g, dict) else g
+    n, ctx, mem = f["batch"], f["context"], f["memory_bytes"]
+    free = max(0.0, mem - f["weights_bytes"])
+    kv_req = f["kv_bytes"] / n if n else 0.0
+    lines = [
+        f"[bold red]Does not fit[/]: {name} on {gpu}, {mem / 1e9:g} GB of GPU memory",
+        f"  weights ({d.get('dtype', 'bf16')}): {f['weights_bytes'] / 1e9:,.1f} GB",
+        f"  KV ({d.get('kv_dtype', 'bf16')}), {n:,} x {ctx:,} tokens: {f['kv_bytes'] / 1e9:,.1f} GB"
+        + (f" ({kv_req / 1e9:,.1f} GB per request)" if n > 1 else ""),
+        f"  weights + KV: {f['total_bytes'] / 1e9:,.1f} GB, {f['total_bytes'] / mem:.1f}x the memory",
+    ]
     if f["gpus_for_weights"] > 1:
-        fix = f"the weights alone need {f['gpus_for_weights']} GPUs"
+        lines.append(f"  the weights alone need {f['gpus_for_weights']} GPUs")
     else:
-        fix = f"the largest batch at {f['context']} tokens is {f['max_batch']}"
-    return (
-        f"NO: {sizes} > {f['memory_bytes'] / 1e9:g} GB; {fix}; weights + KV need {f['gpus_needed']} GPUs "
-        "(activations not counted)"
+        lines.append(f"  beside the weights: {free / 1e9:,.1f} GB for KV")
+        if f["max_batch"] is not None and n > 1:
+            lines.append(f"  at {ctx:,} tokens, the largest batch is {f['max_batch']:,}")
+        if f.get("max_context") is not None:
+            lines.append(f"  at batch {n:,}, the longest context is {f['max_context']:,} tokens")
+    lines.append(f"  GPUs for weights + KV: {f['gpus_needed']} (activations not counted)")
+    lines.append(
+        "No time is predicted for it: it cannot run on one GPU. Fewer tokens, a smaller batch, "
+        "fp8 (--dtype, --kv-dtype) or more GPUs would fit."
     )
+    return lines
+
+
+def print_unfit(d: dict) -> None:
+    for line in fit_lines(d):
+        _console.print(line)
 
 
 def _bound_text(b: dict) -> str:
@@ -139,6 +169,8 @@ def _batch_text(batch: int | None, context: int) -> str:
 
 
 def print_path(d: dict) -> None:
+    if not d["fits"]["fits"]:
+        return print_unfit(d)
     p = d["path"]
     t = _table(
         f"Path: {d['direction'] if 'direction' in d else p['direction']} {d['gib']:.3f} GiB "
@@ -154,8 +186,6 @@ def print_path(d: dict) -> None:
     lr = d["load_vs_recompute"]
     s = lr["split"]
     _console.print(f"transfer: {d['transfer_ms']:.2f} ms through {p['bottleneck']}")
-    if not d["fits"]["fits"]:
-        _console.print(f"fits in GPU memory (weights + this KV): {fit_text(d['fits'])}")
     for note in p["notes"]:
         _console.print(f"  note: {note}")
     _console.print(
