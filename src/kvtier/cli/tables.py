@@ -1,7 +1,12 @@
-"""Rich tables of the analysis reports (the dicts of `report.py`); units in every header or cell."""
+"""Rich tables of the analysis reports (the dicts of `report.py`); units in every header or cell.
+Tables keep to the terminal's width (80 columns when it is not a terminal): long texts such as
+the source of each figure are numbered footnotes under their table, not a column."""
 
 from __future__ import annotations
 
+import textwrap
+
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -17,26 +22,68 @@ def _table(title: str, *cols: str) -> Table:
     return t
 
 
-def print_specs(d: dict) -> None:
-    t = _table(
-        "GPUs (dense rates)",
-        "key",
-        "name",
-        "SMs",
-        "L2 MB",
-        "mem GB",
-        "mem GB/s",
-        "bf16 TFLOPS",
-        "fp8 TFLOPS",
-        "PCIe",
-        "balance FLOP/B",
-        "source",
+def say(text: str, lead: str = "  ") -> None:
+    """A note under a table, wrapped by words to the terminal with a hanging indent."""
+    width = max(40, _console.width)
+    _console.print(
+        textwrap.fill(text, width=width, initial_indent=lead, subsequent_indent=" " * len(lead)),
+        markup=False,
+        highlight=False,
     )
+
+
+class Footnotes:
+    """Numbered footnotes: each distinct text gets a number (`ref`), printed once under its table."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.printed = 0
+
+    def ref(self, *texts: str | None) -> str:
+        out = []
+        for text in texts:
+            if not text:
+                continue
+            if text not in self.texts:
+                self.texts.append(text)
+            out.append(str(self.texts.index(text) + 1))
+        return ",".join(out)
+
+    def print_new(self) -> None:
+        """The footnotes not printed yet."""
+        for i, text in enumerate(self.texts[self.printed :], self.printed + 1):
+            say(text, f"  [{i}] ")
+        self.printed = len(self.texts)
+
+
+def compact_table(title: str, *cols: str, text: tuple[str, ...] = ("name", "attention")) -> Table:
+    """A table without vertical rules, each header on two lines; numbers right-aligned and never
+    wrapped, the `text` columns wrapped by words."""
+    t = Table(
+        title=title,
+        title_justify="left",
+        header_style="bold",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+    )
+    for c in cols:
+        wraps = c in text
+        justify = "left" if wraps or c in ("key", "src", "point", "role", "why") else "right"
+        t.add_column(c.replace(" ", "\n", 1), justify=justify, no_wrap=not wraps)
+    return t
+
+
+def print_specs(d: dict) -> None:
+    src = Footnotes()
+    t = compact_table(
+        "GPUs (dense rates)", "key", "SMs", "L2 MB", "mem GB", "HBM GB/s", "bf16 TF/s", "fp8 TF/s", "PCIe",
+        "FLOP/B", "src",
+    )  # fmt: skip
     for g in d["gpus"]:
         fp8 = "-" if g["fp8_tflops"] is None else f"{g['fp8_tflops']:.0f}"
         t.add_row(
             g["key"],
-            g["name"],
             str(g["sms"]),
             f"{g['l2_mb']:g}",
             f"{g['mem_gb']:g}",
@@ -45,12 +92,13 @@ def print_specs(d: dict) -> None:
             fp8,
             f"Gen{g['pcie_gen']}",
             f"{g['balance_flop_per_byte']:.0f}",
-            g["source"],
+            src.ref(g["source"], g.get("sm_source")),
         )
     _console.print(t)
-    t = _table(
-        "Links (per direction)", "key", "name", "theoretical GB/s", "typical GB/s", "latency us", "source"
-    )
+    names = ", ".join(f"{g['key']} = {g['name']}" for g in d["gpus"])
+    say(f"FLOP/B: the balance point, bf16 FLOP/s over HBM bytes/s. {names}.")
+    src.print_new()
+    t = compact_table("Links (per direction)", "key", "name", "GB/s max", "GB/s typical", "latency us", "src")
     for x in d["links"]:
         t.add_row(
             x["key"],
@@ -58,11 +106,12 @@ def print_specs(d: dict) -> None:
             f"{x['theoretical_gbps']:g}",
             f"{x['typical_gbps']:.1f}",
             f"{x['latency_us']:g}",
-            x["source"],
+            src.ref(x["source"]),
         )
     _console.print(t)
-    t = _table(
-        "Models", "key", "params B", "active B", "weights GB (bf16)", "KV KiB/token (bf16)", "attention"
+    src.print_new()
+    t = compact_table(
+        "Models", "key", "params B", "active B", "weights GB", "KV KiB/token", "attention", "src"
     )
     for m in d["models"]:
         t.add_row(
@@ -72,8 +121,11 @@ def print_specs(d: dict) -> None:
             f"{m['weight_bytes_bf16'] / 1e9:.1f}",
             f"{m['kv_bytes_per_token'] / 1024:.1f}",
             m["attention"],
+            src.ref(m["source"]),
         )
     _console.print(t)
+    say("Weights and KV in bf16; KV per token over all layers.")
+    src.print_new()
 
 
 def print_roofline(d: dict) -> None:
