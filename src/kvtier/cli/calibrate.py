@@ -72,8 +72,9 @@ def _ceilings_for(path: str, device: str, torch):
 
 
 def _print(d: dict) -> None:
-    from kvtier.cli.tables import Footnotes, compact_table, say
-    from kvtier.cli.tables import _console as con
+    from kvtier.bench.terminal import Footnotes, compact_table, console, say
+
+    con = console()
 
     m = d["model"]
     whys = Footnotes()
@@ -98,7 +99,7 @@ def _print(d: dict) -> None:
         "point is still beyond 10% after the fit:")  # fmt: skip
     whys.print_new()
     f = compact_table("Fits: measured ~ overhead + predicted / efficiency", "quantity", "overhead ms",
-                      "efficiency", "fit points", text=("quantity",))  # fmt: skip
+                      "efficiency", "fit points")  # fmt: skip
     for q, fit in d["fits"].items():
         f.add_row(q, f"{fit['overhead_ms']:.4g}", f"{fit['efficiency']:.3f}", str(fit["fit_points"]))
     con.print(f)

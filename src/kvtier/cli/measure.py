@@ -53,10 +53,9 @@ class ByteSize(click.ParamType):
 
 
 def _console():
-    from rich.console import Console
+    from kvtier.bench.terminal import console
 
-    # piped to a log file, rich would fold the tables to 80 columns
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    return console()
 
 
 @cli.command()
@@ -104,11 +103,9 @@ def probe(as_json: bool, save: str | None, size: int | None, quick: bool, all_gp
     if as_json:
         click.echo(json.dumps(doc, indent=1))
         return
-    from kvtier.bench.report import probe_header, probe_table
+    from kvtier.bench.report import print_probe
 
-    for line in probe_header(doc):
-        console.print(line)
-    console.print(probe_table(doc))
+    print_probe(doc)
     if multi is not None:
         from kvtier.bench.probe_multi import summary_lines
 
@@ -169,22 +166,21 @@ def bench(names, quick, out, plot, profile, as_json, list_only) -> None:
     if as_json:
         click.echo(json.dumps(run.doc, indent=1))
     else:
-        from kvtier.bench.report import bench_status_lines, bench_table
+        from kvtier.bench.report import bench_status_lines, print_bench
 
         console = _console()
         env = run.doc["environment"]
         if not env.get("gpu"):
             console.print("[bold yellow]No GPU found[/]: ran the suites that need none.")
         if run.doc["rows"]:
-            console.print(bench_table(run.doc))
+            print_bench(run.doc)
         else:
             console.print("[yellow]no rows[/]: every suite chosen was skipped here (reasons below)")
         for line in bench_status_lines(run.doc):
             console.print(line)
-        ceil = ", ".join(f"{k} {v:,.1f} GB/s" for k, v in env["ceilings"].items())
-        console.print(f"same-run ceilings: {ceil}")
         console.print(
-            f"wrote {run.path}" + (f" and {run.plot}" if run.plot else " (no plot: no block-size rows)")
+            f"wrote {run.path}"
+            + (f" and {run.plot}" if run.plot else " (no plot: no row has a GB/s to draw)")
         )
         if profile:
             console.print(f"timeline: {profile} (open in ui.perfetto.dev or Nsight Systems)")

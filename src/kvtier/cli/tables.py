@@ -4,73 +4,19 @@ the source of each figure are numbered footnotes under their table, not a column
 
 from __future__ import annotations
 
-import textwrap
-
-from rich import box
-from rich.console import Console
 from rich.table import Table
+
+from kvtier.bench.terminal import Footnotes, compact_table, console, say
 
 GIB = 1 << 30
 
-_console = Console()
+_console = console()
 
 
 def _table(title: str, *cols: str) -> Table:
     t = Table(title=title, title_justify="left", header_style="bold")
     for c in cols:
         t.add_column(c, overflow="fold")
-    return t
-
-
-def say(text: str, lead: str = "  ") -> None:
-    """A note under a table, wrapped by words to the terminal with a hanging indent."""
-    width = max(40, _console.width)
-    _console.print(
-        textwrap.fill(text, width=width, initial_indent=lead, subsequent_indent=" " * len(lead)),
-        markup=False,
-        highlight=False,
-    )
-
-
-class Footnotes:
-    """Numbered footnotes: each distinct text gets a number (`ref`), printed once under its table."""
-
-    def __init__(self) -> None:
-        self.texts: list[str] = []
-        self.printed = 0
-
-    def ref(self, *texts: str | None) -> str:
-        out = []
-        for text in texts:
-            if not text:
-                continue
-            if text not in self.texts:
-                self.texts.append(text)
-            out.append(str(self.texts.index(text) + 1))
-        return ",".join(out)
-
-    def print_new(self) -> None:
-        """The footnotes not printed yet."""
-        for i, text in enumerate(self.texts[self.printed :], self.printed + 1):
-            say(text, f"  [{i}] ")
-        self.printed = len(self.texts)
-
-
-def compact_table(title: str, *cols: str, text: tuple[str, ...] = ("name", "attention")) -> Table:
-    """A table without vertical rules, each header on two lines; numbers right-aligned and never
-    wrapped, the `text` columns wrapped by words."""
-    t = Table(
-        title=title,
-        title_justify="left",
-        header_style="bold",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
-        collapse_padding=True,
-    )
-    for c in cols:
-        wraps = c in text
-        justify = "left" if wraps or c in ("key", "src", "point", "role", "why") else "right"
-        t.add_column(c.replace(" ", "\n", 1), justify=justify, no_wrap=not wraps)
     return t
 
 
