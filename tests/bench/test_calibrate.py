@@ -132,6 +132,8 @@ def test_cli_table_output(cli_run, tmp_path):
     assert "predicted" in r.output and "after fit" in r.output and "within" in r.output  # 2-line headers
     assert "ceilings file" in " ".join(r.output.split())  # the figures came from the file, not a probe
     assert "forward floor" in r.output
+    progress = r.stderr.replace("\r", "\n")  # what it is doing and the time left, as it runs
+    assert "calibrate:" in progress and "left" in progress and "calibrate/prefill/" in progress
 
 
 @pytest.mark.parametrize(

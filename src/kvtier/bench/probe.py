@@ -132,6 +132,11 @@ def default_sizes(on_gpu: bool, quick: bool, size: int | None) -> dict[str, int]
     return {"d2d": 0, "host_device": 0, "host": 256 * MiB}  # past any CPU cache, quick or not
 
 
+def probe_steps() -> int:
+    """How many steps `run_probe` takes here (it calls `on_step` once per step)."""
+    return 10 if no_gpu_reason() is None else 1
+
+
 def run_probe(
     *, size: int | None = None, quick: bool = False, on_step: Callable[[str], None] | None = None
 ) -> ProbeReport:

@@ -17,7 +17,21 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-LEFT = ("key", "name", "case", "point", "role", "why", "src", "suite", "path", "attention", "quantity")
+LEFT = (
+    "key",
+    "name",
+    "case",
+    "point",
+    "role",
+    "why",
+    "src",
+    "suite",
+    "path",
+    "attention",
+    "quantity",
+    "request",
+    "from",
+)
 
 
 @functools.cache

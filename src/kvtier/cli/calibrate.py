@@ -39,9 +39,10 @@ def calibrate_cmd(device, quick, ceilings, reps, save, as_json):
         raise click.UsageError("--device: cuda asked for, but torch finds no CUDA GPU")
     measured = None if ceilings is None else _ceilings_for(ceilings, device, torch)
     from kvtier.bench import calibrate
+    from kvtier.bench.progress import Steps
 
-    click.echo("calibrating: ceilings, copies, decode steps, prefills ...", err=True)
-    doc = calibrate.run(device, quick, measured, reps)
+    with Steps(calibrate.steps(device, quick, measured), "calibrate", enabled=not as_json) as step:
+        doc = calibrate.run(device, quick, measured, reps, on_step=step)
     if save is not None:
         calibrate.save(doc, save)
         doc["saved"] = save

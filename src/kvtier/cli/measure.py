@@ -74,17 +74,17 @@ def probe(as_json: bool, save: str | None, size: int | None, quick: bool, all_gp
     """Measure this machine's ceilings (copies, PCIe, launch, matmul) next to the datasheet."""
     if save is not None and not Path(save).resolve().parent.is_dir():
         raise click.UsageError(f"--save: folder {str(Path(save).parent)!r} does not exist")
-    try:
-        from kvtier.bench.probe import run_probe
-    except ImportError as e:
-        raise click.UsageError(f"probe needs torch: {e}") from None
+    from kvtier.bench.progress import Steps
+
     console = _console()
-    if as_json:
-        report = run_probe(size=size, quick=quick)
-    else:
-        err = _err_console()
-        with err.status("probing") as status:
-            report = run_probe(size=size, quick=quick, on_step=lambda s: status.update(f"measuring {s}"))
+    with Steps(2, "probe", enabled=not as_json) as step:
+        step("loading torch")
+        try:
+            from kvtier.bench.probe import probe_steps, run_probe
+        except ImportError as e:
+            raise click.UsageError(f"probe needs torch: {e}") from None
+        step.total = 1 + probe_steps()
+        report = run_probe(size=size, quick=quick, on_step=lambda s: step(f"measuring {s}"))
     doc = report.to_json()
     ceilings, multi = report.ceilings(), None
     if all_gpus:
