@@ -210,9 +210,9 @@ def print_bench(doc: dict) -> None:
         )
         say(
             f"[bold red]over[/]: {len(over)} row(s) ran faster than their ceiling: {cases}. That is a "
-            "measurement problem, not a speed: the ceiling was measured too low (a cache, a cold or "
-            "too small a probe, noise: see its slowest-fastest). Re-run, or measure it with "
-            "`kvtier probe`.",
+            "measurement problem, not a speed: the row's bytes stayed in a cache, or the ceiling was "
+            "measured low (noise, a cold or too small a probe: see its slowest-fastest). Re-run on a "
+            "quiet machine, or measure the ceiling with `kvtier probe`.",
             markup=True,
         )
 

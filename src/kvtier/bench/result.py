@@ -13,8 +13,9 @@
 
 `validate` is the schema, and checks what makes a row trustworthy: its ceiling was measured in
 this same run, and gbps and ratio follow from bytes, median and that ceiling. A ratio above 1.0
-says the ceiling was measured too low (a cache, a cold or too small a probe, noise): a
-measurement problem, never a speed (`over_ceiling`). Pure Python.
+says one of the two is not what it claims (the row's bytes in a cache, a ceiling measured low by
+noise or a cold or too small probe): a measurement problem, never a speed (`over_ceiling`).
+Pure Python.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def _row_problems(i: int, row: object, ceilings: dict) -> list[str]:
     return errs
 
 
-OVER_CEILING = 1.0  # a row above its ceiling: the ceiling, not the row, is in doubt
+OVER_CEILING = 1.0  # a row above its ceiling: the measurement, not the speed, is the news
 
 
 def over_ceiling(row: dict) -> bool:

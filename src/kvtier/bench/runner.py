@@ -137,7 +137,7 @@ def run_bench(
         run.path = result.write(doc, out_dir, gpu, stamp)
         if plot:
             commit = (env.get("commit") or "no commit")[:12]
-            title = f"{env.get('gpu') or 'CPU'} - {stamp} - kvtier {env['kvtier']} ({commit})"
+            title = f"{env.get('gpu') or 'CPU (no GPU)'} - {stamp} - kvtier {env['kvtier']} ({commit})"
             run.plot = _plot(rows, run.path.with_suffix(".png"), title, env["ceilings_spread"])
     return run
 

@@ -2,7 +2,8 @@
 shape), the worst and the best row of the sweep, each as GB/s and its ratio to the same-run ceiling.
 
 Everything is read from the file: nothing here measures or rounds a figure before printing it. A
-ratio above 100% is printed as what it is, a ceiling measured too low, never as a speed.
+ratio above 100% is printed as what it is, a measurement problem (a cache, or a ceiling measured
+low), never as a speed.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 
 from kvtier.cli import cli
+from kvtier.cli.options import plot_option
 
 _UNITS = {
     "": 1,
@@ -195,9 +196,10 @@ def bench(names, quick, out, plot, profile, as_json, list_only) -> None:
 @cli.command()
 @click.argument("result_file", type=click.Path(exists=True, dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def results(result_file: str, as_json: bool) -> None:
+@plot_option("Draw the file's plot (as `kvtier bench` does) to this PNG.")
+def results(result_file: str, as_json: bool, plot: str | None) -> None:
     """Summarize a result file of `kvtier bench`: per suite and path, the headline row and the worst
-    and best rows (markdown table)."""
+    and best rows (markdown table); --plot draws it."""
     from kvtier.bench.result import validate
     from kvtier.bench.summary import markdown, summarize
 
@@ -206,6 +208,14 @@ def results(result_file: str, as_json: bool) -> None:
         validate(doc)
     except (json.JSONDecodeError, ValueError) as e:
         raise click.UsageError(f"{result_file}: not a valid kvtier result file ({e})") from None
+    if plot is not None:
+        from kvtier.bench.plot import plot as draw
+
+        env = doc["environment"]
+        title = f"{env.get('gpu') or 'CPU (no GPU)'} - {env.get('date', '')[:10]} - {Path(result_file).name}"
+        if draw(doc["rows"], plot, title, env.get("ceilings_spread")) is None:
+            raise click.UsageError(f"--plot: {result_file} has no row with a GB/s to draw")
+        click.echo(f"plot: {plot}", err=True)
     if as_json:
         click.echo(json.dumps(summarize(doc), indent=2, default=str))
     else:
