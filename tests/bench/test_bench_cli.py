@@ -67,6 +67,9 @@ def test_bench_table_output_and_profile_trace(tmp_path):
     assert "suite/cli_host_copy" in names and "ceilings" in names  # the stages show on the timeline
     doc = result.load(next(out.glob("*.json")))
     assert doc["environment"]["profiled"] is True
+    png = tmp_path / "again.png"  # a result file drawn again, as `kvtier bench` drew it
+    r = _run(["results", str(next(out.glob("*.json"))), "--plot", str(png)])
+    assert r.exit_code == 0 and png.stat().st_size > 10_000 and "cli_host_copy" in r.stdout
 
 
 def test_bench_unknown_suite_is_a_usage_error(tmp_path):
