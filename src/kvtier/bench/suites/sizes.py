@@ -132,7 +132,10 @@ def _gpu_rows(ctx: Context, nbytes: int):
     torch.cuda.synchronize()  # the random cache and the ids have landed before the first copy
     for save in (True, False):
         run = _staged(p.kv, p.src if save else p.dst, chunk, blocks, save)
-        poison_(chunk) if save else _poison_blocks(p.kv, p.dst)
+        if save:
+            poison_(chunk)  # a byte the save did not write fails the check
+        else:
+            _poison_blocks(p.kv, p.dst)
         run()
         torch.cuda.synchronize()  # submitted is not done: check once the copies completed
         ok = (
