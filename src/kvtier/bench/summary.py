@@ -61,8 +61,9 @@ def header_lines(doc: dict) -> list[str]:
             f" ({s['min']:,.2f}-{s['max']:,.2f}, {s['samples']} runs)" if s else ""
         )
 
+    machine = f"{env['gpu']} · driver {env.get('driver')}" if env.get("gpu") else "CPU (no GPU)"
     return [
-        f"{env.get('gpu')} · driver {env.get('driver')} · torch {env.get('torch')} "
+        f"{machine} · torch {env.get('torch')} "
         f"· triton {env.get('triton')} · commit {env.get('commit') or 'not recorded'} · {env.get('date')}",
         "",
         "same-run ceilings: " + ", ".join(ceiling(k, v) for k, v in sorted(env.get("ceilings", {}).items())),

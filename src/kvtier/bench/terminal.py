@@ -17,21 +17,10 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-LEFT = (
-    "key",
-    "name",
-    "case",
-    "point",
-    "role",
-    "why",
-    "src",
-    "suite",
-    "path",
-    "attention",
-    "quantity",
-    "request",
-    "from",
-)
+LEFT = {  # columns of names and words, not numbers
+    "key", "name", "case", "point", "role", "why", "src", "suite", "path", "attention", "quantity",
+    "request", "from", "option", "hop (data-flow order)",
+}  # fmt: skip
 
 
 @functools.cache
@@ -72,7 +61,9 @@ class Footnotes:
         self.printed = len(self.texts)
 
 
-def compact_table(title: str, *cols: str, wrap: tuple[str, ...] = ("name", "attention", "case")) -> Table:
+def compact_table(
+    title: str, *cols: str, wrap: tuple[str, ...] = ("name", "attention", "case", "hop (data-flow order)")
+) -> Table:
     """A table without vertical rules, each header on two lines (at its first space); numbers
     right-aligned and never wrapped, the `wrap` columns wrapped by words."""
     t = Table(

@@ -113,7 +113,9 @@ def probe(as_json: bool, save: str | None, size: int | None, quick: bool, all_gp
         for line in summary_lines(doc["multi_gpu"]):
             console.print(line)
     if save is not None:
-        console.print(f"ceilings written to {save} (use with roofline/path --ceilings {save})")
+        use = f"roofline / path / plan --ceilings {save}" + ("" if ceilings.gpu_key else " --gpu KEY")
+        why = "" if ceilings.gpu_key else f" ({ceilings.gpu or 'no GPU'}: name the GPU to predict for)"
+        console.print(f"ceilings written to {save}; use with {use}{why}")
 
 
 def _err_console():

@@ -170,21 +170,20 @@ def _calibration(path: str, gpu: str | None) -> dict:
 
 
 def _print(d: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from kvtier.bench.terminal import compact_table, console
 
-    con = Console()
+    con = console()
     title = (
         f"Plan: {d['model']} on {d['gpu']}, {d['matched_tokens']} tokens matched in {d['tier']}, "
         f"{d['new_tokens']} new (chunks of {d['chunk_tokens']})"
     )
-    t = Table(title=title, title_justify="left", header_style="bold")
-    for c in ("option", "recompute tok", "load tok", "recompute ms", "load ms", "new tok ms", "TTFT ms"):
-        t.add_column(c)
+    t = compact_table(
+        title, "option", "recompute tokens", "load tokens", "recompute ms", "load ms", "new tokens ms",
+        "TTFT ms",
+    )  # fmt: skip
     for name, o in d["options"].items():
-        mark = " <- chosen" if name == d["choice"] else ""
         t.add_row(
-            name + mark,
+            name + (" (chosen)" if name == d["choice"] else ""),
             str(o["recompute_tokens"]),
             str(o["load_tokens"]),
             f"{o['recompute_ms']:.3f}",
@@ -195,13 +194,10 @@ def _print(d: dict) -> None:
     con.print(t)
     p = d["path"]
     if d["load_bytes"]:
-        h = Table(
-            title=f"Load path of {d['load_bytes'] / 1e6:.1f} MB ({d['tier']} -> GPU)",
-            title_justify="left",
-            header_style="bold",
-        )
-        for c in ("hop (data-flow order)", "GB/s", "time ms alone"):
-            h.add_column(c, overflow="fold")
+        h = compact_table(
+            f"Load path of {d['load_bytes'] / 1e6:.1f} MB ({d['tier']} -> GPU)",
+            "hop (data-flow order)", "GB/s", "time ms alone",
+        )  # fmt: skip
         for hop in p["hops"]:
             mark = "  <- bottleneck" if hop["name"] == p["bottleneck"] else ""
             h.add_row(hop["name"] + mark, f"{hop['gbps']:.1f}", f"{hop['time_ms']:.3f}")
