@@ -27,9 +27,15 @@ def _rate_range(r: dict) -> tuple[float, float]:
 
 
 def path_of(r: dict) -> str:
-    """What a row measures, without the layout order it ran in (one bar across the orders)."""
+    """What a row measures: its `path`, or the op it calls (`op_cost`: one bar across the kinds of
+    ids), without the layout order it ran in (one bar across the orders)."""
     p = r["params"]
-    name = p.get("path") or r["case"]
+    if p.get("path"):
+        name = p["path"]
+    elif p.get("op"):
+        name = f"ops.{p['op']}, " + ("one layer" if p.get("layer_range") == "one" else "all layers")
+    else:
+        name = r["case"]
     return " ".join(name.replace(str(p.get("order", "\0")), "").split())
 
 
