@@ -68,7 +68,10 @@ def _ceilings_for(path: str, device: str, torch):
     if spec is None:  # no datasheet entry stands behind it: HBM and matmul rates must be measured
         need |= {"d2d_copy_gbps", "bf16_tflops"}
     if missing := need - set(measured.figures):
-        raise click.UsageError(f"--ceilings: {path!r} lacks {', '.join(sorted(missing))}")
+        why = (
+            "" if measured.gpu_key or measured.gpu else " (measured without a GPU: leave --ceilings out here)"
+        )
+        raise click.UsageError(f"--ceilings: {path!r} lacks {', '.join(sorted(missing))}{why}")
     return measured
 
 
