@@ -156,6 +156,7 @@ class MemoryFit:
     max_batch: int | None  # the largest batch whose KV fits beside the weights (None: no KV, context 0)
     gpus_for_weights: int  # GPUs the weights alone need, split evenly (tensor parallel)
     gpus_needed: int  # GPUs the weights and this batch's KV need, split evenly
+    max_context: int | None = None  # the longest context of `batch` requests beside the weights
 
     @property
     def fits(self) -> bool:
@@ -173,6 +174,7 @@ class MemoryFit:
             "max_batch": self.max_batch,
             "gpus_for_weights": self.gpus_for_weights,
             "gpus_needed": self.gpus_needed,
+            "max_context": self.max_context,
         }
 
 
@@ -180,7 +182,8 @@ def memory_fit(
     model: ModelSpec, gpu: GPU, batch: int, context: int, dtype: str = "bf16", kv_dtype: str = "bf16"
 ) -> MemoryFit:
     """Do the weights plus `batch` x `context` tokens of KV fit `gpu`'s memory? If not: the largest
-    batch at this context on one GPU, and the GPUs the weights (and the KV) need."""
+    batch at this context and the longest context at this batch on one GPU, and the GPUs the
+    weights (and the KV) need."""
     _check_positive(batch=batch)
     if context < 0:
         raise ValueError(f"context: must be >= 0, got {context}")
@@ -189,6 +192,8 @@ def memory_fit(
     per_request = context * model.kv_bytes_per_token(kv_dtype)
     kv = batch * per_request
     max_batch = int(max(0.0, memory - weights) // per_request) if per_request else None
+    per_token = batch * model.kv_bytes_per_token(kv_dtype)
+    max_context = int(max(0.0, memory - weights) // per_token) if per_token else None
     return MemoryFit(
         memory_bytes=memory,
         weights_bytes=weights,
@@ -198,6 +203,7 @@ def memory_fit(
         max_batch=max_batch,
         gpus_for_weights=max(1, math.ceil(weights / memory)),
         gpus_needed=max(1, math.ceil((weights + kv) / memory)),
+        max_context=max_context,
     )
 
 

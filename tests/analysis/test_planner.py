@@ -153,7 +153,7 @@ def test_cli_prints_units_and_json_and_exits_2_on_bad_input(tmp_path):
         cli, ["plan", "--gpu", "h200", "--tier", "disk", "--matched", "8192", "--new", "64"]
     )
     assert r.exit_code == 0, r.output
-    assert "TTFT ms" in r.output and "GB/s" in r.output and "choice: split" in r.output
+    assert "TTFT" in r.output and "GB/s" in r.output and "choice: split" in r.output  # 2-line headers
     r = CliRunner().invoke(cli, ["plan", "--gpu", "h200", "--matched", "8192", "--new", "64", "--json"])
     d = json.loads(r.output)
     assert d["choice"] in ("load", "split") and d["predicted_ms"]["recompute"] > d["predicted_ms"]["load"]
@@ -198,7 +198,7 @@ def _calibration(tmp_path, gpu_key="h200"):
     import json
 
     doc = {
-        "kvtier_calibration": 1, "gpu": "NVIDIA H200", "gpu_key": gpu_key,
+        "kvtier_calibration": 1, "device": "cuda", "gpu": "NVIDIA H200", "gpu_key": gpu_key,
         "fits": {"prefill": {"overhead_ms": 5.0, "efficiency": 0.5, "fit_points": 3},
                  "h2d": {"overhead_ms": 0.0, "efficiency": 0.5, "fit_points": 4}},
         "gpu_spec": {"bf16_tflops": 800.0, "mem_bw_gbps": 4800.0},

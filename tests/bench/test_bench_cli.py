@@ -39,6 +39,9 @@ def test_bench_quick_writes_a_valid_result_file_and_plot(tmp_path):
     on_disk = result.load(tmp_path / files[0])
     assert on_disk["rows"] == doc["rows"] and doc["rows"]
     assert doc["suites"]["cli_host_copy"]["status"] == "ran"
+    spread = doc["environment"]["ceilings_spread"]  # every ceiling: median, slowest, fastest, runs
+    assert set(spread) == set(doc["environment"]["ceilings"])
+    assert all(s["samples"] >= 3 and s["min"] <= s["median"] <= s["max"] for s in spread.values())
     assert all(r["correct"] is not False for r in doc["rows"])
     if not ON_GPU:
         assert doc["suites"]["gather_d2d"] == {
@@ -57,12 +60,16 @@ def test_bench_table_output_and_profile_trace(tmp_path):
     out = tmp_path / "results"
     r = _run(["bench", "--quick", "--out", str(out), "--suite", "cli_host_copy", "--profile", str(trace)])
     assert r.exit_code == 0, r.output
-    assert "kvtier bench" in r.output and "same-run ceilings: host_memcpy" in r.output
+    assert "cli_host_copy: payload GB/s" in r.output and "ceilings measured in this run" in r.output
+    assert "a  host_memcpy" in r.output
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e.get("name") for e in events}
     assert "suite/cli_host_copy" in names and "ceilings" in names  # the stages show on the timeline
     doc = result.load(next(out.glob("*.json")))
     assert doc["environment"]["profiled"] is True
+    png = tmp_path / "again.png"  # a result file drawn again, as `kvtier bench` drew it
+    r = _run(["results", str(next(out.glob("*.json"))), "--plot", str(png)])
+    assert r.exit_code == 0 and png.stat().st_size > 10_000 and "cli_host_copy" in r.stdout
 
 
 def test_bench_unknown_suite_is_a_usage_error(tmp_path):

@@ -48,6 +48,9 @@ def test_quick_cpu_rows_predictions_tokens_and_checks(monkeypatch, tmp_path):
             want += [f"{n} lean recompute"] if t == "host" else []
             want += [f"{n} lean load {t}", f"{n} lean split {t}"]
     assert cases == want, cases
+    for r in rows:  # p50 / p90 / p99 of 3 runs each (quick), beside the prediction and its error
+        t = r.params["timing"]
+        assert t["count"] == 3 and t["p50_ms"] == r.median_ms <= t["p90_ms"] <= t["p99_ms"] <= r.max_ms
     lean = [r for r in rows if r.params["mode"].startswith("lean")]
     assert len(lean) == 14 and all(r.correct and r.params["first_token_matches_recompute"] for r in lean)
     for r in (r for r in lean if r.params["mode"] == "lean load"):

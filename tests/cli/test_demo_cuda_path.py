@@ -24,7 +24,7 @@ def test_auto_picks_cuda_with_the_larger_model_and_its_prefix(monkeypatch):
         seen.update(build=kind, max_positions=max_positions)
         return "model"
 
-    def fake_run(kind, prefix, requests, new_tokens, redis_url, model=None):
+    def fake_run(kind, prefix, requests, new_tokens, redis_url, model=None, on_step=None):
         seen.update(run=kind, prefix=prefix, model=model)
         return dict(identical=True)
 

@@ -115,8 +115,11 @@ def test_alternating_slots_bit_exact(slot_execs):
 def test_spare_id_arrays_across_queued_rounds_bit_exact():
     """Jobs of SPARE_MIN one-token blocks (the job's id array from spares, `engine/ids.py`) saved
     and loaded back from graph replays queued behind a busy copy stream, round after round: the
-    arrays of finished rounds serve the next ones, and every slot and loaded block is bit-exact."""
+    arrays of finished rounds serve the next ones, and every slot and loaded block is bit-exact.
+    Without the C helper (not built, or KVTIER_NATIVE=0) no spares are kept: the same jobs run
+    through the numpy check, bytes checked alike."""
     from kvtier.device import CudaDevice
+    from kvtier.engine.fastpath.fast import fast
     from kvtier.engine.ids import SPARE_MIN
 
     n, jobs, half = SPARE_MIN, 6, 2 * SPARE_MIN
@@ -145,11 +148,12 @@ def test_spare_id_arrays_across_queued_rounds_bit_exact():
             torch.cuda.synchronize()
             assert bits_equal(gather_ref(kv, dst), w), r
             eng.release(job.slot)
-        made = eng.spare_arrays()[n]
+        made = eng.spare_arrays().get(n, 0)  # {} without the C helper: spares are its own
         del saves, job, load
         eng.poll()
     print(f"\n{made} spare arrays for {4 * jobs * 2} jobs; {eng.graph_stats()}")
-    assert made < 4 * jobs * 2 and eng.graph_stats().replays > 0 and eng.graph_stats().failures == 0
+    assert eng.graph_stats().replays > 0 and eng.graph_stats().failures == 0
+    assert made < 4 * jobs * 2 if fast is not None else made == 0
     eng.close()
     assert pool.stats().used == 0
     pool.close()

@@ -10,7 +10,6 @@ import threading
 import time
 
 import pytest
-import redis
 
 from kvtier.store.header import ChunkHeader
 from kvtier.store.redis_tier import RedisTier
@@ -25,6 +24,7 @@ from store_redis_fixtures import (  # noqa: F401  (redis_server: a fixture)
     redis_server,
 )
 
+redis = pytest.importorskip("redis", reason="redis-py is not installed (pip install redis)")
 pytestmark = pytest.mark.redis
 
 

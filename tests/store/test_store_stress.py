@@ -5,7 +5,6 @@ import threading
 from collections import Counter
 
 import pytest
-import redis
 
 from kvtier.store.chunkfile import SUFFIX
 from kvtier.store.disk import DiskTier
@@ -109,6 +108,7 @@ def test_disk_stress(tmp_path, policy):
 @pytest.mark.slow
 @pytest.mark.redis
 def test_redis_stress(redis_server):  # noqa: F811
+    redis = pytest.importorskip("redis", reason="redis-py is not installed (pip install redis)")
     from kvtier.store.redis_tier import RedisTier
 
     tier = RedisTier(url=redis_server.url, part_bytes=4096)  # most chunks are split into parts

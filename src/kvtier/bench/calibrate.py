@@ -40,13 +40,13 @@ from kvtier.bench.calibration_file import FORMAT_VERSION, effective_rates, load,
 # ---- the machine: its figures, and a GPU spec the roofline can use ------------------------
 
 
-def measure_figures(device: torch.device, quick: bool) -> dict[str, float]:
+def measure_figures(device: torch.device, quick: bool, on_time=None) -> dict[str, float]:
     """Ceilings figures measured now. GPU: pinned H2D/D2H, device copy, bf16 matmul. CPU: host
     memcpy (it stands in for the links and, doubled, for HBM) and the fp32 matmul rate."""
     from kvtier.bench import probes
     from kvtier.bench.timing import Timer
 
-    timer = Timer(device, min_reps=3 if quick else 5, budget_s=0.3 if quick else 1.0)
+    timer = Timer(device, min_reps=3 if quick else 5, budget_s=0.3 if quick else 1.0, on_time=on_time)
     if device.type == "cuda":
         size = 64 * MiB if quick else 1 << 30
         out = {
@@ -57,7 +57,7 @@ def measure_figures(device: torch.device, quick: bool) -> dict[str, float]:
         }
         torch.cuda.empty_cache()  # the probe buffers are not needed again
         return out
-    memcpy = probes.host_memcpy(timer, 16 * MiB if quick else 64 * MiB)
+    memcpy = probes.host_memcpy(timer, 256 * MiB)  # past any CPU cache, quick or not
     return {
         "host_memcpy_gbps": memcpy,
         "h2d_pinned_gbps": memcpy,
@@ -101,7 +101,7 @@ def machine_gpu(device: torch.device, ceilings):
     )
 
 
-def machine_ceilings(device: torch.device, quick: bool, ceilings=None):
+def machine_ceilings(device: torch.device, quick: bool, ceilings=None, on_time=None):
     """`ceilings` (a loaded file) or a `Ceilings` of figures measured now."""
     from kvtier.ceilings import Ceilings
     from kvtier.specs import gpu_from_device_name
@@ -113,7 +113,8 @@ def machine_ceilings(device: torch.device, quick: bool, ceilings=None):
         name = torch.cuda.get_device_name(device)
         spec = gpu_from_device_name(name)
         key = spec.key if spec is not None else None
-    return Ceilings(measure_figures(device, quick), gpu=name, gpu_key=key, source="kvtier calibrate")
+    figures = measure_figures(device, quick, on_time)
+    return Ceilings(figures, gpu=name, gpu_key=key, source="kvtier calibrate")
 
 
 def model_spec(model):
@@ -141,8 +142,19 @@ PLANS = {
 }
 
 
-def run(device: str = "auto", quick: bool = False, ceilings=None, reps: int | None = None) -> dict:
-    """Measure every point, fit, and return the calibration document (see `save`)."""
+def steps(device: str = "auto", quick: bool = False, ceilings=None) -> int:
+    """How many measurements `run` times (each calls its `on_step` once), the model's build too."""
+    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    sizes, shapes, lengths = PLANS["quick" if quick else ("gpu" if cuda else "cpu")]
+    figures = 0 if ceilings is not None else (4 if cuda else 2)
+    return figures + 1 + 2 * len(sizes) + len(shapes) + len(lengths) + 1
+
+
+def run(
+    device: str = "auto", quick: bool = False, ceilings=None, reps: int | None = None, on_step=None
+) -> dict:
+    """Measure every point, fit, and return the calibration document (see `save`). on_step: told
+    what is measured next, `steps()` times in all."""
     from kvtier.bench.env import utc_now
     from kvtier.bench.llama_rig import build_llama
     from kvtier.bench.timing import Timer
@@ -158,13 +170,20 @@ def run(device: str = "auto", quick: bool = False, ceilings=None, reps: int | No
     shape = "llama-3-8b" if kind == "gpu" else "tiny"
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     given = ceilings is not None
-    cei = machine_ceilings(dev, quick, ceilings)
+    cei = machine_ceilings(dev, quick, ceilings, on_step)
     gpu = machine_gpu(dev, cei)
+    if on_step is not None:
+        on_step(f"building a random-weight {shape} model")
     model = build_llama(shape, dev, dtype, attn_implementation="sdpa")
     spec = model_spec(model)
     n = reps or (3 if quick else 5)
     timer = Timer(
-        dev, warmup=1 if quick else 2, min_reps=n, max_reps=max(n, 50), budget_s=0.3 if quick else 1.0
+        dev,
+        warmup=1 if quick else 2,
+        min_reps=n,
+        max_reps=max(n, 50),
+        budget_s=0.3 if quick else 1.0,
+        on_time=on_step,
     )
     sizes, shapes, lengths = PLANS[kind]
     points = transfer_points(dev, gpu, cei, sizes, timer)

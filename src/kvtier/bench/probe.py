@@ -2,7 +2,9 @@
 
 Like nvbandwidth: copy-engine transfers (device->device, pinned and pageable host<->device, both
 directions at once), the same through an SM kernel, kernel launch cost eager vs CUDA graph, a
-bf16 matmul rate, host memcpy; then the PCIe link and NUMA node from NVML. A step that fails is
+bf16 matmul rate, host memcpy; then the PCIe link and NUMA node from NVML. Each figure is the
+median of repeated runs, with the slowest and the fastest (`stats.Rate`), on buffers larger than
+any cache (host: 256 MiB, also in --quick). A step that fails is
 reported with its error; the others still run. Without a GPU only host memcpy is measured.
 """
 
@@ -55,9 +57,13 @@ class Figure:
         return self.value / self.datasheet if self.value and self.datasheet else None
 
     def to_json(self) -> dict:
+        v = self.value
         return {
             "name": self.name,
-            "value": self.value,
+            "value": None if v is None else float(v),
+            "min": getattr(v, "low", None),  # a `Rate`: the slowest and fastest of its runs
+            "max": getattr(v, "high", None),
+            "samples": getattr(v, "samples", None),
             "unit": self.unit,
             "what": self.what,
             "datasheet": self.datasheet,
@@ -78,7 +84,7 @@ class ProbeReport:
     link: dict | None = None
 
     def ceilings(self) -> Ceilings:
-        figs = {f.name: f.value for f in self.figures if f.name in FIGURES and f.value}
+        figs = {f.name: float(f.value) for f in self.figures if f.name in FIGURES and f.value}
         env = self.environment
         return Ceilings(
             figures=figs,
@@ -119,11 +125,16 @@ def default_sizes(on_gpu: bool, quick: bool, size: int | None) -> dict[str, int]
         return {"d2d": size, "host_device": size, "host": size}
     if on_gpu:
         return (
-            {"d2d": 256 * MiB, "host_device": 64 * MiB, "host": 64 * MiB}
+            {"d2d": 256 * MiB, "host_device": 64 * MiB, "host": 256 * MiB}
             if quick
             else {"d2d": 4 * GiB, "host_device": GiB, "host": GiB}
         )
-    return {"d2d": 0, "host_device": 0, "host": 16 * MiB if quick else 256 * MiB}
+    return {"d2d": 0, "host_device": 0, "host": 256 * MiB}  # past any CPU cache, quick or not
+
+
+def probe_steps() -> int:
+    """How many steps `run_probe` takes here (it calls `on_step` once per step)."""
+    return 10 if no_gpu_reason() is None else 1
 
 
 def run_probe(

@@ -1,6 +1,7 @@
 """One function per ceiling of the machine, each timed with `Timer` on buffers of random bytes.
 
-Every function returns GB/s (1e9 bytes/s) unless its name says otherwise. A device-to-device copy
+Every function returns a `Rate`: GB/s (1e9 bytes/s) unless its name says otherwise, the median of
+repeated runs, with the slowest and the fastest run's figure beside it. A device-to-device copy
 counts bytes read + bytes written (as nvbandwidth and STREAM do): a 1 GiB copy moves 2 GiB. Host
 and device transfers count the bytes that crossed the link, once.
 
@@ -23,6 +24,7 @@ from kvtier.bench.probes_io import (
     redis_loopback_get,
     redis_loopback_set,
 )
+from kvtier.bench.stats import Rate
 from kvtier.bench.timing import Timer
 
 
@@ -42,28 +44,27 @@ def d2d_copy(timer: Timer, nbytes: int) -> float:
     """cudaMemcpyAsync device->device (torch copy_); bytes read + written."""
     a = _dev_bytes(nbytes, timer.device)
     b = torch.empty_like(a)
-    t = timer.time(lambda: b.copy_(a), name="probe/d2d_copy")
-    return 2 * nbytes / t.median_s / 1e9
+    return Rate.of(2 * nbytes, timer.time(lambda: b.copy_(a), name="probe/d2d_copy"), nbytes)
 
 
 def h2d_pinned(timer: Timer, nbytes: int) -> float:
     g, h = _dev_bytes(nbytes, timer.device), _pinned(nbytes)
-    return nbytes / timer.time(lambda: g.copy_(h, non_blocking=True), name="probe/h2d_pinned").median_s / 1e9
+    return Rate.of(nbytes, timer.time(lambda: g.copy_(h, non_blocking=True), name="probe/h2d_pinned"), nbytes)
 
 
 def d2h_pinned(timer: Timer, nbytes: int) -> float:
     g, h = _dev_bytes(nbytes, timer.device), _pinned(nbytes)
-    return nbytes / timer.time(lambda: h.copy_(g, non_blocking=True), name="probe/d2h_pinned").median_s / 1e9
+    return Rate.of(nbytes, timer.time(lambda: h.copy_(g, non_blocking=True), name="probe/d2h_pinned"), nbytes)
 
 
 def h2d_pageable(timer: Timer, nbytes: int) -> float:
     g, h = _dev_bytes(nbytes, timer.device), _pageable(nbytes)
-    return nbytes / timer.time(lambda: g.copy_(h), name="probe/h2d_pageable").median_s / 1e9
+    return Rate.of(nbytes, timer.time(lambda: g.copy_(h), name="probe/h2d_pageable"), nbytes)
 
 
 def d2h_pageable(timer: Timer, nbytes: int) -> float:
     g, h = _dev_bytes(nbytes, timer.device), _pageable(nbytes)
-    return nbytes / timer.time(lambda: h.copy_(g), name="probe/d2h_pageable").median_s / 1e9
+    return Rate.of(nbytes, timer.time(lambda: h.copy_(g), name="probe/d2h_pageable"), nbytes)
 
 
 def bidir_pinned(timer: Timer, nbytes: int) -> float:
@@ -86,10 +87,10 @@ def bidir_pinned(timer: Timer, nbytes: int) -> float:
         for s in (up, down):
             cur.wait_stream(s)  # the end event must wait for both copies, or it under-reports
 
-    return 2 * nbytes / timer.time(both, name="probe/bidir_pinned").median_s / 1e9
+    return Rate.of(2 * nbytes, timer.time(both, name="probe/bidir_pinned"), nbytes)
 
 
-def sm_copies(timer: Timer, nbytes: int) -> dict[str, float]:
+def sm_copies(timer: Timer, nbytes: int) -> dict[str, Rate]:
     """The same transfers done by an SM kernel (Triton) instead of the copy engine."""
     from kvtier.bench.smcopy import sm_copy
 
@@ -97,13 +98,12 @@ def sm_copies(timer: Timer, nbytes: int) -> dict[str, float]:
     g, h = _dev_bytes(nbytes, dev), _pinned(nbytes)
     g2 = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     out = {
-        "d2d_sm_copy_gbps": 2
-        * nbytes
-        / timer.time(lambda: sm_copy(g2, g), name="probe/d2d_sm").median_s
-        / 1e9
+        "d2d_sm_copy_gbps": Rate.of(
+            2 * nbytes, timer.time(lambda: sm_copy(g2, g), name="probe/d2d_sm"), nbytes
+        ),
+        "d2h_sm_copy_gbps": Rate.of(nbytes, timer.time(lambda: sm_copy(h, g), name="probe/d2h_sm"), nbytes),
+        "h2d_sm_copy_gbps": Rate.of(nbytes, timer.time(lambda: sm_copy(g2, h), name="probe/h2d_sm"), nbytes),
     }
-    out["d2h_sm_copy_gbps"] = nbytes / timer.time(lambda: sm_copy(h, g), name="probe/d2h_sm").median_s / 1e9
-    out["h2d_sm_copy_gbps"] = nbytes / timer.time(lambda: sm_copy(g2, h), name="probe/h2d_sm").median_s / 1e9
     torch.cuda.synchronize(dev)  # the timer waited already; kept so the check below never races a kernel
     if not (torch.equal(h.to(dev), g) and torch.equal(g2, g)):
         raise RuntimeError("an SM copy through pinned memory did not reproduce its source")
@@ -130,8 +130,9 @@ def bf16_tflops(timer: Timer, n: int = 8192) -> float:
     c = torch.empty(n, n, dtype=torch.bfloat16, device=timer.device)
     for _ in range(20):
         torch.matmul(a, b, out=c)
-    t = timer.time(lambda: torch.matmul(a, b, out=c), name="probe/bf16_matmul")
-    return 2 * n**3 / t.median_s / 1e12
+    return Rate.of(
+        2 * n**3, timer.time(lambda: torch.matmul(a, b, out=c), name="probe/bf16_matmul"), scale=1e12
+    )
 
 
 def peer_copy(timer: Timer, nbytes: int) -> float:
@@ -140,7 +141,7 @@ def peer_copy(timer: Timer, nbytes: int) -> float:
     if torch.cuda.device_count() < 2:
         raise ValueError(f"peer_copy: needs two CUDA devices, found {torch.cuda.device_count()}")
     src, dst = _dev_bytes(nbytes, "cuda:0"), torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
-    return timer.time(lambda: dst.copy_(src, non_blocking=True)).gbps(nbytes)
+    return Rate.of(nbytes, timer.time(lambda: dst.copy_(src, non_blocking=True)), nbytes)
 
 
 def host_memcpy(timer: Timer, nbytes: int) -> float:
@@ -148,7 +149,7 @@ def host_memcpy(timer: Timer, nbytes: int) -> float:
     host = timer if not timer.on_cuda else Timer("cpu", min_reps=timer.min_reps, budget_s=timer.budget_s)
     a, b = _pageable(nbytes), _pageable(nbytes)
     a.random_()
-    return nbytes / host.time(lambda: b.copy_(a), name="probe/host_memcpy").median_s / 1e9
+    return Rate.of(nbytes, host.time(lambda: b.copy_(a), name="probe/host_memcpy"), nbytes)
 
 
 # -- lower tiers of the store: local disk, Redis on loopback ---------------------------------------
@@ -156,7 +157,7 @@ def host_memcpy(timer: Timer, nbytes: int) -> float:
 
 @dataclass(frozen=True, slots=True)
 class CeilingDef:
-    fn: Callable[..., float]  # fn(timer, nbytes, **needs) -> GB/s
+    fn: Callable[..., Rate]  # fn(timer, nbytes, **needs) -> GB/s
     figure: str  # the kvtier.ceilings figure it fills
     counts: str  # what the GB/s counts
     needs_gpu: bool = True

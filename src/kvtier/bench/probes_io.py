@@ -1,16 +1,22 @@
-"""Ceilings of the storage hops, for the `store` suite: sequential disk write (+ fsync) and read
-(O_DIRECT where the file system allows), and a Redis SET / GET of the same bytes on loopback.
-All timed on the host clock."""
+"""Ceilings of the storage hops, for the `store` suite: disk write (+ fsync) and read of a file of
+at least 256 MiB, in IO_QUEUE sequential slices at once (O_DIRECT where the file system allows,
+else dropped from the page cache before each read), and a Redis SET / GET of the same bytes on
+loopback. All timed on the host clock, each a `Rate` over repeated runs."""
 
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from kvtier.bench.stats import Rate
 from kvtier.bench.timing import Timer
 
 _IO_PIECE = 8 << 20  # bytes per write / read call: large sequential IO
+IO_QUEUE = 4  # slices of a file moved at once: a device reaches its rate only with IOs in flight
+# Smaller files measure a device's cache, or its fixed costs, rather than its rate.
+DISK_MIN_BYTES = 256 << 20
 
 
 def _host_timer(timer: Timer) -> Timer:
@@ -43,22 +49,46 @@ def _disk_file(root, nbytes: int):
     return path, buf, os.O_DIRECT if disk_io_mode(root) == "O_DIRECT" else 0
 
 
-def _write_file(path: str, view: memoryview, flags: int) -> None:
-
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flags, 0o644)
-    try:
-        done = 0
-        while done < view.nbytes:
-            done += os.write(fd, view[done : done + _IO_PIECE])  # os.write may write less than asked
-        os.fsync(fd)  # durable, as a tier put is: the bytes must reach the device
-    finally:
-        os.close(fd)
+def _slices(nbytes: int) -> list[tuple[int, int]]:
+    """(offset, length) of the IO_QUEUE slices a file of `nbytes` is moved in, each a whole number
+    of IO pieces (the last takes the rest): one thread moves each, as a queue depth of IO_QUEUE."""
+    pieces = -(-nbytes // _IO_PIECE)
+    per = -(-pieces // IO_QUEUE) * _IO_PIECE
+    return [(at, min(per, nbytes - at)) for at in range(0, nbytes, per)]
 
 
-def _disk_probe(root, nbytes: int, timer: Timer, name: str, write: bool) -> float:
+def _move(pool: ThreadPoolExecutor, path: str, view: memoryview, flags: int, write: bool) -> None:
+    """Write (and fsync) or read `view` to / from `path` in IO_QUEUE slices at once, each in
+    8 MiB calls from its own descriptor."""
 
+    def one(at: int, n: int) -> None:
+        fd = os.open(path, (os.O_WRONLY if write else os.O_RDONLY) | flags)
+        try:
+            done = 0
+            while done < n:
+                piece = view[at + done : at + min(n, done + _IO_PIECE)]
+                got = os.pwrite(fd, piece, at + done) if write else os.preadv(fd, [piece], at + done)
+                if got == 0:
+                    raise RuntimeError(f"disk probe: {path} is shorter than the {view.nbytes} bytes written")
+                done += got  # a call may move less than asked
+        finally:
+            os.close(fd)
+
+    for f in [pool.submit(one, at, n) for at, n in _slices(view.nbytes)]:
+        f.result()  # every slice is in (or out) before the file is synced or the clock stops
+    if write:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.fsync(fd)  # durable, as a tier put is: the bytes must reach the device
+        finally:
+            os.close(fd)
+
+
+def _disk_probe(root, nbytes: int, timer: Timer, name: str, write: bool) -> Rate:
+    nbytes = max(nbytes, DISK_MIN_BYTES)
     path, buf, flags = _disk_file(root, nbytes)
     view = memoryview(buf)
+    pool = ThreadPoolExecutor(IO_QUEUE, thread_name_prefix="kvtier-disk-probe")
 
     def drop() -> None:
         if not flags:  # buffered: else every read would come from the page cache, not the disk
@@ -68,42 +98,37 @@ def _disk_probe(root, nbytes: int, timer: Timer, name: str, write: bool) -> floa
             finally:
                 os.close(fd)
 
-    def read() -> None:
-        fd = os.open(path, os.O_RDONLY | flags)
-        try:
-            done = 0
-            while done < view.nbytes:
-                n = os.preadv(fd, [view[done : done + _IO_PIECE]], done)
-                if n == 0:
-                    raise RuntimeError(f"disk probe: {path} is shorter than the {view.nbytes} bytes written")
-                done += n
-        finally:
-            os.close(fd)
+    def fresh() -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_TRUNC)  # each write run starts from an empty file
+        os.close(fd)
 
     try:
+        fresh()
         if write:
-            fn, setup = (lambda: _write_file(path, view, flags)), (lambda: os.truncate(path, 0))
+            fn, setup = (lambda: _move(pool, path, view, flags, True)), fresh
         else:
-            _write_file(path, view, flags)
-            fn, setup = read, drop
+            _move(pool, path, view, flags, True)
+            fn, setup = (lambda: _move(pool, path, view, flags, False)), drop
         t = _host_timer(timer).time(fn, setup=setup, name=f"probe/{name}")
-        return view.nbytes / t.median_s / 1e9
+        return Rate.of(view.nbytes, t, view.nbytes)
     finally:
+        pool.shutdown(wait=True)  # no thread still reads or writes the buffer released below
         view.release()
         buf.close()
         os.unlink(path)
 
 
-def disk_write(timer: Timer, nbytes: int, *, root) -> float:
-    """Sequential write + fsync of a file of `nbytes` in `root` (8 MiB writes, O_DIRECT where the
-    filesystem accepts it, as `DiskTier(o_direct=True)` writes); bytes written."""
+def disk_write(timer: Timer, nbytes: int, *, root) -> Rate:
+    """Write + fsync of a file of `nbytes` (at least DISK_MIN_BYTES) in `root`: IO_QUEUE slices at
+    once, 8 MiB writes, O_DIRECT where the filesystem accepts it (as `DiskTier(o_direct=True)`
+    writes); bytes written."""
     return _disk_probe(root, nbytes, timer, "disk_write", write=True)
 
 
-def disk_read(timer: Timer, nbytes: int, *, root) -> float:
-    """Sequential read (8 MiB preads) of a file of `nbytes` in `root`, written and fsynced before:
-    O_DIRECT where the filesystem accepts it, else buffered after dropping the file from the page
-    cache (`disk_io_mode` says which); bytes read."""
+def disk_read(timer: Timer, nbytes: int, *, root) -> Rate:
+    """Read of a file of `nbytes` (at least DISK_MIN_BYTES) in `root`, written and fsynced before:
+    IO_QUEUE slices at once, 8 MiB preads, O_DIRECT where the filesystem accepts it, else buffered
+    after dropping the file from the page cache (`disk_io_mode` says which); bytes read."""
     return _disk_probe(root, nbytes, timer, "disk_read", write=False)
 
 
@@ -129,7 +154,7 @@ def _redis_set_all(client, keys: list[str], view: memoryview, part_bytes: int, b
         pipe.execute()
 
 
-def redis_loopback_set(timer: Timer, nbytes: int, *, url: str, part_bytes: int, batch: int = 16) -> float:
+def redis_loopback_set(timer: Timer, nbytes: int, *, url: str, part_bytes: int, batch: int = 16) -> Rate:
     """SET of `nbytes` in parts of `part_bytes` through redis-py, `batch` parts per pipeline (as the
     Redis tier writes a chunk of several parts), to the server at `url`; payload bytes stored."""
     client, keys, view = _redis_parts(url, nbytes, part_bytes)
@@ -140,10 +165,10 @@ def redis_loopback_set(timer: Timer, nbytes: int, *, url: str, part_bytes: int, 
     finally:
         client.delete(*keys)
         client.close()
-    return nbytes / t.median_s / 1e9
+    return Rate.of(nbytes, t, nbytes)
 
 
-def redis_loopback_get(timer: Timer, nbytes: int, *, url: str, part_bytes: int, batch: int = 16) -> float:
+def redis_loopback_get(timer: Timer, nbytes: int, *, url: str, part_bytes: int, batch: int = 16) -> Rate:
     """GET of the same parts back, `batch` per pipeline, each copied into one buffer (as the Redis
     tier reads into a pool slot); payload bytes read. Checks the bytes once."""
     client, keys, view = _redis_parts(url, nbytes, part_bytes)
@@ -165,7 +190,7 @@ def redis_loopback_get(timer: Timer, nbytes: int, *, url: str, part_bytes: int, 
     finally:
         client.delete(*keys)
         client.close()
-    return nbytes / t.median_s / 1e9
+    return Rate.of(nbytes, t, nbytes)
 
 
 def _pageable(n: int) -> torch.Tensor:

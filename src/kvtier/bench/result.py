@@ -3,7 +3,8 @@
     {
       "kvtier_bench": 1,
       "environment": {gpu, driver, cuda, torch, triton, python, kvtier, commit, hostname, date,
-                      ceilings: {name: GB/s measured in this run}, quick, profiled, ...},
+                      ceilings: {name: GB/s measured in this run (the median run)},
+                      ceilings_spread: {name: {median, min, max, samples, bytes}}, quick, ...},
       "suites": {name: {"status": "ran" | "skipped" | "failed", "rows": n, "reason": str | null}},
       "skipped_cases": [{suite, case, reason}],
       "rows": [{suite, case, bytes, median_ms, min_ms, max_ms, gbps, ceiling, ceiling_gbps, ratio,
@@ -11,7 +12,10 @@
     }
 
 `validate` is the schema, and checks what makes a row trustworthy: its ceiling was measured in
-this same run, and gbps and ratio follow from bytes, median and that ceiling. Pure Python.
+this same run, and gbps and ratio follow from bytes, median and that ceiling. A ratio above 1.0
+says one of the two is not what it claims (the row's bytes in a cache, a ceiling measured low by
+noise or a cold or too small probe): a measurement problem, never a speed (`over_ceiling`).
+Pure Python.
 """
 
 from __future__ import annotations
@@ -96,6 +100,14 @@ def _row_problems(i: int, row: object, ceilings: dict) -> list[str]:
     elif not _close(row["ratio"], row["gbps"] * tf / row["ceiling_gbps"]):
         errs.append(f"{where}.ratio: {row['ratio']} is not gbps * traffic_factor / ceiling_gbps")
     return errs
+
+
+OVER_CEILING = 1.0  # a row above its ceiling: the measurement, not the speed, is the news
+
+
+def over_ceiling(row: dict) -> bool:
+    """Whether `row` ran faster than its same-run ceiling: a measurement problem to show as one."""
+    return row["ratio"] > OVER_CEILING
 
 
 def problems(doc: object) -> list[str]:

@@ -122,7 +122,11 @@ def run_bench(
     bar.close()
 
     env = environment(device)
-    env |= {"ceilings": dict(ctx.ceilings), "quick": quick, "profiled": profile is not None}
+    env |= {"ceilings": {k: float(v) for k, v in ctx.ceilings.items()}, "quick": quick}
+    env |= {
+        "ceilings_spread": {k: v.to_json() for k, v in ctx.ceilings.items()},
+        "profiled": profile is not None,
+    }
     doc = result.build(env, status, rows, ctx.skipped)
     run = BenchRun(doc)
     run.failed = [f"{n}: {s['reason']}" for n, s in status.items() if s["status"] == "failed"]
@@ -133,12 +137,12 @@ def run_bench(
         run.path = result.write(doc, out_dir, gpu, stamp)
         if plot:
             commit = (env.get("commit") or "no commit")[:12]
-            title = f"{env.get('gpu') or 'CPU'} - {stamp} - kvtier {env['kvtier']} ({commit})"
-            run.plot = _plot(rows, run.path.with_suffix(".png"), title)
+            title = f"{env.get('gpu') or 'CPU (no GPU)'} - {stamp} - kvtier {env['kvtier']} ({commit})"
+            run.plot = _plot(rows, run.path.with_suffix(".png"), title, env["ceilings_spread"])
     return run
 
 
-def _plot(rows: list[dict], path: Path, title: str) -> Path | None:
+def _plot(rows: list[dict], path: Path, title: str, spread: dict) -> Path | None:
     from kvtier.bench.plot import plot
 
-    return plot(rows, path, title)
+    return plot(rows, path, title, spread)

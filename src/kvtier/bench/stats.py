@@ -1,4 +1,5 @@
-"""The distribution of repeated timings: median, min, max, p10/p90, count. Pure Python, no torch.
+"""The distribution of repeated timings: median, min, max, p10/p90 (any percentile), count; and
+`Rate`, a rate over such runs with its slowest and fastest. Pure Python, no torch.
 
 A single number hides warm-up, clock changes and noisy neighbours; the median of many runs with
 its spread does not. Percentiles use linear interpolation between order statistics (the same as
@@ -48,6 +49,10 @@ class Timing:
     def median_s(self) -> float:
         return self.median_ms / 1e3
 
+    def percentile_ms(self, q: float) -> float:
+        """The q-th percentile of the runs (with n runs, p99 is close to the slowest of them)."""
+        return percentile(self.samples_ms, q) if self.samples_ms else self.median_ms
+
     def gbps(self, nbytes: int) -> float:
         """GB/s (1e9 bytes) of `nbytes` moved per run, from the median."""
         return nbytes / self.median_s / 1e9 if self.median_ms > 0 else math.inf
@@ -62,6 +67,56 @@ class Timing:
             "mean_ms": self.mean_ms,
             "count": self.count,
             "clock": self.clock,
+        }
+
+
+class Rate(float):
+    """A rate (GB/s, TFLOP/s) from repeated runs, as nvbandwidth reports one: its value is the
+    median run's; ``low`` / ``high`` are the slowest and the fastest run's, ``samples`` how many
+    runs there were and ``nbytes`` the size of one. A float everywhere a plain figure is read.
+
+    >>> r = Rate.of(2 * 10**9, summarize([900.0, 1000.0, 1100.0]))
+    >>> float(r), r.low, r.high, r.samples
+    (2.0, 1.8181818181818181, 2.2222222222222223, 3)
+    """
+
+    low: float
+    high: float
+    samples: int
+    nbytes: int
+
+    def __new__(cls, value: float, low: float, high: float, samples: int, nbytes: int = 0) -> Rate:
+        r = super().__new__(cls, value)
+        r.low, r.high, r.samples, r.nbytes = low, high, samples, nbytes
+        return r
+
+    def __reduce__(self):  # copies and pickles keep the spread, not just the float
+        return (Rate, (float(self), self.low, self.high, self.samples, self.nbytes))
+
+    @classmethod
+    def of(cls, amount: float, timing: Timing, nbytes: int = 0, scale: float = 1e9) -> Rate:
+        """`amount` (bytes, FLOPs) per run over `timing`, in units of `scale` per second."""
+        per_s = amount / scale
+        return cls(
+            per_s / timing.median_s,
+            per_s / (timing.max_ms / 1e3),
+            per_s / (timing.min_ms / 1e3) if timing.min_ms > 0 else math.inf,
+            timing.count,
+            nbytes,
+        )
+
+    @property
+    def spread(self) -> float:
+        """(high - low) / value: how far apart the fastest and the slowest run are."""
+        return (self.high - self.low) / self if self > 0 else math.inf
+
+    def to_json(self) -> dict:
+        return {
+            "median": float(self),
+            "min": self.low,
+            "max": self.high,
+            "samples": self.samples,
+            "bytes": self.nbytes,
         }
 
 

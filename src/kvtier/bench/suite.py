@@ -6,8 +6,9 @@
         yield ctx.row("bs16", nbytes, t, "d2d_copy", traffic_factor=2, block_size=16, path="torch")
 
 Every row's ratio is computed against a ceiling measured once, in the same run, by
-`ctx.ceiling(name)`: "d2d_copy" counts bytes read + written, so a GPU->GPU gather that reads and
-writes its payload once uses traffic_factor=2; the host<->device ceilings count bytes moved.
+`ctx.ceiling(name)` (repeated runs: the median, with the slowest and the fastest run's rates).
+"d2d_copy" counts bytes read + written, so a GPU->GPU gather that reads and writes its payload
+once uses traffic_factor=2; the host<->device ceilings count bytes moved.
 A suite that cannot run here raises `SkipSuite(reason)`; a case that cannot, calls `ctx.skip`.
 """
 
@@ -19,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.bench.stats import Timing
+from kvtier.bench.stats import Rate, Timing
 from kvtier.bench.timing import Timer
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -96,7 +97,7 @@ class Context:
         self.profiling = profiling  # a trace is being recorded: few repeats, keep event counts modest
         self.on_gpu = self.device.type == "cuda"
         self.suite: str | None = None  # set by the runner while a suite runs
-        self.ceilings: dict[str, float] = {}  # GB/s, measured in this run
+        self.ceilings: dict[str, Rate] = {}  # GB/s, measured in this run (median, slowest, fastest)
         self.skipped: list[dict] = []  # {"suite", "case", "reason"}
         self.on_progress: Callable[[str], None] | None = None  # told what is being timed (progress bar)
         reps = {"warmup": 1, "min_reps": 2, "max_reps": 3} if profiling else {}  # a trace, not figures
@@ -105,10 +106,11 @@ class Context:
         self.timer = Timer(self.device, **({"min_reps": n, "budget_s": budget} | reps))
         self._ceiling_timer = Timer(self.device, **({"min_reps": n, "budget_s": 2 * budget} | reps))
         self.host_timer = Timer("cpu", **({"min_reps": n, "budget_s": budget} | reps))
+        # Large enough that no cache holds them (an L2 or a CPU's last-level cache: tens of MB).
         if self.on_gpu:
-            sizes = (256 * MiB, 64 * MiB, 16 * MiB) if quick else (4 * GiB, GiB, GiB)
+            sizes = (256 * MiB, 64 * MiB, 256 * MiB) if quick else (4 * GiB, GiB, GiB)
         else:
-            sizes = (0, 0, 16 * MiB if quick else 256 * MiB)
+            sizes = (0, 0, 256 * MiB)
         self.ceiling_bytes = {"d2d": sizes[0], "host_device": sizes[1], "host": sizes[2]}
 
     def time(
@@ -130,8 +132,9 @@ class Context:
         timer = self.host_timer if host else self.timer
         return timer.time(fn, flush_l2=flush_l2, graph=graph, setup=setup, name=label)
 
-    def ceiling(self, name: str, *, nbytes: int | None = None, **where: Any) -> float:
-        """GB/s of ceiling `name`, measured once in this run and cached.
+    def ceiling(self, name: str, *, nbytes: int | None = None, **where: Any) -> Rate:
+        """GB/s of ceiling `name` (the median of repeated runs, with the slowest and fastest),
+        measured once in this run and cached.
 
         nbytes: the probe's size (default: this run's size for its kind). where: what the probe
         needs (`CeilingDef.needs`, e.g. the directory of a disk probe), given on the call that
@@ -157,7 +160,8 @@ class Context:
             if d.needs_gpu and not self.on_gpu:
                 raise ValueError(f"ceiling: {name!r} needs a CUDA device; this run is on {self.device}")
             key = "d2d" if name == "d2d_copy" else "host" if not d.needs_gpu else "host_device"
-            self.ceilings[name] = d.fn(self._ceiling_timer, nbytes or self.ceiling_bytes[key], **where)
+            got = d.fn(self._ceiling_timer, nbytes or self.ceiling_bytes[key], **where)
+            self.ceilings[name] = got if isinstance(got, Rate) else Rate(got, got, got, 1)
             if self.on_gpu:
                 import torch
 
@@ -191,7 +195,9 @@ class Context:
         params = {k: _jsonable(v) for k, v in params.items()} | {"traffic_factor": float(traffic_factor)}
         params["timing"] = {
             "p10_ms": timing.p10_ms,
+            "p50_ms": timing.median_ms,
             "p90_ms": timing.p90_ms,
+            "p99_ms": timing.percentile_ms(99),
             "count": timing.count,
             "clock": timing.clock,
         }
@@ -204,8 +210,8 @@ class Context:
             max_ms=timing.max_ms,
             gbps=gbps,
             ceiling=ceiling,
-            ceiling_gbps=ceiling_gbps,
-            ratio=gbps * traffic_factor / ceiling_gbps,
+            ceiling_gbps=float(ceiling_gbps),
+            ratio=gbps * traffic_factor / float(ceiling_gbps),
             params=params,
             correct=correct,
         )

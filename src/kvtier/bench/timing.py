@@ -35,6 +35,7 @@ class Timer:
     device: "cuda", "cuda:1", "cpu", a torch.device, or None (CUDA when available, else CPU).
     sync:   host path only: waits for all work `fn` submitted (e.g. a fake asynchronous device
             in tests). CPU torch ops are synchronous, so the default does nothing.
+    on_time: called with each measurement's name as it starts (a command's progress display).
     """
 
     device: Any = None
@@ -44,6 +45,7 @@ class Timer:
     budget_s: float = 1.0
     rel_spread: float = 0.02
     sync: Callable[[], None] | None = None
+    on_time: Callable[[str], None] | None = None  # told the name of each measurement as it starts
     _kind: str = field(default="", init=False, repr=False)
     _flush_buf: Any = field(default=None, init=False, repr=False)
 
@@ -86,6 +88,8 @@ class Timer:
             raise ValueError(f"fn: expected a callable, got {type(fn).__name__}")
         if graph and not self.on_cuda:
             raise ValueError("graph: CUDA graphs need a CUDA device; this timer runs on the host")
+        if self.on_time is not None:
+            self.on_time(name or getattr(fn, "__name__", "timed"))
         with stage(name or getattr(fn, "__name__", "timed")):
             if self.on_cuda:
                 return self._time_cuda(fn, flush_l2, graph, setup)

@@ -42,8 +42,9 @@ def _ceilings(path: str | None):
 
 
 def _finish(data: dict, as_json: bool, printer, plot: str | None, plotter: str) -> None:
-    """Draw the PNG if asked (matplotlib is imported only then), then print."""
-    if plot:
+    """Draw the PNG if asked (matplotlib is imported only then), then print. A configuration
+    that does not fit the GPU has no times to draw: no PNG, and the fit says why."""
+    if plot and data["fits"]["fits"]:
         from kvtier.cli import plots
 
         try:
@@ -70,10 +71,25 @@ common_gpu = click.option(
     default=None,
     help="GPU key (see `kvtier specs`); default: the --ceilings GPU, else h100-sxm.",
 )
+common_dtype = click.option(
+    "--dtype", default="bf16", show_default=True, help="Weight dtype, for the memory fit (fp8 halves it)."
+)
 
 
-def _gpu_key(gpu: str | None, ceilings) -> str:
-    return gpu or (ceilings.gpu_key if ceilings and ceilings.gpu_key else "h100-sxm")
+DEFAULT_GPU = "h100-sxm"
+
+
+def _gpu_key(gpu: str | None, ceilings, where: str = "--ceilings") -> str:
+    """--gpu, else the GPU the ceilings were measured on, else the default. A ceilings file whose
+    GPU kvtier does not know (or measured without one) cannot say which GPU to predict for."""
+    if gpu:
+        return gpu
+    if ceilings is None:
+        return DEFAULT_GPU
+    if ceilings.gpu_key:
+        return ceilings.gpu_key
+    on = f"on {ceilings.gpu}, which `kvtier specs` does not list" if ceilings.gpu else "without a GPU"
+    raise ValueError(f"{where}: measured {on}: name the GPU to predict for with --gpu")
 
 
 common_ceilings = click.option(
@@ -175,6 +191,7 @@ def _parse_amdahl(text: str) -> tuple[float, float]:
 @click.option(
     "--shared-by", type=POSITIVE, default=1, show_default=True, help="GPUs sharing the link at once."
 )
+@common_dtype
 @common_kv_dtype
 @efficiency_option("Fraction of peak FLOPs reachable when recomputing.")
 @common_ceilings
@@ -191,6 +208,7 @@ def path(
     nic,
     gpudirect,
     shared_by,
+    dtype,
     kv_dtype,
     efficiency,
     ceilings,
@@ -212,5 +230,6 @@ def path(
         kv_dtype,
         efficiency,
         measured,
+        dtype,
     )
     _finish(data, as_json, print_path, plot, "plot_load_vs_recompute")

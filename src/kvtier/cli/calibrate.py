@@ -3,7 +3,6 @@ correction per quantity; the error of every point before and after it."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
@@ -40,9 +39,10 @@ def calibrate_cmd(device, quick, ceilings, reps, save, as_json):
         raise click.UsageError("--device: cuda asked for, but torch finds no CUDA GPU")
     measured = None if ceilings is None else _ceilings_for(ceilings, device, torch)
     from kvtier.bench import calibrate
+    from kvtier.bench.progress import Steps
 
-    click.echo("calibrating: ceilings, copies, decode steps, prefills ...", err=True)
-    doc = calibrate.run(device, quick, measured, reps)
+    with Steps(calibrate.steps(device, quick, measured), "calibrate", enabled=not as_json) as step:
+        doc = calibrate.run(device, quick, measured, reps, on_step=step)
     if save is not None:
         calibrate.save(doc, save)
         doc["saved"] = save
@@ -68,23 +68,24 @@ def _ceilings_for(path: str, device: str, torch):
     if spec is None:  # no datasheet entry stands behind it: HBM and matmul rates must be measured
         need |= {"d2d_copy_gbps", "bf16_tflops"}
     if missing := need - set(measured.figures):
-        raise click.UsageError(f"--ceilings: {path!r} lacks {', '.join(sorted(missing))}")
+        why = (
+            "" if measured.gpu_key or measured.gpu else " (measured without a GPU: leave --ceilings out here)"
+        )
+        raise click.UsageError(f"--ceilings: {path!r} lacks {', '.join(sorted(missing))}{why}")
     return measured
 
 
 def _print(d: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from kvtier.bench.terminal import Footnotes, compact_table, console, say
 
-    con = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    con = console()
+
     m = d["model"]
-    t = Table(
-        title=f"Calibration on {d['gpu']} - {m['shape']} ({m['dtype']}), ceilings {d['ceilings_source']}",
-        title_justify="left",
-        header_style="bold",
-    )
-    for c in ("point", "role", "predicted ms", "measured ms", "error", "calibrated ms", "error after", "why"):
-        t.add_column(c, overflow="fold")
+    whys = Footnotes()
+    t = compact_table(
+        f"Calibration on {d['gpu']}: {m['shape']} ({m['dtype']}), ceilings {d['ceilings_source']}",
+        "point", "role", "predicted ms", "measured ms", "error", "error after fit", "why",
+    )  # fmt: skip
     for p in d["points"]:
         after = p["calibrated_error_pct"]
         t.add_row(
@@ -92,29 +93,31 @@ def _print(d: dict) -> None:
             p["role"],
             f"{p['predicted_ms']:.4g}",
             f"{p['measured_ms']:.4g}",
-            f"{p['error_pct']:+.1f}%",
-            f"{p['calibrated_ms']:.4g}",
-            f"{after:+.1f}%" if abs(after) <= 10 else f"[bold]{after:+.1f}%[/bold]",
-            p["why"] or "",
+            f"{p['error_pct']:+.0f}%",
+            f"{after:+.1f}%" if abs(after) <= 10 else f"[bold]{after:+.0f}%[/bold]",
+            whys.ref(p["why"]),
         )
     con.print(t)
-    f = Table(title="Fits: measured ~ overhead + predicted / efficiency", title_justify="left")
-    for c in ("quantity", "overhead ms", "efficiency", "fit points"):
-        f.add_column(c)
+    say("role: fit (a point the fit was made from) or check (a point it predicts); error: "
+        "(measured - predicted) / predicted, before and after the fit (JSON: calibrated_ms). Why a "
+        "point is still beyond 10% after the fit:")  # fmt: skip
+    whys.print_new()
+    f = compact_table("Fits: measured ~ overhead + predicted / efficiency", "quantity", "overhead ms",
+                      "efficiency", "fit points")  # fmt: skip
     for q, fit in d["fits"].items():
         f.add_row(q, f"{fit['overhead_ms']:.4g}", f"{fit['efficiency']:.3f}", str(fit["fit_points"]))
     con.print(f)
     eff = d["effective"]
-    con.print(", ".join(f"{k} {v:,.3g}" for k, v in eff.items()) or "no effective rates")
+    say(", ".join(f"{k} {v:,.3g}" for k, v in eff.items()) or "no effective rates")
     if d.get("forward_floor_ms"):
         ff = d["forward_floor"]
-        con.print(
+        say(
             f"forward floor {d['forward_floor_ms']:.3g} ms: generate's first token for a "
             f"{ff['tail_tokens']}-token tail over {ff['cached_tokens']} cached tokens "
             "(the planner's least time per forward)"
         )
     p10 = d["p10"]
-    con.print(
+    say(
         f"predictions ({p10['scope']}): {p10['within_before']}/{p10['points']} points within 10% "
         "before calibration, "
         f"{p10['within_after']}/{p10['points']} after: {p10['status']}"

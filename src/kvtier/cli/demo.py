@@ -129,7 +129,17 @@ def request(kvt, model, ids, new_tokens: int, label: str) -> dict:
     )
 
 
-def run(kind: str, prefix: int, requests: int, new_tokens: int, redis_url: str | None, model=None) -> dict:
+def run(
+    kind: str,
+    prefix: int,
+    requests: int,
+    new_tokens: int,
+    redis_url: str | None,
+    model=None,
+    on_step=lambda what, weight=1.0: None,
+) -> dict:
+    """The demo's requests (see the module docstring); `on_step(what, weight)` is told each step
+    as it starts (`steps()` weighs them)."""
     import torch
 
     from kvtier.integrations.hf import KVTier
@@ -144,6 +154,7 @@ def run(kind: str, prefix: int, requests: int, new_tokens: int, redis_url: str |
         for i in range(requests)
     ]
     prompts = [p.to(model.device) for p in prompts]
+    on_step("warming up the model and kvtier")
     generate(model, prompts[0][:, :64], 2)  # warm-up: first-call costs are not the prefill's
     blocks = 2 * (prefix + TAIL + 8 * requests + new_tokens) // BLOCK + 8
     rows = []
@@ -155,10 +166,14 @@ def run(kind: str, prefix: int, requests: int, new_tokens: int, redis_url: str |
             device = kvt.device.name
             warm_up_kvtier(kvt, model)
             for i, ids in enumerate(prompts[:-1]):
-                rows.append(request(kvt, model, ids, new_tokens, "cold" if i == 0 else f"warm {i}"))
+                label = "cold" if i == 0 else f"warm {i}"
+                on_step(f"request {i + 1} of {requests} ({label}): recompute twice, then kvtier", 3)
+                rows.append(request(kvt, model, ids, new_tokens, label))
             kvt.store.evict()  # empty the host: the next hit must come from disk
+            on_step(f"request {requests} of {requests} (host emptied): from disk", 3)
             rows.append(request(kvt, model, prompts[-1], new_tokens, "host emptied"))
         if redis_url:  # another instance: no disk, no host copy, only the Redis both share
+            on_step("a 2nd instance: from Redis", 3)
             with KVTier.for_model(model, tiers=_redis(redis_url), **opts) as b:
                 warm_up_kvtier(b, model)
                 rows.append(request(b, model, prompts[1], new_tokens, "2nd instance"))
@@ -215,7 +230,15 @@ def warm_up_kvtier(kvt, model, *, always: bool = False) -> int:
     return hit
 
 
-def sweep(kind: str, prefixes, new_tokens: int, model=None) -> list[dict]:
+def steps(requests: int, redis: bool, plot_prefixes: tuple = ()) -> float:
+    """The weight of the demo's steps: the model, the warm-up, each request (3: it runs twice
+    without kvtier and once with), the Redis instance, each point of the plot's sweep (2)."""
+    return 2 + 3 * requests + (3 if redis else 0) + 2 * len(plot_prefixes)
+
+
+def sweep(
+    kind: str, prefixes, new_tokens: int, model=None, on_step=lambda what, weight=1.0: None
+) -> list[dict]:
     """TTFT of recompute (DynamicCache) vs load (kvtier, host hit) over prefix lengths."""
     import torch
 
@@ -229,6 +252,7 @@ def sweep(kind: str, prefixes, new_tokens: int, model=None) -> list[dict]:
         generate(model, torch.randint(1, 99, (1, 64)).to(model.device), 2)  # warm-up
         warm_up_kvtier(kvt, model)
         for n in prefixes:
+            on_step(f"plot: a {n}-token prefix, recompute vs load", 2)
             ids = torch.randint(1, model.config.vocab_size, (1, n + TAIL), generator=g).to(model.device)
             request(kvt, model, ids, 1, "cold")  # saves the prefix
             row = request(kvt, model, ids, 1, f"prefix {n}")
@@ -260,23 +284,32 @@ def sweep(kind: str, prefixes, new_tokens: int, model=None) -> list[dict]:
 def demo(
     device_kind: str, prefix: int | None, requests: int, new_tokens: int, redis_url, plot, as_json
 ) -> None:
-    """A random-weight Llama generating through kvtier: cold vs warm TTFT, tiers, GB/s, exactness."""
-    try:
-        import torch
-        import transformers  # noqa: F401
-    except ImportError as e:
-        raise click.ClickException(
-            f"kvtier demo needs torch and transformers ({e}): pip install 'kvtier[hf]'"
-        ) from None
-    kind = ("cuda" if torch.cuda.is_available() else "cpu") if device_kind == "auto" else device_kind
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise click.UsageError("--device cuda: torch finds no CUDA GPU")
-    prefix = prefix or PREFIX[kind]
-    longest = max([prefix + TAIL + 8 * requests] + ([max(PLOT_PREFIXES[kind]) + 2 * TAIL] if plot else []))
-    model = build_model(kind, max_positions=max(32768, longest + new_tokens))  # once, for both
-    data = run(kind, prefix, requests, new_tokens, redis_url, model)
+    """A random-weight Llama generating through kvtier: TTFT against recomputing the prefix, the
+    tier of each hit, GB/s, exactness."""
+    from kvtier.bench.progress import Steps
+
+    with Steps(1 + steps(requests, bool(redis_url)), "demo", enabled=not as_json) as step:
+        step("loading torch and transformers")
+        try:
+            import torch
+            import transformers  # noqa: F401
+        except ImportError as e:
+            raise click.ClickException(
+                f"kvtier demo needs torch and transformers ({e}): pip install 'kvtier[hf]'"
+            ) from None
+        kind = ("cuda" if torch.cuda.is_available() else "cpu") if device_kind == "auto" else device_kind
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise click.UsageError("--device cuda: torch finds no CUDA GPU")
+        prefix = prefix or PREFIX[kind]
+        sweep_at = PLOT_PREFIXES[kind] if plot else ()
+        step.total = 1 + steps(requests, bool(redis_url), sweep_at)
+        longest = max([prefix + TAIL + 8 * requests] + ([max(sweep_at) + 2 * TAIL] if plot else []))
+        step(f"building a random-weight Llama on {kind}")
+        model = build_model(kind, max_positions=max(32768, longest + new_tokens))  # once, for both
+        data = run(kind, prefix, requests, new_tokens, redis_url, model, on_step=step)
+        if plot:
+            data["sweep"] = sweep(kind, sweep_at, new_tokens, model, on_step=step)
     if plot:
-        data["sweep"] = sweep(kind, PLOT_PREFIXES[kind], new_tokens, model)
         m = data["model"]
         title = (
             f"TTFT, random-weight Llama {m['layers']}L/{m['hidden']} {m['dtype']} on {data['torch_device']}"

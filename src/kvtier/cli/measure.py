@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 
 from kvtier.cli import cli
+from kvtier.cli.options import plot_option
 
 _UNITS = {
     "": 1,
@@ -53,10 +54,9 @@ class ByteSize(click.ParamType):
 
 
 def _console():
-    from rich.console import Console
+    from kvtier.bench.terminal import console
 
-    # piped to a log file, rich would fold the tables to 80 columns
-    return Console(highlight=False, width=None if sys.stdout.isatty() else 200)
+    return console()
 
 
 @cli.command()
@@ -75,17 +75,17 @@ def probe(as_json: bool, save: str | None, size: int | None, quick: bool, all_gp
     """Measure this machine's ceilings (copies, PCIe, launch, matmul) next to the datasheet."""
     if save is not None and not Path(save).resolve().parent.is_dir():
         raise click.UsageError(f"--save: folder {str(Path(save).parent)!r} does not exist")
-    try:
-        from kvtier.bench.probe import run_probe
-    except ImportError as e:
-        raise click.UsageError(f"probe needs torch: {e}") from None
+    from kvtier.bench.progress import Steps
+
     console = _console()
-    if as_json:
-        report = run_probe(size=size, quick=quick)
-    else:
-        err = _err_console()
-        with err.status("probing") as status:
-            report = run_probe(size=size, quick=quick, on_step=lambda s: status.update(f"measuring {s}"))
+    with Steps(2, "probe", enabled=not as_json) as step:
+        step("loading torch")
+        try:
+            from kvtier.bench.probe import probe_steps, run_probe
+        except ImportError as e:
+            raise click.UsageError(f"probe needs torch: {e}") from None
+        step.total = 1 + probe_steps()
+        report = run_probe(size=size, quick=quick, on_step=lambda s: step(f"measuring {s}"))
     doc = report.to_json()
     ceilings, multi = report.ceilings(), None
     if all_gpus:
@@ -104,18 +104,18 @@ def probe(as_json: bool, save: str | None, size: int | None, quick: bool, all_gp
     if as_json:
         click.echo(json.dumps(doc, indent=1))
         return
-    from kvtier.bench.report import probe_header, probe_table
+    from kvtier.bench.report import print_probe
 
-    for line in probe_header(doc):
-        console.print(line)
-    console.print(probe_table(doc))
+    print_probe(doc)
     if multi is not None:
         from kvtier.bench.probe_multi import summary_lines
 
         for line in summary_lines(doc["multi_gpu"]):
             console.print(line)
     if save is not None:
-        console.print(f"ceilings written to {save} (use with roofline/path --ceilings {save})")
+        use = f"roofline / path / plan --ceilings {save}" + ("" if ceilings.gpu_key else " --gpu KEY")
+        why = "" if ceilings.gpu_key else f" ({ceilings.gpu or 'no GPU'}: name the GPU to predict for)"
+        console.print(f"ceilings written to {save}; use with {use}{why}")
 
 
 def _err_console():
@@ -169,22 +169,21 @@ def bench(names, quick, out, plot, profile, as_json, list_only) -> None:
     if as_json:
         click.echo(json.dumps(run.doc, indent=1))
     else:
-        from kvtier.bench.report import bench_status_lines, bench_table
+        from kvtier.bench.report import bench_status_lines, print_bench
 
         console = _console()
         env = run.doc["environment"]
         if not env.get("gpu"):
             console.print("[bold yellow]No GPU found[/]: ran the suites that need none.")
         if run.doc["rows"]:
-            console.print(bench_table(run.doc))
+            print_bench(run.doc)
         else:
             console.print("[yellow]no rows[/]: every suite chosen was skipped here (reasons below)")
         for line in bench_status_lines(run.doc):
             console.print(line)
-        ceil = ", ".join(f"{k} {v:,.1f} GB/s" for k, v in env["ceilings"].items())
-        console.print(f"same-run ceilings: {ceil}")
         console.print(
-            f"wrote {run.path}" + (f" and {run.plot}" if run.plot else " (no plot: no block-size rows)")
+            f"wrote {run.path}"
+            + (f" and {run.plot}" if run.plot else " (no plot: no row has a GB/s to draw)")
         )
         if profile:
             console.print(f"timeline: {profile} (open in ui.perfetto.dev or Nsight Systems)")
@@ -199,9 +198,10 @@ def bench(names, quick, out, plot, profile, as_json, list_only) -> None:
 @cli.command()
 @click.argument("result_file", type=click.Path(exists=True, dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def results(result_file: str, as_json: bool) -> None:
+@plot_option("Draw the file's plot (as `kvtier bench` does) to this PNG.")
+def results(result_file: str, as_json: bool, plot: str | None) -> None:
     """Summarize a result file of `kvtier bench`: per suite and path, the headline row and the worst
-    and best rows (markdown table)."""
+    and best rows (markdown table); --plot draws it."""
     from kvtier.bench.result import validate
     from kvtier.bench.summary import markdown, summarize
 
@@ -210,6 +210,14 @@ def results(result_file: str, as_json: bool) -> None:
         validate(doc)
     except (json.JSONDecodeError, ValueError) as e:
         raise click.UsageError(f"{result_file}: not a valid kvtier result file ({e})") from None
+    if plot is not None:
+        from kvtier.bench.plot import plot as draw
+
+        env = doc["environment"]
+        title = f"{env.get('gpu') or 'CPU (no GPU)'} - {env.get('date', '')[:10]} - {Path(result_file).name}"
+        if draw(doc["rows"], plot, title, env.get("ceilings_spread")) is None:
+            raise click.UsageError(f"--plot: {result_file} has no row with a GB/s to draw")
+        click.echo(f"plot: {plot}", err=True)
     if as_json:
         click.echo(json.dumps(summarize(doc), indent=2, default=str))
     else:

@@ -21,10 +21,21 @@ class OneLineErrors(click.Command):
 
     def invoke(self, ctx):
         try:
+            _refuse_empty(self, ctx)
             return super().invoke(ctx)
         except click.UsageError as e:
             e.ctx = None
             raise
+
+
+def _refuse_empty(command: click.Command, ctx: click.Context) -> None:
+    """An option given an empty value (`--link ""`) is a usage error: left as it is it would mean
+    the default, which the operator did not ask for."""
+    for param in command.params:
+        value = ctx.params.get(param.name)
+        values = value if isinstance(value, tuple) else (value,)
+        if any(isinstance(v, str) and not v.strip() for v in values):
+            raise click.BadParameter("an empty value; give one, or leave the option out", ctx, param)
 
 
 def png_path(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:

@@ -11,6 +11,7 @@ from kvtier.cli.analysis import (
     _emit,
     _gpu_key,
     common_ceilings,
+    common_dtype,
     common_gpu,
     common_json,
     common_kv_dtype,
@@ -55,6 +56,7 @@ from kvtier.cli.analysis import (
 )
 @click.option("--nic", default="nic200", show_default=True, help="NIC for the remote tier (nic100/200/400).")
 @efficiency_option("Fraction of peak FLOPs a prefill reaches.")
+@common_dtype
 @common_kv_dtype
 @common_ceilings
 @click.option(
@@ -76,6 +78,7 @@ def plan_cmd(
     link,
     nic,
     efficiency,
+    dtype,
     kv_dtype,
     ceilings,
     calibration,
@@ -89,6 +92,8 @@ def plan_cmd(
 
     from kvtier.bench.calibration_file import planner_inputs
     from kvtier.ceilings import Ceilings
+    from kvtier.cli.report import unfit_json
+    from kvtier.cli.tables import print_unfit
     from kvtier.hfconfig import resolve_model
     from kvtier.planner import plan
     from kvtier.roofline import memory_fit
@@ -104,7 +109,12 @@ def plan_cmd(
             gpu_key=doc.get("gpu_key"),
             source=f"the ceilings of {calibration}",
         )
-    m, g = resolve_model(model), get_gpu(_gpu_key(gpu, measured), measured)
+    where = "--ceilings" if ceilings is not None else "--calibration"
+    m, g = resolve_model(model), get_gpu(_gpu_key(gpu, measured, where), measured)
+    fit = memory_fit(m, g, 1, matched + new, dtype, kv_dtype)  # the weights and this request's KV
+    if not fit.fits:
+        inputs = dict(tier=tier, matched_tokens=matched, new_tokens=new, chunk_tokens=chunk_tokens)
+        return _emit(unfit_json(m, g, fit, dtype, kv_dtype, **inputs), as_json, print_unfit)
     if doc is not None:
         got = planner_inputs(doc, g.bf16_tflops)
         efficiency, overhead, floor = got["efficiency"], got["prefill_overhead_ms"], got["forward_floor_ms"]
@@ -131,38 +141,49 @@ def plan_cmd(
     data |= {"ceilings": ceilings, "calibration": calibration, "prefill_overhead_ms": overhead}
     data |= {"forward_floor_ms": floor}
     data |= {"gpu_measured": list(g.measured)} | p.to_json()
-    data["fits"] = memory_fit(m, g, 1, matched + new, kv_dtype=kv_dtype).to_json()  # the request's KV
+    data["fits"] = fit.to_json()
     _emit(data, as_json, _print)
 
 
 def _calibration(path: str, gpu: str | None) -> dict:
-    """A calibration file with a prefill fit, measured on --gpu when one is named."""
+    """A calibration file with a prefill fit, measured on a GPU: --gpu when one is named. A fit of
+    another device (the CPU's tiny model, another GPU) says nothing of this one's prefill."""
     from kvtier.bench.calibration_file import load
 
     doc = load(path)  # ValueError naming the file: exit code 2
     if "prefill" not in doc["fits"]:
-        raise ValueError(f"calibration: {path!r} has no prefill fit")
-    if gpu is not None and doc.get("gpu_key") not in (None, gpu):
-        raise ValueError(f"calibration: {path!r} was measured on {doc.get('gpu_key')}, not --gpu {gpu}")
+        raise ValueError(f"--calibration: {path!r} has no prefill fit")
+    on = doc.get("gpu_key")
+    if doc.get("device") != "cuda":
+        raise ValueError(
+            f"--calibration: {path!r} was measured on {str(doc.get('device')).upper()}, not a GPU: its "
+            "fits say nothing of a GPU's prefill; run `kvtier calibrate --save FILE` on the GPU"
+        )
+    if gpu is not None and on not in (None, gpu):
+        raise ValueError(f"--calibration: {path!r} was measured on {on}, not --gpu {gpu}")
+    if gpu is None and on is None:
+        raise ValueError(
+            f"--calibration: {path!r} was measured on {doc.get('gpu')}, which `kvtier specs` does not "
+            "list: name the GPU with --gpu"
+        )
     return doc
 
 
 def _print(d: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from kvtier.bench.terminal import compact_table, console
 
-    con = Console()
+    con = console()
     title = (
         f"Plan: {d['model']} on {d['gpu']}, {d['matched_tokens']} tokens matched in {d['tier']}, "
         f"{d['new_tokens']} new (chunks of {d['chunk_tokens']})"
     )
-    t = Table(title=title, title_justify="left", header_style="bold")
-    for c in ("option", "recompute tok", "load tok", "recompute ms", "load ms", "new tok ms", "TTFT ms"):
-        t.add_column(c)
+    t = compact_table(
+        title, "option", "recompute tokens", "load tokens", "recompute ms", "load ms", "new tokens ms",
+        "TTFT ms",
+    )  # fmt: skip
     for name, o in d["options"].items():
-        mark = " <- chosen" if name == d["choice"] else ""
         t.add_row(
-            name + mark,
+            name + (" (chosen)" if name == d["choice"] else ""),
             str(o["recompute_tokens"]),
             str(o["load_tokens"]),
             f"{o['recompute_ms']:.3f}",
@@ -173,22 +194,15 @@ def _print(d: dict) -> None:
     con.print(t)
     p = d["path"]
     if d["load_bytes"]:
-        h = Table(
-            title=f"Load path of {d['load_bytes'] / 1e6:.1f} MB ({d['tier']} -> GPU)",
-            title_justify="left",
-            header_style="bold",
-        )
-        for c in ("hop (data-flow order)", "GB/s", "time ms alone"):
-            h.add_column(c, overflow="fold")
+        h = compact_table(
+            f"Load path of {d['load_bytes'] / 1e6:.1f} MB ({d['tier']} -> GPU)",
+            "hop (data-flow order)", "GB/s", "time ms alone",
+        )  # fmt: skip
         for hop in p["hops"]:
             mark = "  <- bottleneck" if hop["name"] == p["bottleneck"] else ""
             h.add_row(hop["name"] + mark, f"{hop['gbps']:.1f}", f"{hop['time_ms']:.3f}")
         con.print(h)
     con.print("(sources of every figure: --json or `kvtier specs`)")
-    if not d["fits"]["fits"]:
-        from kvtier.cli.tables import fit_text
-
-        con.print(f"fits in GPU memory (weights + this request's KV): {fit_text(d['fits'])}")
     for r in d["reasons"]:
         con.print(f"- {r}")
     s = d["split_tokens"]

@@ -1,5 +1,8 @@
 """The analysis reports as JSON-ready dicts; field names are documented in the README and every
-number carries its unit in its name. `tables.py` prints them."""
+number carries its unit in its name. `tables.py` prints them.
+
+A configuration whose weights and KV do not fit the GPU's memory gets `unfit_json`: the inputs and
+the fit (`roofline.memory_fit`), no predicted time."""
 
 from __future__ import annotations
 
@@ -86,6 +89,9 @@ def roofline_json(
     amdahl=None,
 ) -> dict:
     m, g = resolve_model(model), get_gpu(gpu, ceilings)
+    fit = rl.memory_fit(m, g, batch, context, dtype, kv_dtype)
+    if not fit.fits:
+        return unfit_json(m, g, fit, dtype, kv_dtype, batch=batch, context=context)
     weights = m.weight_bytes(dtype)
     kv_req = context * m.kv_bytes_per_token(kv_dtype)
     bw = g.mem_bw_gbps * 1e9
@@ -110,7 +116,7 @@ def roofline_json(
             {"batch": b} | rl.decode_step(m, g, b, context, dtype, kv_dtype, efficiency).to_json()
             for b in SWEEP_BATCHES
         ],
-        "fits": rl.memory_fit(m, g, batch, context, dtype, kv_dtype).to_json(),
+        "fits": fit.to_json(),
         "turning_batch": rl.turning_batch(m, g, context, dtype, kv_dtype),
         "turning_batch_weights_only": rl.turning_batch(m, g, 0, dtype, kv_dtype),
         "prefill": {"tokens": prefill_tokens}
@@ -139,9 +145,13 @@ def path_json(
     kv_dtype="bf16",
     efficiency=1.0,
     ceilings=None,
+    dtype="bf16",
 ) -> dict:
     m, g = resolve_model(model), get_gpu(gpu, ceilings)
     host_link = get_link(link or f"pcie{g.pcie_gen}")
+    fit = rl.memory_fit(m, g, 1, tokens, dtype, kv_dtype)  # the moved KV beside the weights, on one GPU
+    if not fit.fits:
+        return unfit_json(m, g, fit, dtype, kv_dtype, tokens=tokens, tier=tier, direction=direction)
     if ceilings is not None and link is None:
         host_link = measured_host_link(host_link, ceilings, "h2d" if direction == "load" else "d2h")
         host_link = _measured_sharing(host_link, ceilings, "h2d" if direction == "load" else "d2h", shared_by)
@@ -169,8 +179,7 @@ def path_json(
         "tokens": tokens,
         "bytes": nbytes,
         "gib": nbytes / GIB,
-        # the moved KV beside the weights, on one GPU
-        "fits": rl.memory_fit(m, g, 1, tokens, kv_dtype=kv_dtype).to_json(),
+        "fits": fit.to_json(),
         "path": p.to_json(nbytes),
         "transfer_ms": p.transfer_ms(nbytes),
         "bottleneck": p.bottleneck.name,
@@ -192,6 +201,19 @@ def path_json(
             }
             for n in curve_tokens
         ],
+    }
+
+
+def unfit_json(m: ModelSpec, g: GPU, fit: rl.MemoryFit, dtype: str, kv_dtype: str, **inputs) -> dict:
+    """A configuration whose weights and KV do not fit the GPU's memory: what was asked and the
+    fit's numbers, and no time (no run of it would take any: it cannot start)."""
+    return {
+        "model": _model_json(m, kv_dtype),
+        "gpu": _gpu_json(g),
+        "dtype": dtype,
+        "kv_dtype": kv_dtype,
+        **inputs,
+        "fits": fit.to_json(),
     }
 
 

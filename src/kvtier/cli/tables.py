@@ -1,13 +1,16 @@
-"""Rich tables of the analysis reports (the dicts of `report.py`); units in every header or cell."""
+"""Rich tables of the analysis reports (the dicts of `report.py`); units in every header or cell.
+Tables keep to the terminal's width (80 columns when it is not a terminal): long texts such as
+the source of each figure are numbered footnotes under their table, not a column."""
 
 from __future__ import annotations
 
-from rich.console import Console
 from rich.table import Table
+
+from kvtier.bench.terminal import Footnotes, compact_table, console, say
 
 GIB = 1 << 30
 
-_console = Console()
+_console = console()
 
 
 def _table(title: str, *cols: str) -> Table:
@@ -18,25 +21,15 @@ def _table(title: str, *cols: str) -> Table:
 
 
 def print_specs(d: dict) -> None:
-    t = _table(
-        "GPUs (dense rates)",
-        "key",
-        "name",
-        "SMs",
-        "L2 MB",
-        "mem GB",
-        "mem GB/s",
-        "bf16 TFLOPS",
-        "fp8 TFLOPS",
-        "PCIe",
-        "balance FLOP/B",
-        "source",
-    )
+    src = Footnotes()
+    t = compact_table(
+        "GPUs (dense rates)", "key", "SMs", "L2 MB", "mem GB", "HBM GB/s", "bf16 TF/s", "fp8 TF/s", "PCIe",
+        "FLOP/B", "src",
+    )  # fmt: skip
     for g in d["gpus"]:
         fp8 = "-" if g["fp8_tflops"] is None else f"{g['fp8_tflops']:.0f}"
         t.add_row(
             g["key"],
-            g["name"],
             str(g["sms"]),
             f"{g['l2_mb']:g}",
             f"{g['mem_gb']:g}",
@@ -45,12 +38,13 @@ def print_specs(d: dict) -> None:
             fp8,
             f"Gen{g['pcie_gen']}",
             f"{g['balance_flop_per_byte']:.0f}",
-            g["source"],
+            src.ref(g["source"], g.get("sm_source")),
         )
     _console.print(t)
-    t = _table(
-        "Links (per direction)", "key", "name", "theoretical GB/s", "typical GB/s", "latency us", "source"
-    )
+    names = ", ".join(f"{g['key']} = {g['name']}" for g in d["gpus"])
+    say(f"FLOP/B: the balance point, bf16 FLOP/s over HBM bytes/s. {names}.")
+    src.print_new()
+    t = compact_table("Links (per direction)", "key", "name", "GB/s max", "GB/s typical", "latency us", "src")
     for x in d["links"]:
         t.add_row(
             x["key"],
@@ -58,11 +52,12 @@ def print_specs(d: dict) -> None:
             f"{x['theoretical_gbps']:g}",
             f"{x['typical_gbps']:.1f}",
             f"{x['latency_us']:g}",
-            x["source"],
+            src.ref(x["source"]),
         )
     _console.print(t)
-    t = _table(
-        "Models", "key", "params B", "active B", "weights GB (bf16)", "KV KiB/token (bf16)", "attention"
+    src.print_new()
+    t = compact_table(
+        "Models", "key", "params B", "active B", "weights GB", "KV KiB/token", "attention", "src"
     )
     for m in d["models"]:
         t.add_row(
@@ -72,11 +67,16 @@ def print_specs(d: dict) -> None:
             f"{m['weight_bytes_bf16'] / 1e9:.1f}",
             f"{m['kv_bytes_per_token'] / 1024:.1f}",
             m["attention"],
+            src.ref(m["source"]),
         )
     _console.print(t)
+    say("Weights and KV in bf16; KV per token over all layers.")
+    src.print_new()
 
 
 def print_roofline(d: dict) -> None:
+    if not d["fits"]["fits"]:
+        return print_unfit(d)
     g, m = d["gpu"], d["model"]
     t = _table(f"Roofline: {m['name']} on {g['name']} ({d['dtype']})", "quantity", "value")
     rows = [
@@ -109,22 +109,50 @@ def print_roofline(d: dict) -> None:
 
 
 def fit_text(f: dict) -> str:
-    """Whether weights + KV fit one GPU and, if not, what would: the largest batch, or more GPUs."""
+    """One line: weights + KV against the GPU's memory, and the largest batch at this context."""
     sizes = (
         f"{f['weights_bytes'] / 1e9:.1f} GB weights + {f['kv_bytes'] / 1e9:.1f} GB KV = "
-        f"{f['total_bytes'] / 1e9:.1f} GB"
+        f"{f['total_bytes'] / 1e9:.1f} GB of {f['memory_bytes'] / 1e9:g} GB"
     )
-    if f["fits"]:
-        more = "" if f["max_batch"] is None else f"; up to batch {f['max_batch']} at {f['context']} tokens"
-        return f"yes: {sizes}{more}"
+    more = "" if f["max_batch"] is None else f"; up to batch {f['max_batch']:,} at {f['context']:,} tokens"
+    return f"{'yes' if f['fits'] else 'NO'}: {sizes}{more}"
+
+
+def fit_lines(d: dict) -> list[str]:
+    """A configuration that does not fit (`report.unfit_json`): its numbers, what would fit, and
+    why no time is printed."""
+    f, m, g = d["fits"], d["model"], d["gpu"]
+    name = m["name"] if isinstance(m, dict) else m
+    gpu = g["name"] if isinstance(g, dict) else g
+    n, ctx, mem = f["batch"], f["context"], f["memory_bytes"]
+    free = max(0.0, mem - f["weights_bytes"])
+    kv_req = f["kv_bytes"] / n if n else 0.0
+    lines = [
+        f"[bold red]Does not fit[/]: {name} on {gpu}, {mem / 1e9:g} GB of GPU memory",
+        f"  weights ({d.get('dtype', 'bf16')}): {f['weights_bytes'] / 1e9:,.1f} GB",
+        f"  KV ({d.get('kv_dtype', 'bf16')}), {n:,} x {ctx:,} tokens: {f['kv_bytes'] / 1e9:,.1f} GB"
+        + (f" ({kv_req / 1e9:,.1f} GB per request)" if n > 1 else ""),
+        f"  weights + KV: {f['total_bytes'] / 1e9:,.1f} GB, {f['total_bytes'] / mem:.1f}x the memory",
+    ]
     if f["gpus_for_weights"] > 1:
-        fix = f"the weights alone need {f['gpus_for_weights']} GPUs"
+        lines.append(f"  the weights alone need {f['gpus_for_weights']} GPUs")
     else:
-        fix = f"the largest batch at {f['context']} tokens is {f['max_batch']}"
-    return (
-        f"NO: {sizes} > {f['memory_bytes'] / 1e9:g} GB; {fix}; weights + KV need {f['gpus_needed']} GPUs "
-        "(activations not counted)"
+        lines.append(f"  beside the weights: {free / 1e9:,.1f} GB for KV")
+        if f["max_batch"] is not None and n > 1:
+            lines.append(f"  at {ctx:,} tokens, the largest batch is {f['max_batch']:,}")
+        if f.get("max_context") is not None:
+            lines.append(f"  at batch {n:,}, the longest context is {f['max_context']:,} tokens")
+    lines.append(f"  GPUs for weights + KV: {f['gpus_needed']} (activations not counted)")
+    lines.append(
+        "No time is predicted for it: it cannot run on one GPU. Fewer tokens, a smaller batch, "
+        "fp8 (--dtype, --kv-dtype) or more GPUs would fit."
     )
+    return lines
+
+
+def print_unfit(d: dict) -> None:
+    for line in fit_lines(d):
+        _console.print(line)
 
 
 def _bound_text(b: dict) -> str:
@@ -139,6 +167,8 @@ def _batch_text(batch: int | None, context: int) -> str:
 
 
 def print_path(d: dict) -> None:
+    if not d["fits"]["fits"]:
+        return print_unfit(d)
     p = d["path"]
     t = _table(
         f"Path: {d['direction'] if 'direction' in d else p['direction']} {d['gib']:.3f} GiB "
@@ -154,8 +184,6 @@ def print_path(d: dict) -> None:
     lr = d["load_vs_recompute"]
     s = lr["split"]
     _console.print(f"transfer: {d['transfer_ms']:.2f} ms through {p['bottleneck']}")
-    if not d["fits"]["fits"]:
-        _console.print(f"fits in GPU memory (weights + this KV): {fit_text(d['fits'])}")
     for note in p["notes"]:
         _console.print(f"  note: {note}")
     _console.print(

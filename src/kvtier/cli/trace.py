@@ -79,15 +79,40 @@ def trace(
     """Draw each stream's timeline of a save and a layer-pipelined load beside compute."""
     if not Path(out).resolve().parent.is_dir():
         raise click.UsageError(f"--out: folder {str(Path(out).parent)!r} does not exist")
-    try:
-        from kvtier.bench.timeline import collect, draw
-    except ImportError as e:
-        raise click.UsageError(f"trace needs torch and matplotlib: {e}") from None
-    kind, device = _device(device_kind)
+    from kvtier.bench.progress import Steps
+
+    with Steps(3, "trace", enabled=not as_json) as step:
+        step("loading torch and kvtier")
+        try:
+            from kvtier.bench.timeline import draw
+        except ImportError as e:
+            raise click.UsageError(f"trace needs torch and matplotlib: {e}") from None
+        kind, device = _device(device_kind)
+        tr = _collect(kind, device, layers, tokens, path, no_wait, step)
+        step(f"drawing {out}")
+        draw(tr, out)
+    if as_json:
+        click.echo(json.dumps(tr.to_json() | {"png": out}, indent=1))
+    else:
+        f = tr.facts
+        click.echo(f"timeline of {len(tr.spans)} intervals on {tr.device} written to {out}")
+        click.echo(f"compute started layer i only after layer i arrived: {f['compute_after_layer']}")
+        click.echo(f"every copy-stream wait was on a recorded event:      {f['copy_waits_real']}")
+    if not tr.ok:
+        raise SystemExit(1)
+
+
+def _collect(kind: str, device, layers, tokens, path: str, no_wait: bool, step):
+    """The save and load beside compute, run (on CUDA twice: the first compiles the kernels, the
+    second is drawn); the device closed after."""
+    from kvtier.bench.timeline import collect
+
     d_layers, d_tokens, compute_ms, read_ms = DEFAULTS[kind]
-    runs = 2 if kind == "cuda" else 1  # on CUDA the first run compiles the kernels: drawn is the 2nd
+    runs = 2 if kind == "cuda" else 1
+    step.total += runs - 1
     try:
-        for _ in range(runs):
+        for i in range(runs):
+            step(f"save + load beside compute on {kind}" + (" (compiling)" if i < runs - 1 else ""))
             tr = collect(
                 device,
                 layers=layers or d_layers,
@@ -103,13 +128,4 @@ def trace(
         raise click.UsageError(str(e)) from None
     finally:
         device.close()
-    draw(tr, out)
-    if as_json:
-        click.echo(json.dumps(tr.to_json() | {"png": out}, indent=1))
-    else:
-        f = tr.facts
-        click.echo(f"timeline of {len(tr.spans)} intervals on {tr.device} written to {out}")
-        click.echo(f"compute started layer i only after layer i arrived: {f['compute_after_layer']}")
-        click.echo(f"every copy-stream wait was on a recorded event:      {f['copy_waits_real']}")
-    if not tr.ok:
-        raise SystemExit(1)
+    return tr

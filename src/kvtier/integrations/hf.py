@@ -19,6 +19,7 @@ a sliding window, ...). A split hit — recompute [0, s) while [s, n) loads — 
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 import warnings
 
@@ -32,7 +33,10 @@ from kvtier.hfconfig import cache_kv_shape
 from kvtier.integrations import setting_checks as check
 from kvtier.pool import PinnedPool
 from kvtier.store import KVStore, StoreConfig
+from kvtier.store.stats import StatsLog, store_snapshot
 from kvtier.store.tier import Tier
+
+log = logging.getLogger(__name__)
 
 
 class KVTier:
@@ -53,6 +57,9 @@ class KVTier:
         engine_options: dict | None = None,
         **store_options,
     ) -> None:
+        # the store's hit rate, bytes and time per tier, every KVTIER_STATS_LOG_S while requests
+        # come (made first: a bad KVTIER_STATS_LOG_S is refused before anything is allocated)
+        self._stats_log = StatsLog(log, lambda: store_snapshot(self.store))
         self.device, self.compute = device, device.current_stream()
         self.kv = layout.vllm_flash(kv_caches)
         made = []  # closed again, last first, when a later part is refused: nothing outlives a failed start
@@ -145,6 +152,7 @@ class KVTier:
     def cache(self, input_ids: torch.Tensor) -> KVTierCache:
         """A cache for ``input_ids`` ([1, n] or [n]): the longest stored chunk prefix of its first
         n - 1 tokens is loaded (asynchronously; at least one token is left for the model to run)."""
+        self._stats_log.tick()
         tokens = _tokens(input_ids)
         t0 = time.perf_counter()
         start = self.engine.load_stream.record("hf-load-start")  # times the reads + copies

@@ -43,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvtier.store.header import ChunkHeader, payload_checksum
+from kvtier.store.stats import StatsLog, StoreStats
 from kvtier.store.tier import contains_many, put_many
 
 from .sglang_dtype import kv_dtype
@@ -110,6 +111,9 @@ class KVTierHiCache(HybridPools, _Base):
             raise ValueError(
                 f"storage_config must be a HiCacheStorageConfig, got {type(storage_config).__name__}"
             )
+        # hits, bytes and time per tier, every KVTIER_STATS_LOG_S while SGLang moves pages (made
+        # before the tiers: a bad KVTIER_STATS_LOG_S is refused before anything is opened)
+        self._stats_log = StatsLog(log, self._stats_line)
         self.settings = HiCacheSettings.from_extra_config(getattr(storage_config, "extra_config", None))
         self.config = storage_config
         self.writer = is_writer(storage_config)
@@ -153,6 +157,7 @@ class KVTierHiCache(HybridPools, _Base):
 
     def batch_exists(self, keys: list[str], extra_info=None) -> int:
         """How many of ``keys`` from the start are held, every chunk of each in some tier."""
+        self._stats_log.tick()
         try:
             return self._exists(list(keys), flat=not self.settings.interface_v1)
         except Exception:  # a miss, never an exception into SGLang's prefetch thread
@@ -164,6 +169,7 @@ class KVTierHiCache(HybridPools, _Base):
         """Write each page from the pool (in place, or gathered) to every tier; True where every
         chunk of the page is held by some tier. A non-writer MLA rank writes nothing: True."""
         n = len(keys)
+        self._stats_log.tick()
         if not self.writer:
             self._count("pages_set_skipped_not_writer", n)
             return [True] * n
@@ -260,6 +266,15 @@ class KVTierHiCache(HybridPools, _Base):
         if pools := self._pool_stats():
             out["pools"] = pools
         return out
+
+    def _stats_line(self) -> tuple[int, str]:
+        """(pages moved so far, one line: pages got / set, then each tier's hits, bytes, time)."""
+        s = self.stats()
+        got, failed = s.get("pages_get_ok", 0), s.get("pages_get_failed", 0)
+        rate = f" ({100 * got / (got + failed):.1f}% of pages asked)" if got + failed else ""
+        tiers = StoreStats.of({name: t for name, t in s["tiers"].items()})
+        line = f"kvtier hicache: {got} pages got{rate}, {s.get('pages_set_ok', 0)} set; " + tiers.tier_line()
+        return got + failed + s.get("pages_set_ok", 0) + s.get("pages_set_failed", 0), line
 
     def close(self) -> None:
         if self._closed:

@@ -61,11 +61,13 @@ kernel first; a `BlockIds` costs a stream wait only when used on another stream 
 on. The staged ops cost one launch, one DMA, two event records and up to two stream waits per
 staging piece, so their host time grows with n / blocks per staging buffer.
 
-Without CUDA the kernel runs in Triton's interpreter (`TRITON_INTERPRET=1`, set before kvtier
-is imported) on CPU tensors: there a host chunk is a plain CPU tensor and the staged paths take
-no streams. Chunk format and layouts: `kvtier.layout`. PyTorch references: `kvtier.reference`.
+Without CUDA the kernel runs in Triton's interpreter (`TRITON_INTERPRET=1`, which kvtier sets
+itself when torch sees no GPU and triton is not imported yet) on CPU tensors: there a host chunk
+is a plain CPU tensor and the staged paths take no streams. Chunk format and layouts:
+`kvtier.layout`. PyTorch references: `kvtier.reference`.
 """
 
+import kvtier.kernels  # noqa: F401, I001 - first: it may set TRITON_INTERPRET before triton is imported
 from kvtier.ops.checks import INTERPRETING, BlockIds, block_ids
 from kvtier.ops.device_ids import BlockIdError, check
 from kvtier.ops.kv_copy import gather, scatter

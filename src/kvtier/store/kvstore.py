@@ -49,6 +49,7 @@ from .keys import KeyExtra, chunk_keys
 from .metrics import StoreMetrics
 from .read_rate import ReadRate
 from .reaper import Reaper
+from .stats import StoreStats
 from .tier import Tier
 from .tier_walk import delete_everywhere, read_first, where
 from .writer import Push, Writer
@@ -182,7 +183,8 @@ class KVStore:
         """
         t0 = self._check_open()
         found = where(self.keys(tokens), self.host.contains, self._tiers)
-        self._count(lookups=1, lookup_tokens=len(found) * self.fmt.tokens, _call=("lookup", t0))
+        hit, asked = len(found) * self.fmt.tokens, len(tokens)
+        self._count(lookups=1, lookup_tokens=hit, lookup_tokens_asked=asked, _call=("lookup", t0))
         return Lookup(len(found) * self.fmt.tokens, tuple(found))
 
     def save(self, tokens, block_ids, *, after=None, stream=None) -> SaveHandle:
@@ -359,7 +361,9 @@ class KVStore:
             first_block * self.kv.block_size if tiers else 0
         )
         chunks = Counter(f"load_chunks_{t}" for t in handle.tiers)
-        self._count(loads=1, load_tokens=handle.tokens, _call=("load", t0), **chunks)
+        # handle.tokens counts from chunk first_chunk's block first_block: so does what was asked
+        asked = max(0, len(tokens) - first_chunk * self.fmt.tokens - first_block * self.kv.block_size)
+        self._count(loads=1, load_tokens=handle.tokens, load_tokens_asked=asked, _call=("load", t0), **chunks)
         return handle
 
     def _load_head(
@@ -472,12 +476,18 @@ class KVStore:
         self._count("evicted", n)
         return n
 
-    def stats(self) -> dict[str, dict[str, int | float]]:
-        """Per tier (hits, misses, bytes, latency sums, errors by kind, occupancy), the pool,
-        and the store's own counters; also exported through ``self.metrics``.
+    def stats(self) -> StoreStats:
+        """Per tier (hits, misses, hit rate, bytes, time per chunk read and written, errors by
+        kind, occupancy), the pool, and the store's own counters with the hit rate (tokens hit of
+        tokens asked); a dict of dicts that prints as a table (`store/stats.py`); also exported
+        through ``self.metrics``.
 
         >>> sorted(store.stats())
         ['host', 'pool', 'store']
+        >>> print(store.stats())  # doctest: +SKIP
+        kvtier store: 1 loads, 1 saves, 96 of 100 tokens hit (96.0%)
+          tier  hits  misses  hit rate    read  ms/chunk  written  ms/chunk  errors  held
+          ...
         """
         self._reap()
         out: dict[str, dict] = {"host": self.host.stats()}
@@ -492,7 +502,7 @@ class KVStore:
         out["pool"] = dict(capacity=p.capacity, used=p.used, in_flight=p.in_flight, slots=p.slots)
         with self._counts_lock:
             out["store"] = dict(self._counts, inflight=len(self._reaper), writer_backlog=self._writer.backlog)
-        return out
+        return StoreStats.of(out)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Block until every push submitted so far (write-through, promotion, spill) finished;

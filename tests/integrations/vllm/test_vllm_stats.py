@@ -52,19 +52,21 @@ def test_hits_misses_and_errors_reach_vllms_stats_and_prometheus(tmp_path):
     for s in [first, *outs]:
         if s is not None:
             agg = agg.aggregate(s)
-    red = agg.reduce()
+    red, data = agg.reduce(), dict(agg.data)  # reduce(): vLLM's log line; data: what Prometheus gets
     assert red["hit_chunks_host"] == 2 and red["miss_chunks"] == 1 and red["save_errors"] >= 3
-    assert red["loads"] >= 1 and red["load_bytes"] > 0 and red["load_gbps"] > 0
+    assert red["hit_rate_pct"] == round(100 * 2 / 3, 1) and list(red)[0] == "hit_rate_pct"
+    assert red["loads"] >= 1 and red["load_MB"] > 0 and red["load_gbps"] > 0 and red["load_ms_mean"] > 0
+    assert "load_bytes" not in red and "load_s" not in red  # raw sums stay in data, not in the line
     assert not agg.is_empty()
     agg.reset()
     assert agg.is_empty()
 
     prom = KVConnectorProm(cfg, ["model_name", "engine"], {0: ["tiny", "0"]})
-    prom.observe(red, 0)
+    prom.observe(data, 0)
     labels = {"model_name": "tiny", "engine": "0"}
     got = REGISTRY.get_sample_value
     assert got("vllm:kvtier_hit_chunks_total", {**labels, "tier": "host"}) == 2
     assert got("vllm:kvtier_miss_chunks_total", labels) == 1
     assert got("vllm:kvtier_errors_total", {**labels, "op": "save"}) == red["save_errors"]
-    assert got("vllm:kvtier_bytes_total", {**labels, "op": "load"}) == red["load_bytes"]
+    assert got("vllm:kvtier_bytes_total", {**labels, "op": "load"}) == data["load_bytes"]
     w.conn.shutdown()

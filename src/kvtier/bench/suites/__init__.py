@@ -8,6 +8,7 @@ ttft:   time to first token of a small model: recompute / load / split per tier,
 sglang: the SGLang HiCache backend moving host pages per tier, beside the raw tier and SGLang's `file`.
 op_cost: a caller's cost per op call (host us, GPU time alone and queued) per op and kind of ids.
 vllm:   the vLLM connector's worker hooks replayed in vLLM 0.33's per-step order, every layout order.
+sizes:  GB/s over the size of one transfer, 1 MiB - 1 GiB: copies and kvtier's paths (nvbandwidth's sweep).
 """
 
 import importlib
@@ -15,7 +16,7 @@ import importlib
 # module -> why it could not be imported; the runner reports these instead of crashing
 IMPORT_ERRORS: dict[str, str] = {}
 
-for _module in ("kv", "store", "multi", "ttft", "op_cost", "sglang", "vllm"):
+for _module in ("kv", "store", "multi", "ttft", "op_cost", "sglang", "vllm", "sizes"):
     try:
         importlib.import_module(f"{__name__}.{_module}")
     except Exception as e:  # one broken suite module must not take the others down

@@ -23,8 +23,9 @@ where the filesystem allows, else its files dropped from the page cache before e
 $KVTIER_TTFT_TIERS (comma-separated, default host,disk,remote) measures only those tiers.
 
 TTFT: perf_counter from before the request (lookup and plan included) to the first new token out
-of generate (a streamer; torch.cuda.synchronize first); one warm-up and 3 timed runs (quick: 2),
-median. Rows: bytes = KV bytes of the prefix; ceiling h2d_pinned (GPU) or host_memcpy (CPU),
+of generate (a streamer; torch.cuda.synchronize first); one warm-up and 5 timed runs (quick: 3):
+the row's median, and p90 / p99 in params.timing (with so few runs, p99 is near the slowest).
+Rows: bytes = KV bytes of the prefix; ceiling h2d_pinned (GPU) or host_memcpy (CPU),
 disk_read for disk rows (gbps = prefix KV bytes / TTFT). Params: predicted_ms (the planner with
 this run's ceilings: device copy, bf16 matmul, pinned H2D, disk read, throttle rate as the remote's
 GET hop; each row planned just before its runs, from a lookup of the prefix in its tier; a

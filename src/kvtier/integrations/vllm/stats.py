@@ -1,9 +1,15 @@
 """KVTierStats: the workers' counters on vLLM's stats path (logged, and summed across ranks).
 
-Keys: ``hit_chunks_<tier>`` (host, disk, redis, ...), ``miss_chunks``, ``load_errors`` (loads
-that raised), ``save_errors`` (chunks not saved: a save that raised, or a full pool),
-``loads`` / ``saves`` (settled transfers), ``load_bytes`` / ``save_bytes``,
-``load_s`` / ``save_s`` (submit to observed completion: GB/s from these is a lower bound).
+Keys of ``data`` (summed across workers, what Prometheus observes): ``hit_chunks_<tier>`` (host,
+disk, redis, ...), ``miss_chunks``, ``load_errors`` (loads that raised), ``save_errors`` (chunks
+not saved: a save that raised, or a full pool), ``loads`` / ``saves`` (settled transfers),
+``load_bytes`` / ``save_bytes``, ``load_s`` / ``save_s`` (submit to observed completion: GB/s
+from these is a lower bound).
+
+``reduce()`` is what vLLM logs every interval ("KV Transfer metrics: k=v, ..."): the interval's
+hit rate first (``hit_rate_pct``, chunks loaded of chunks asked to load), then per tier its hits,
+the misses, and per direction the transfers, MB, mean ms per transfer and GB/s, then the errors;
+three significant digits.
 """
 
 from __future__ import annotations
@@ -24,12 +30,33 @@ class KVTierStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        d = dict(self.data)
+        d = self.data
+        hits = {k: v for k, v in sorted(d.items()) if k.startswith("hit_chunks_")}
+        asked = sum(hits.values()) + d.get("miss_chunks", 0)
+        out: dict[str, int | float] = {}
+        if asked:
+            out["hit_rate_pct"] = round(100 * sum(hits.values()) / asked, 1)
+        out |= hits
+        if "miss_chunks" in d:
+            out["miss_chunks"] = d["miss_chunks"]
         for op in ("load", "save"):
-            s = d.get(f"{op}_s", 0)
+            n, nbytes, s = d.get(f"{op}s", 0), d.get(f"{op}_bytes", 0), d.get(f"{op}_s", 0)
+            if not n:
+                continue
+            out[f"{op}s"] = n
+            out[f"{op}_MB"] = _sig(nbytes / 1e6)
+            out[f"{op}_ms_mean"] = _sig(1e3 * s / n)
             if s:
-                d[f"{op}_gbps"] = round(d.get(f"{op}_bytes", 0) / s / 1e9, 3)
-        return d
+                out[f"{op}_gbps"] = _sig(nbytes / s / 1e9)
+        for k in ("load_errors", "save_errors"):
+            if d.get(k):
+                out[k] = d[k]
+        return out
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
+
+
+def _sig(x: float) -> float:
+    """Three significant digits: 4194304 bytes -> 4.19 MB, 0.0123 s -> 12.3 ms."""
+    return float(f"{x:.3g}")
