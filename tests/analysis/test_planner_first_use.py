@@ -47,7 +47,9 @@ def test_first_use_measures_once_says_so_and_plans_with_it(kvt_model, capsys):
         and doc["prefill_ms"] > 0
         and doc["machine"]["shape"]["hidden_size"] == 128
     )
-    assert p.options["recompute"].ms >= doc["forward_floor_ms"]  # every forward: at least the floor
+    floor0, _ = hf_costs.floor_line(doc)
+    assert doc["forward_floor_ms"] / 2 <= floor0 <= doc["forward_floor_ms"]  # the floor at no cached token
+    assert p.options["recompute"].ms >= floor0  # every forward: at least the floor
     again = plan_request(kvt, model, ids, CPU, FIGURES)
     assert capsys.readouterr().err == ""  # said once: read back from the file now
     assert again.predicted_ms == p.predicted_ms
@@ -113,3 +115,10 @@ def hf_costs_spec(model):
     from kvtier.bench.calibrate import model_spec
 
     return model_spec(model)
+
+
+def test_a_noisy_long_floor_point_never_extrapolates_the_floor_away():
+    assert hf_costs.floor_line({"floor_points": [[256, 10.0], [512, 11.0]]}) == pytest.approx((9.0, 1 / 256))
+    floor, slope = hf_costs.floor_line({"floor_points": [[256, 10.0], [512, 100.0]]})  # a noisy second run
+    assert floor == pytest.approx(5.0) and slope == pytest.approx(10.0 / 512)
+    assert hf_costs.floor_line({"floor_points": [[256, 10.0], [512, 8.0]]}) == (10.0, 0.0)  # never shrinks

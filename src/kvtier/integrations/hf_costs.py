@@ -243,18 +243,27 @@ def median_ms(fn, dev: torch.device) -> float:
 
 def planner_options(model, spec, gpu, dtype: str = "bf16", kv_dtype: str = "bf16", costs=None) -> dict:
     """`planner.plan`'s efficiency, floor and hit cost from `model_costs` (or `costs`): the measured
-    prefill against the roofline's at full rate on `gpu` (a `specs.GPU`); the floor as the line
-    through its two points (forward_floor_ms at no cached token, floor_ms_per_token: its growth,
-    never negative: a noisy long point does not make the floor shrink); hit_fixed_ms."""
+    prefill against the roofline's at full rate on `gpu` (a `specs.GPU`); the floor as
+    `floor_line` draws it; hit_fixed_ms."""
     from kvtier.roofline import prefill
 
     c = costs or model_costs(model)
     ideal = prefill(spec, gpu, c["prefill_tokens"], 0, dtype, kv_dtype).ms
-    (p0, f0), (p1, f1) = c["floor_points"][0], c["floor_points"][-1]
-    slope = max(0.0, (f1 - f0) / (p1 - p0)) if p1 > p0 else 0.0
+    floor, slope = floor_line(c)
     return {
         "efficiency": min(1.0, ideal / c["prefill_ms"]),
-        "forward_floor_ms": max(0.0, f0 - slope * p0),
+        "forward_floor_ms": floor,
         "floor_ms_per_token": slope,
         "hit_fixed_ms": c["hit_fixed_ms"],
     }
+
+
+def floor_line(costs: dict) -> tuple[float, float]:
+    """(forward_floor_ms at no cached token, floor_ms_per_token) of `model_costs`' two floor points:
+    the line through them, its growth never negative (a noisy long point does not make the floor
+    shrink) and never so steep that the floor at no cached token falls below half the short
+    point's (a noisy long point alone would otherwise extrapolate a forward's launch cost away)."""
+    (p0, f0), (p1, f1) = costs["floor_points"][0], costs["floor_points"][-1]
+    slope = max(0.0, (f1 - f0) / (p1 - p0)) if p1 > p0 else 0.0
+    slope = min(slope, f0 / (2 * p0)) if p0 > 0 else slope
+    return max(0.0, f0 - slope * p0), slope
