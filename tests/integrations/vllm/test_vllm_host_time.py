@@ -61,6 +61,7 @@ class Rig:
         return time.perf_counter() - t0
 
     def sync(self) -> None:
+        self.ws.wait_submitted()  # the saver and loader threads queued what they were handed
         self.dev.synchronize()  # every stream's tail: the copies submitted so far have landed
 
     def close(self) -> None:

@@ -56,7 +56,7 @@ def test_hits_misses_and_errors_reach_vllms_stats_and_prometheus(tmp_path):
     assert red["hit_chunks_host"] == 2 and red["miss_chunks"] == 1 and red["save_errors"] >= 3
     assert red["hit_rate_pct"] == round(100 * 2 / 3, 1) and list(red)[0] == "hit_rate_pct"
     assert red["loads"] >= 1 and red["load_MB"] > 0 and red["load_gbps"] > 0 and red["load_ms_mean"] > 0
-    assert "load_bytes" not in red and "load_s" not in red  # raw sums stay in data, not in the line
+    assert "load_bytes" not in red and "load_busy_s" not in red  # raw sums stay in data, not in the line
     assert not agg.is_empty()
     agg.reset()
     assert agg.is_empty()

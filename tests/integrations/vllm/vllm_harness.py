@@ -184,6 +184,7 @@ class Engine:
         what a server looks like some idle time after its last request."""
         self.run(timeout_s)
         for rk in self.ranks:
+            rk.ws.wait_submitted()  # the saver and loader threads queued what they were handed
             rk.dev.synchronize()
             if rk.store is not None:
                 rk.store.flush(timeout_s)

@@ -190,6 +190,7 @@ class Replay:
         self.ws.finished({"save"})
 
     def sync(self) -> None:
+        self.ws.wait_submitted()  # the saver and loader threads queued what they were handed
         if self.ctx.on_gpu:
             torch.cuda.synchronize(self.ctx.device)
         else:

@@ -226,6 +226,7 @@ def failed_load_row(ctx: Context, fwd, replay, order: str, shape: dict, tokens: 
         meta = sched.build_meta(output(new=[("A", r.src[: granted * bpc], 0, granted * ct)]))
         step(meta, lambda: paged_step(lean, r, r.src, ids[:, : granted * ct], 0, granted * ct))
         r.settle_saves()  # A's copies landed: its chunks are held before the scheduler is told
+        sched.finished(a)  # A is done: B's hit arrives with nothing else running (loaded in its step)
         report()  # A's chunks held: the scheduler grants them
 
         hit, _ = sched.lookup(b, 0)
@@ -243,6 +244,7 @@ def failed_load_row(ctx: Context, fwd, replay, order: str, shape: dict, tokens: 
         meta = sched.build_meta(output(cached=[("B", failed * ct, n - failed * ct)]))
         b_logits, _ = step(meta, lambda: paged_step(lean, r, r.dst, ids, failed * ct, n))
         r.settle_saves()  # the recompute's saves landed before C asks for them
+        sched.finished(b)  # B is done: C's hit arrives with nothing else running (loaded in its step)
         report()
 
         r.cache[:, r.src[:need]] = torch.tensor(-7.0, dtype=r.cache.dtype)  # only C's load writes them

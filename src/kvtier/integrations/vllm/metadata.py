@@ -33,13 +33,16 @@ class ChunkRun:
     """Chunks ``ids`` of request ``req_id`` to move into / out of ``block_ids`` (bpc blocks per
     chunk, in order). Loads only: ``skip``, the first chunk's blocks vLLM holds already (its
     local prefix cache ends inside the chunk): ``block_ids`` starts at that chunk's block
-    ``skip``; ``tag``, the number the workers report the load's outcome under."""
+    ``skip``; ``tag``, the number the workers report the load's outcome under; ``background``,
+    an asynchronous load (vLLM's ``load_kv_async``): the request waits out of the batch until the
+    workers report it received, so no forward waits for it."""
 
     req_id: str
     ids: list[bytes]
     block_ids: list[int]
     skip: int = 0
     tag: int = 0
+    background: bool = False
 
 
 @dataclass

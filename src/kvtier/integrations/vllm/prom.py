@@ -27,7 +27,7 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         self._bytes = c("vllm:kvtier_bytes", "Bytes moved", labelnames=[*labelnames, "op"])
         self._seconds = c(
             "vllm:kvtier_seconds",
-            "Seconds from submit to observed completion",
+            "Device seconds the transfers ran (data ready to last copy; overlaps once)",
             labelnames=[*labelnames, "op"],
         )
 
@@ -44,5 +44,5 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                 self._errors.labels(*labels, k.removesuffix("_errors")).inc(v)
             elif k.endswith("_bytes"):
                 self._bytes.labels(*labels, k.removesuffix("_bytes")).inc(v)
-            elif k in ("load_s", "save_s"):
-                self._seconds.labels(*labels, k.removesuffix("_s")).inc(v)
+            elif k in ("load_busy_s", "save_busy_s"):
+                self._seconds.labels(*labels, k.removesuffix("_busy_s")).inc(v)

@@ -4,11 +4,13 @@ It decides; the workers move. Per request it names the chunks by vLLM's block ha
 (`chunk_ids`) and each rank's copy of a chunk by its tier key (`chunk_keys`, from the key fields
 the workers report once), and answers vLLM from what the workers say their local tiers hold:
 
-    lookup(request, num_computed)      -> (tokens, False) | (None, False): the held chunks past
-                                          vLLM's own hit, from the block it ends at (inside a
+    lookup(request, num_computed)      -> (tokens, background) | (None, False): the held chunks
+                                          past vLLM's own hit, from the block it ends at (inside a
                                           chunk too); None ("ask again") while a shared tier's
                                           chunks are read into the hosts, or before the workers'
-                                          first report when a disk or shared tier may hold some
+                                          first report when a disk or shared tier may hold some;
+                                          background: loaded while the request waits out of the
+                                          batch (``load_async``: by default while others run)
     after_alloc(request, blocks, n)       a hit becomes a load into the blocks vLLM allocated
     build_meta(scheduler_output)          loads, saves, prefetches, preempted and released
                                           requests -> `KVTierMetadata`
@@ -33,6 +35,11 @@ request's until then (a request finished meanwhile has its free delayed). If any
 failed, vLLM recomputes from the first block not loaded: what was held back is dropped, and the
 request saves from the load's first chunk on as vLLM recomputes (the store skips chunks it
 holds). A preemption drops what was held back (vLLM frees the blocks).
+
+A background load (vLLM's asynchronous load) is sent in the step vLLM allocates its blocks; the
+request waits out of the batch (WAITING_FOR_REMOTE_KVS) until every worker reported it received,
+so no step of the requests running waits for it. Its outcome reaches ``update`` no later than the
+report that it was received, so its saves, once vLLM schedules it, need no holding back.
 
 A finished request whose free vLLM delayed is released (`KVTierMetadata.release`) once nothing of
 it is held back here; each worker reports it finished once its saves have read the blocks.
@@ -64,6 +71,7 @@ class _Req:
     load: ChunkRun | None = None  # to send with the next metadata
     loading: int | None = None  # tag of the load whose outcome is not in yet: saves held back
     load_first: int = 0  # that load's first chunk: a failure re-saves from there
+    background: bool = False  # that load is asynchronous: vLLM waits for it, not a forward
     any_save: bool = False
 
 
@@ -89,6 +97,9 @@ class SchedulerSide:
         self._keys: dict[str, tuple[list[bytes], list[tuple[bytes, ...]]]] = {}  # rid -> (ids, keys)
         self._reqs: dict[str, _Req] = {}
         self._hits: dict[str, int] = {}  # req id -> chunks of its last lookup's hit
+        self._background: set[str] = set()  # req ids whose last lookup's hit loads in the background
+        self._to_send: list[str] = []  # req ids whose background load goes with the next metadata
+        self._running: set[str] = set()  # req ids the last step computed (decides `load_async` auto)
         self._asked: dict[str, float] = {}  # req id -> until when it waits for the first report
         self._tags = itertools.count(1)
         self._tag_req: dict[int, str] = {}  # load tag -> req id, until every rank reported it
@@ -132,7 +143,9 @@ class SchedulerSide:
         self._hits[rid] = n
         if num_computed % self.block_size or n * ct <= num_computed:
             return 0, False  # a load starts on a block: never over a block vLLM computed or shares
-        return n * ct - num_computed, False
+        background = self._in_background(rid)
+        (self._background.add if background else self._background.discard)(rid)
+        return n * ct - num_computed, background
 
     def after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -147,14 +160,25 @@ class SchedulerSide:
         skip = within // self.block_size
         ids = chunk_ids(request.block_hashes, self.hashes_per_chunk, n * ct, self.hash_block_size)
         block_ids = list(blocks.get_block_ids()[0])
-        st.load = ChunkRun(rid, ids[first:n], block_ids[first * bpc + skip : n * bpc], skip, next(self._tags))
-        st.load_first = first
+        background = rid in self._background
+        st.load = ChunkRun(
+            rid, ids[first:n], block_ids[first * bpc + skip : n * bpc], skip, next(self._tags), background
+        )
+        st.load_first, st.background = first, background
         st.saved = max(st.saved, n)  # held already (a failed load takes this back)
+        if background:  # vLLM does not schedule it until it is received: sent with the next metadata
+            self._to_send.append(rid)
 
     def build_meta(self, so) -> KVTierMetadata:
         meta = KVTierMetadata(preempted=set(so.preempted_req_ids or ()))
         for rid in meta.preempted:
             self._preempted(rid)
+        for rid in self._to_send:
+            st = self._reqs.get(rid)
+            if st is not None and st.load is not None:
+                self._send_load(meta, st)
+        self._to_send.clear()
+        self._running = set(so.num_scheduled_tokens)
         for new in so.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is not None:
@@ -216,6 +240,11 @@ class SchedulerSide:
         if st is None:
             return False
         st.load = None  # never sent: the request is done
+        self._background.discard(rid)
+        self._running.discard(rid)
+        if st.background and st.loading is not None and not st.any_save:
+            self._forget(rid)  # its load writes the blocks: vLLM itself frees them once received
+            return False
         pending = st.loading is not None or rid in self._confirmed
         if not st.block_ids or not (pending or st.any_save):
             self._forget(rid)  # no save reads its blocks (a preempted request has none)
@@ -230,12 +259,21 @@ class SchedulerSide:
         a load of it is unconfirmed (they are held back until it is)."""
         rid = st.request.request_id
         if st.load is not None:
-            meta.loads.append(st.load)
-            st.loading, self._tag_req[st.load.tag] = st.load.tag, rid
-            st.load = None
+            self._send_load(meta, st)
         st.computed = computed_after
         if st.loading is None:
             self._add_save(meta, rid, st)
+
+    def _send_load(self, meta: KVTierMetadata, st: _Req) -> None:
+        """The request's load, into this step's metadata; its saves wait for its outcome."""
+        meta.loads.append(st.load)
+        st.loading, self._tag_req[st.load.tag] = st.load.tag, st.request.request_id
+        st.load = None
+
+    def _in_background(self, rid: str) -> bool:
+        """Whether a hit of ``rid`` loads in the background (`VllmSettings.load_async`)."""
+        mode = self.settings.load_async
+        return mode == "always" or (mode == "auto" and bool(self._running - {rid}))
 
     def _add_save(self, meta: KVTierMetadata, rid: str, st: _Req) -> None:
         """The full chunks computed so far and not saved yet: saved after this step's forward."""

@@ -17,6 +17,7 @@ KV_LAYOUTS = ("auto", "any", *VLLM_ORDERS)
 # `kvtier.engine.Path`'s values (that module imports torch: the scheduler side does not); a test
 # keeps the two equal.
 ENGINE_PATHS = ("auto", "staged", "kernel", "batch")
+LOAD_ASYNC = ("auto", "always", "never")
 EXTRA = "kv_connector_extra_config"
 
 
@@ -43,6 +44,11 @@ class VllmSettings:
         quarter of the SMs), so attention of layer l starts once l + 1 layers landed; needs vLLM's
         PIECEWISE CUDA graphs. False: the whole-job DMA paths (staged / batch: no SM but short
         scatters, closer to the link), one wait for the whole load before the forward.
+    load_async: when a hit is loaded in the background, the request waiting out of the batch until
+        its blocks landed (vLLM's asynchronous load), rather than in the step that computes it:
+        "auto" (while other requests run: their steps then never wait for the load, and the load
+        takes the whole-job DMA path, holding no SM beside them; with nothing else running, in the
+        step, layer by layer, for the lowest first token), "always", or "never".
     prefetch_timeout_s: how long a request waits ("ask again") for a lower tier's read
         before it is scheduled with what the host holds.
     index_entries: chunks the scheduler remembers as held (an LRU, ~100 B each).
@@ -67,6 +73,7 @@ class VllmSettings:
     salt: str = ""
     hash_name: str = "sha256"
     layerwise: bool = True
+    load_async: str = "auto"
     prefetch_timeout_s: float = 2.0
     index_entries: int = 1 << 20
     engine_path: str = "auto"
@@ -88,6 +95,7 @@ class VllmSettings:
             ("hash_name", HASHES),
             ("kv_layout", KV_LAYOUTS),
             ("engine_path", ENGINE_PATHS),
+            ("load_async", LOAD_ASYNC),
         ):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{name(key)}: one of {allowed}, got {getattr(self, key)!r}")

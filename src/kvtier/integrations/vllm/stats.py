@@ -3,8 +3,9 @@
 Keys of ``data`` (summed across workers, what Prometheus observes): ``hit_chunks_<tier>`` (host,
 disk, redis, ...), ``miss_chunks``, ``load_errors`` (loads that raised), ``save_errors`` (chunks
 not saved: a save that raised, or a full pool), ``loads`` / ``saves`` (settled transfers),
-``load_bytes`` / ``save_bytes``, ``load_s`` / ``save_s`` (submit to observed completion: GB/s
-from these is a lower bound).
+``load_bytes`` / ``save_bytes``, ``load_busy_s`` / ``save_busy_s`` (the device time that
+direction's transfers ran, from the event that made their data ready to their last copy,
+overlapping transfers counted once).
 
 ``reduce()`` is what vLLM logs every interval ("KV Transfer metrics: k=v, ..."): the interval's
 hit rate first (``hit_rate_pct``, chunks loaded of chunks asked to load), then per tier its hits,
@@ -40,7 +41,7 @@ class KVTierStats(KVConnectorStats):
         if "miss_chunks" in d:
             out["miss_chunks"] = d["miss_chunks"]
         for op in ("load", "save"):
-            n, nbytes, s = d.get(f"{op}s", 0), d.get(f"{op}_bytes", 0), d.get(f"{op}_s", 0)
+            n, nbytes, s = d.get(f"{op}s", 0), d.get(f"{op}_bytes", 0), d.get(f"{op}_busy_s", 0)
             if not n:
                 continue
             out[f"{op}s"] = n

@@ -6,33 +6,46 @@ Per step, in vLLM's call order (`KVTierMetadata` bound first):
                                blocks (vLLM may hand them to another request), and only for those:
                                requests' saves run on SAVE_LANES copy streams, each request's on
                                one no other request's save is queued on while one is idle
-    start_load(meta)           prefetches start; each load: lower-tier reads, then the copies on
-                               the copy stream, one event per layer (from the block vLLM's own hit
-                               ends at); what no tier delivered is reported as load errors (vLLM
-                               recomputes those blocks), and each load's outcome to the scheduler
-    wait_layer(name)           compute waits for that layer only (layerwise: the loads take the
-                               engine's layer-major path, a true event per layer), no host blocking
-    save(meta)                 after the forward: each new full chunk saved from its blocks, the
-                               copy waiting for the compute stream's event; blocks held (the
-                               request's free delayed) until the copy's event completed
-    finished(ids)              released request ids whose saves have all read their blocks
+    start_load(meta)           prefetches start; each load in the step: lower-tier reads, then the
+                               copies on the copy stream, one event per layer (from the block
+                               vLLM's own hit ends at); each background load: an event recorded,
+                               the rest handed to the loader thread (whole-job DMA); what no tier
+                               delivered is reported as load errors (vLLM recomputes those
+                               blocks), and each load's outcome to the scheduler
+    wait_layer(name)           compute waits for that layer of the step's loads only (layerwise:
+                               the engine's layer-major path, a true event per layer), no host
+                               blocking; never for a background load
+    save(meta)                 after the forward: an event recorded, the request's new full chunks
+                               handed to the saver thread, whose copies wait for that event; blocks
+                               held (the request's free delayed) until the copies' event completed
+    finished(ids)              (released request ids whose saves have all read their blocks,
+                               background loads whose copies landed)
     report() / stats()         for the scheduler: the tier keys this rank's local tiers (host,
                                disk) now hold or no longer hold (every eviction, and at start
                                what the disk holds), load outcomes; counters for vLLM's stats
 
 Every tier failure is a miss (fewer tokens loaded, a save skipped), never an exception into
 vLLM's forward. Block ids are vLLM's; chunk i of a run covers ``block_ids[i*bpc:(i+1)*bpc]``.
+
+The forward thread pays microseconds per save or background load: an event and a hand-over. The
+store's per-chunk work (keys, the host index, pool slots, the engine's submission) runs on two
+`Mover` threads, the saver and the loader, each in the order vLLM asked. Every path's first use
+(kernel compiles, CUDA graph captures, the batched copy's first call) happens in `register`, on
+blocks no request holds yet. Stats time each transfer on the device: from the event that made
+its data ready to its copies' last event, overlapping transfers counted once (``*_busy_s``).
 """
 
 from __future__ import annotations
 
 import logging
-import time
+import threading
 from collections import Counter, deque
+from functools import partial
 
 from .hash_store import HashKeyedStore
 from .holdings import Holdings
 from .metadata import ChunkRun, KVTierMetadata, KVTierWorkerMetadata
+from .mover import Mover
 from .settings import VllmSettings
 
 log = logging.getLogger(__name__)
@@ -64,8 +77,19 @@ class WorkerSide:
         self._tiers, self._device = tiers, device
         self.store: HashKeyedStore | None = None
         self._layer_index: dict[str, int] = {}
-        self._loads: list = []  # (LoadHandle, ChunkRun, t0) of this step and earlier
-        self._saves: dict[str, list] = {}  # req id -> [(SaveHandle, ChunkRun, t0)]
+        self._loads: list = []  # (LoadHandle, ChunkRun, ready event) loaded in a step, not landed yet
+        self._saves: dict[str, list] = {}  # req id -> [(SaveHandle, ChunkRun, ready event)], submitted
+        # What the saver and loader threads and the forward thread share: _saves, _queued,
+        # _background, _errors, _loaded, _failed, _counts, _busy and the holdings' changes.
+        self._lock = threading.Lock()
+        self._queued: Counter = Counter()  # req id -> its saves handed over, not submitted yet
+        self._last_save: dict[str, int] = {}  # req id -> the saver's number of its last save
+        # req id -> (LoadHandle or None, run, ready event) once submitted; None while handed over
+        self._background: dict[str, tuple | None] = {}
+        self._received: set[str] = set()  # background loads landed, not reported to vLLM yet
+        self._saver: Mover | None = None
+        self._loader: Mover | None = None
+        self._busy: dict[str, float] = {}  # op -> device time (s) the latest transfer counted ended
         self._released: set[str] = set()  # finished requests reported once their saves are done
         self._prefetches: list = []  # (req id, ChunkRun, Future)
         self._errors: set[int] = set()
@@ -128,6 +152,9 @@ class WorkerSide:
         self._lanes = [dev.new_stream(f"kvtier-save-{i}") for i in range(SAVE_LANES)]  # made at start
         self._lane_last = [None] * SAVE_LANES
         self._lane_order = deque(range(SAVE_LANES))
+        self._warm_up(engine)
+        self._saver = Mover(f"kvtier-saver-tp{self.tp_rank}")
+        self._loader = Mover(f"kvtier-loader-tp{self.tp_rank}")
 
     def _make_tiers(self) -> list:
         s, tiers = self.settings, []
@@ -159,8 +186,14 @@ class WorkerSide:
 
     def wait_saves(self, req_id: str, stream) -> None:
         """Later work on ``stream`` waits for ``req_id``'s pending saves, and for nothing else
-        (what runs before them on their lane)."""
-        for h, _, _ in self._saves.get(req_id, ()):
+        (what runs before them on their lane). The host first waits until the saver thread has
+        submitted the saves handed to it (their copies are then queued, not done)."""
+        n = self._last_save.get(req_id)
+        if n is not None:
+            self._saver.wait(n)  # a save not submitted yet has no event for the stream to wait on
+        with self._lock:
+            handles = [h for h, _, _ in self._saves.get(req_id, ())]
+        for h in handles:
             h.wait_on(stream)  # vLLM reuses these blocks: no overwrite before the copy read them
 
     def start_load(self, meta: KVTierMetadata) -> None:
@@ -173,46 +206,62 @@ class WorkerSide:
             except Exception as exc:  # a prefetch is a hint: its failure is a later miss
                 log.warning("kvtier: prefetch failed: %s", exc)
                 self._prefetched[run.req_id] = 1 << self.tp_rank
-        if meta.loads:
-            # vLLM zeroes new blocks on the compute stream before the forward: a load must land after.
-            zeroed = self.dev.current_stream().record()
+        if not meta.loads:
+            return
+        # vLLM zeroes new blocks on the compute stream before the forward: a load must land after.
+        zeroed = self.dev.current_stream().record()
         for run in meta.loads:
-            self._load(run, zeroed)
+            if run.background:
+                with self._lock:
+                    self._background[run.req_id] = None  # handed over: received once submitted and landed
+                self._loader.submit(partial(self._load, run, zeroed, True))
+            else:
+                self._load(run, zeroed, False)
         if not self.settings.layerwise:
             stream = self.dev.current_stream()
             for h, _, _ in self._loads:
                 for layer in range(self.kv.num_layers):
                     h.wait_layer(layer, stream)  # the forward must not read a layer before it landed
 
-    def _load(self, run: ChunkRun, zeroed) -> None:
-        bpc, t0, got = self.store.fmt.blocks, time.perf_counter(), 0
+    def _load(self, run: ChunkRun, zeroed, background: bool) -> None:
+        """One load (on the loader thread when ``background``): its outcome, errors and counts."""
+        bpc, got, h, missing = self.store.fmt.blocks, 0, None, None
         try:
             self.store.engine.compute_write(run.block_ids, zeroed)  # the copy waits for the zeroing
-            h = self.store.load(run.ids, run.block_ids, first_block=run.skip, path=self.load_path())
+            path, per_layer = self.load_path(background), not background
+            h = self.store.load(run.ids, run.block_ids, first_block=run.skip, path=path, per_layer=per_layer)
             got = len(h.jobs)  # chunks delivered (a job each), the first one from block run.skip on
-            self._loads.append((h, run, t0))
-            self._counts.update(f"hit_chunks_{t}" for t in h.tiers)
         except Exception as exc:  # a failing tier is a miss: vLLM recomputes what did not arrive
             log.warning("kvtier: load of %s failed: %s", run.req_id, exc)
-            self._counts["load_errors"] += 1
+            self._count(load_errors=1)
+        if got < len(run.ids):
+            missing = self.store.keys(run.ids[got : got + 1])[0]
         mask = 1 << self.tp_rank
-        if got == len(run.ids):
-            self._loaded[run.tag] = mask
-            return
-        # The scheduler holds its saves back until every rank's outcome is in (`SchedulerSide`).
-        self._failed[run.tag] = mask
-        self._holdings.lost(self.store.keys(run.ids[got : got + 1])[0])  # no tier delivered it
-        self._counts["miss_chunks"] += len(run.ids) - got
-        self._errors.update(run.block_ids[max(0, got * bpc - run.skip) :])
+        with self._lock:
+            if h is not None:
+                self._counts.update(f"hit_chunks_{t}" for t in h.tiers)
+            if background:
+                self._background[run.req_id] = (h, run, zeroed)
+            elif h is not None:
+                self._loads.append((h, run, zeroed))
+            if missing is None:
+                self._loaded[run.tag] = mask
+                return
+            # The scheduler holds its saves back until every rank's outcome is in (`SchedulerSide`).
+            self._failed[run.tag] = mask
+            self._holdings.lost(missing)  # no tier delivered it
+            self._counts["miss_chunks"] += len(run.ids) - got
+            self._errors.update(run.block_ids[max(0, got * bpc - run.skip) :])
 
-    def load_path(self) -> str | None:
+    def load_path(self, background: bool = False) -> str | None:
         """Layerwise: the engine's layer-major path ("kernel": one launch per layer over every
         chunk, so layer l's event completes after l + 1 of L layers' bytes, not all of them);
-        else the engine's whole-job path (staged / batch: DMA, closest to the link, every layer's
-        event the job's last). A path the settings name wins."""
+        else, and for a background load (no forward waits for its layers), the engine's whole-job
+        path (staged / batch: DMA, closest to the link, no SM held beside the running requests).
+        A path the settings name wins."""
         if self.settings.engine_path != "auto":
             return self.settings.engine_path
-        return "kernel" if self.settings.layerwise else None
+        return "kernel" if self.settings.layerwise and not background else None
 
     def wait_layer(self, layer_name: str) -> None:
         if not self._loads or not self.settings.layerwise:
@@ -230,49 +279,71 @@ class WorkerSide:
             return
         after = self.dev.current_stream().record()  # the forward wrote the KV before this event
         for run in meta.saves:
-            lane = self._lane()
-            try:
-                h = self.store.save(run.ids, run.block_ids, after=after, stream=self._lanes[lane])
-            except Exception as exc:  # a failed save is only a later miss
-                log.warning("kvtier: save of %s failed: %s", run.req_id, exc)
+            with self._lock:
+                self._queued[run.req_id] += 1  # its blocks stay the request's: not released before submitted
+            self._last_save[run.req_id] = self._saver.submit(partial(self._save, run, after))
+
+    def _save(self, run: ChunkRun, after) -> None:
+        """One request's save, on the saver thread."""
+        lane, h = self._lane(), None
+        try:
+            h = self.store.save(run.ids, run.block_ids, after=after, stream=self._lanes[lane])
+        except Exception as exc:  # a failed save is only a later miss
+            log.warning("kvtier: save of %s failed: %s", run.req_id, exc)
+        with self._lock:
+            if h is None:
                 self._counts["save_errors"] += 1
-                continue
-            self._lane_last[lane] = h
-            if h.failed:  # the pool was full: those chunks are a later miss
-                self._counts["save_errors"] += h.failed
-            self._saves.setdefault(run.req_id, []).append((h, run, time.perf_counter()))
+            else:
+                self._lane_last[lane] = h
+                self._counts["save_errors"] += h.failed  # the pool was full: those chunks are a later miss
+                self._saves.setdefault(run.req_id, []).append((h, run, after))
+            self._queued[run.req_id] -= 1
+            if not self._queued[run.req_id]:
+                del self._queued[run.req_id]
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Released requests (the scheduler sends no more saves of them) whose saves have all read
-        their blocks: vLLM may hand the blocks on."""
+        """(released requests (the scheduler sends no more saves of them) whose saves have all
+        read their blocks: vLLM may hand the blocks on; background loads whose copies landed)."""
         self._settle()
-        if not self._released:
-            return None, None
-        done = {rid for rid in self._released if rid not in self._saves}
+        with self._lock:
+            received, self._received = self._received, set()
+            done = {rid for rid in self._released if rid not in self._saves and rid not in self._queued}
         self._released -= done
-        return done or None, None
+        return done or None, received or None
+
+    def wait_submitted(self, timeout: float | None = None) -> bool:
+        """Block until the saver and loader threads have submitted everything handed to them (the
+        copies are then queued on the device, not done); False on timeout."""
+        movers = [m for m in (self._saver, self._loader) if m is not None]
+        return all(m.wait(m.asked, timeout) for m in movers)
 
     def load_errors(self) -> set[int]:
-        out, self._errors = self._errors, set()
+        with self._lock:
+            out, self._errors = self._errors, set()
         return out
 
     def report(self) -> KVTierWorkerMetadata | None:
         if self.store is None:
             return None
         self._settle()
-        held, lost = self._holdings.take(self.store.host)
-        wm = KVTierWorkerMetadata(held, lost, self._loaded, self._failed, self._prefetched)
+        with self._lock:
+            held, lost = self._holdings.take(self.store.host)
+            wm = KVTierWorkerMetadata(held, lost, self._loaded, self._failed, self._prefetched)
+            self._loaded, self._failed, self._prefetched = {}, {}, {}
         if not self._extra_sent:
             x = self.store.extra
             wm.extra, self._extra_sent = (x.model, x.kv_dtype, x.layout, x.tp_size, x.salt), True
-        self._loaded, self._failed, self._prefetched = {}, {}, {}
         return None if wm.is_empty() else wm
 
     def stats(self) -> dict:
-        out, self._counts = dict(self._counts), Counter()
+        with self._lock:
+            out, self._counts = dict(self._counts), Counter()
         return out
 
     def shutdown(self) -> None:
+        for mover in (self._saver, self._loader):
+            if mover is not None:
+                mover.close()  # what was handed over is submitted before the store closes
         if self.store is not None:
             try:
                 self.store.close()  # every copy in flight lands before its slot goes back
@@ -298,30 +369,38 @@ class WorkerSide:
         return lane
 
     def _settle(self) -> None:
-        """Completed loads, saves and prefetches: counted, reported, their requests released."""
+        """Completed loads, saves and prefetches: counted, reported, their requests released; the
+        background loads landed (or delivering nothing) noted for `finished`."""
         if self.store is None:
             return
-        mask, nbytes, tokens = 1 << self.tp_rank, self.store.fmt.nbytes, self.store.fmt.tokens
+        mask, tokens = 1 << self.tp_rank, self.store.fmt.tokens
         keep = []
-        for h, run, t0 in self._loads:
+        for h, run, ready in self._loads:
             if h.done():  # event queries: the copies landed, the slots' pins drop
-                self._account("load", len(h.jobs) * nbytes, t0)
+                self._account("load", h, ready)
             else:
-                keep.append((h, run, t0))
+                keep.append((h, run, ready))
         self._loads = keep
-        for rid in list(self._saves):
-            left = []
-            for h, run, t0 in self._saves[rid]:
-                if not h.done():  # the blocks stay the request's until the copy read them
-                    left.append((h, run, t0))
-                    continue
-                self._account("save", h.saved * nbytes, t0)
+        with self._lock:
+            saves = {rid: list(v) for rid, v in self._saves.items()}
+            background = [(rid, v) for rid, v in self._background.items() if v is not None]
+        done_saves = [(rid, x) for rid, v in saves.items() for x in v if x[0].done()]  # landed: not a submit
+        received = {rid for rid, (h, _, _) in background if h is None or h.done()}
+        with self._lock:
+            for rid, x in done_saves:
+                self._saves[rid].remove(x)
+                if not self._saves[rid]:
+                    del self._saves[rid]
+            self._received |= received
+            for rid, (h, _, ready) in background:
+                if rid in received:
+                    del self._background[rid]
+                    if h is not None:
+                        self._account("load", h, ready)
+            for _, (h, run, ready) in done_saves:
+                self._account("save", h, ready)
                 if h.tokens:
                     self._holdings.held(self.store.keys(run.ids[: h.tokens // tokens]))
-            if left:
-                self._saves[rid] = left
-            else:
-                del self._saves[rid]
         pending = []
         for rid, run, fut in self._prefetches:
             if not fut.done():
@@ -329,11 +408,61 @@ class WorkerSide:
                 continue
             got = fut.result() // tokens if fut.exception() is None else 0
             if got:
-                self._holdings.held(self.store.keys(run.ids[:got]))
+                with self._lock:
+                    self._holdings.held(self.store.keys(run.ids[:got]))
             self._prefetched[rid] = mask
         self._prefetches = pending
 
-    def _account(self, op: str, nbytes: int, t0: float) -> None:
+    def _account(self, op: str, h, ready) -> None:
+        """A transfer that completed: bytes, count, and its device time from ``ready`` (the event
+        that made its data ready) to its last copy, overlapping transfers counted once."""
+        jobs = h.jobs
+        nbytes = (h.saved if op == "save" else len(jobs)) * self.store.fmt.nbytes
         self._counts[f"{op}_bytes"] += nbytes
-        self._counts[f"{op}_s"] += time.perf_counter() - t0
         self._counts[f"{op}s"] += 1
+        if not jobs:
+            return
+        try:
+            start, end = ready.time_s(), max(j.event.time_s() for j in jobs)
+        except Exception:  # an event without timing (e.g. torch's, created without): no device time
+            return
+        last = self._busy.get(op, float("-inf"))  # the end of the latest transfer counted
+        self._counts[f"{op}_busy_s"] += max(0.0, end - max(start, last))
+        self._busy[op] = max(last, end)
+
+    def _count(self, **counts: int) -> None:
+        with self._lock:
+            self._counts.update(counts)
+
+    def _warm_up(self, engine) -> None:
+        """Every copy path's first use (Triton compiles, the staged path's CUDA graph captures,
+        the batched copy's first call, each save lane's) now, at start, on blocks that hold no
+        request's KV yet (vLLM's block 0 is its null block): a save of two chunks into the pool and
+        their loads back into the same blocks on every load path, the slots then given back."""
+        bpc = self.store.fmt.blocks
+        n = min(2 * bpc, engine.kv.num_blocks - 1)
+        if n < bpc:
+            return
+        blocks = list(range(1, 1 + n - n % bpc))
+        counts = [bpc] * (len(blocks) // bpc)
+        stream = self.dev.current_stream()
+        slots = []
+        try:
+            for lane in self._lanes:
+                jobs = engine.save_slots(blocks, counts, after=stream.record(), stream=lane)
+                for job in jobs:
+                    engine.wait(job)  # READY only once its copy landed: a load may read it then
+                slots.extend(job.slot for job in jobs)
+            mine = slots[-len(counts) :]
+            paths = {engine.load_path(per_layer=True), engine.load_path(per_layer=False)}
+            for path in paths:
+                for per_layer in (True, False):
+                    engine.wait(engine.load(mine[0], blocks[:bpc], per_layer=per_layer, path=path.value))
+                if len(mine) > 1:
+                    for job in engine.load_slots(mine, blocks, path=path.value):
+                        engine.wait(job)  # the next path's copies must not race these into the blocks
+        except Exception as exc:  # a warm-up is not worth failing vLLM's start: the first step pays
+            log.warning("kvtier: warm-up at start failed (%s): a path's first use may slow a step", exc)
+        finally:
+            for slot in slots:
+                engine.release(slot)  # freed once no copy into / out of it is pending
