@@ -1,9 +1,15 @@
 """The contract every tier keeps, so KVStore can stack them (host pool → disk → Redis).
 
 Failure never escapes a tier: an error, timeout, full tier, or bytes that fail their header
-or checksum make ``get`` return None (a miss — the caller recomputes) and ``put`` return
-False; each is logged and counted in ``stats()``. Only caller bugs (a malformed key, a header
-that does not match its payload) raise, as ValueError naming the argument.
+or checksum (or, for a tier with a key ring, their seal) make ``get`` return None (a miss — the
+caller recomputes) and ``put`` return False; each is logged and counted in ``stats()``. Only
+caller bugs (a malformed key, a header that does not match its payload) raise, as ValueError
+naming the argument.
+
+A tier that other processes can write (disk, Redis) has an ``auth`` attribute: None, or the
+`auth.KeyRing` that seals every chunk it puts and opens every chunk it reads; a get then returns
+the header as its writer gave it (unsealed), and never a chunk its ring could not open. A tier
+without the attribute holds chunks only this process writes.
 """
 
 from __future__ import annotations
