@@ -107,6 +107,7 @@ class WorkerSide:
             tp_size=self.tp_size,
             salt=s.salt.encode(),
             hash_name=s.hash_name,
+            auth_keys=s.auth_keys,
         )
         self.store = HashKeyedStore(engine, self.model, tiers=tiers, config=cfg)
         self.dev, self.kv, self.torch = dev, kv, torch
