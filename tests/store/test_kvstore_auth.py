@@ -123,9 +123,9 @@ def test_disk_planted_chunks_are_forged_misses_and_heal_as_they_are_read(tmp_pat
         save(r, a, range(4))
         lh, _ = load_into_poisoned(r, a, range(40, 44))
         assert lh.tokens == 2 * CT and lh.tiers == ("disk", "disk") and r.check(a, range(40, 44), 2)
-        for key in r.store.keys(a):  # sealed by the ring's key
+        for key in r.store.keys(a):  # sealed by the ring's key; no checksum besides the tag
             head = ChunkHeader.unpack(tier.chunk_path(key).read_bytes()[:4096])[0]
-            assert head.seal.key_id == KeyRing([NEW]).key_ids[0]
+            assert head.seal.key_id == KeyRing([NEW]).key_ids[0] and head.algo == "none"
     finally:
         r.close()
 
@@ -285,6 +285,9 @@ def test_the_store_gives_its_ring_to_tiers_built_without_one(tmp_path):
     r = Rig(tiers=[same, bare, mem], auth_keys=ring)
     try:
         assert bare.auth is ring and same.auth is not ring and not hasattr(mem, "auth")
+        a = toks(12, CT)
+        save(r, a, range(2))  # a tier that does not seal is among them: the chunk keeps its checksum
+        assert ChunkHeader.unpack(bare.chunk_path(r.store.keys(a)[0]).read_bytes())[0].algo == "xxh3_64"
     finally:
         r.close()
     lone, other = disk(tmp_path / "lone"), disk(tmp_path / "other", name="disk2", auth=KeyRing([OTHER]))

@@ -235,3 +235,35 @@ def test_a_payload_the_aead_cannot_take_is_refused():
 
     with pytest.raises(ValueError, match="at most"):
         KeyRing([NEW]).seal(header(), Big())
+
+
+def test_a_chunk_without_checksum_is_only_for_a_tier_that_seals_it(tmp_path):
+    """algo "none": the store's writer skips the checksum where every tier seals (the tag covers
+    the payload); a plain header without one never packs, parses or verifies."""
+    from kvtier.store.disk import DiskTier
+
+    bare = ChunkHeader.for_payload(KEY, PAYLOAD, (len(PAYLOAD),), "uint8", "flat", algo="none")
+    assert bare.checksum == 0 and not bare.verify(PAYLOAD)
+    with pytest.raises(ValueError, match="needs a checksum"):
+        bare.pack()
+    plain = bytearray(header().pack())
+    plain[6] = 0  # algo 0 in a version 1 header, CRC made valid again
+    import zlib
+
+    plain[-4:] = zlib.crc32(plain[:-4]).to_bytes(4, "little")
+    with pytest.raises(HeaderError):
+        ChunkHeader.unpack(bytes(plain))
+    with pytest.raises(ValueError, match="algo 'none'"):
+        DiskTier(tmp_path / "plain", 1 << 20).put(KEY, bare, PAYLOAD)
+    tier = DiskTier(tmp_path / "sealed", 1 << 20, auth=KeyRing([NEW]))
+    assert tier.put(KEY, bare, PAYLOAD)
+    got = tier.get(KEY)
+    assert got.header == bare and bytes(got.payload) == PAYLOAD
+    bad = bytearray(tier.chunk_path(KEY).read_bytes())
+    bad[-1] ^= 1  # the tag alone guards the payload
+    os.chmod(tier.chunk_path(KEY), 0o644)
+    tier.chunk_path(KEY).write_bytes(bytes(bad))
+    tier.close()
+    tier = DiskTier(tmp_path / "sealed", 1 << 20, auth=KeyRing([NEW]))
+    assert tier.get(KEY) is None and tier.stats()["errors_forged"] == 1
+    tier.close()

@@ -275,7 +275,7 @@ def _key_id(master: bytes) -> bytes:
 
 def _info(plain: ChunkHeader, key_id: bytes, salt: bytes, encrypted: bool) -> bytes:
     """Every header field the tag covers, in one unambiguous string (the plain header packed)."""
-    return _DOMAIN + bytes([MACS["aes256-gcm"], int(encrypted)]) + key_id + salt + plain.pack()
+    return _DOMAIN + bytes([MACS["aes256-gcm"], int(encrypted)]) + key_id + salt + plain.sealed_fields()
 
 
 def _masked(header: ChunkHeader, mask: tuple[int, int], seal: Seal | None) -> ChunkHeader:

@@ -152,7 +152,7 @@ class DiskTier(TierReads):
         items = list(items)
         batch = {}  # key -> (header, view): a key twice in one batch is written once
         for key, header, payload in items:
-            batch.setdefault(key, (header, check_put_args(key, header, payload)))
+            batch.setdefault(key, (header, check_put_args(key, header, payload, self.auth is not None)))
         if not self.writer or not self._folder.ready(self._forget_all):
             for _ in batch:
                 self._m.put_failed("skipped" if not self.writer else "error")

@@ -25,6 +25,7 @@ It guards against torn writes and bit rot, not against an attacker: a sealed chu
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import zlib
 from dataclasses import dataclass
@@ -36,7 +37,8 @@ from .payload import as_view
 
 MAGIC = b"KVTC"
 VERSION, SEALED_VERSION = 1, 2
-ALGOS = {"xxh3_64": 1, "crc32": 2}
+# "none": no checksum, only for a chunk a key ring seals (its tag covers the payload instead).
+ALGOS = {"xxh3_64": 1, "crc32": 2, "none": 0}
 _ALGO_NAMES = {v: k for k, v in ALGOS.items()}
 MACS = {"aes256-gcm": 1}  # a seal's tag: AES-256-GCM under a key made for the write (`auth`)
 _MAC_NAMES = {v: k for k, v in MACS.items()}
@@ -82,6 +84,8 @@ def payload_checksum(payload, algo: str = "xxh3_64") -> int:
         return xxhash.xxh3_64_intdigest(view)
     if algo == "crc32":
         return zlib.crc32(view)
+    if algo == "none":
+        return 0
     raise ValueError(f"algo must be one of {tuple(ALGOS)}, got {algo!r}")
 
 
@@ -89,7 +93,8 @@ def payload_checksum(payload, algo: str = "xxh3_64") -> int:
 class ChunkHeader:
     """key: the chunk key. shape / dtype / layout: how the payload bytes are read back as
     KV (e.g. ``(layers, 2, tokens, heads, dim)``, "bfloat16", "vllm_flash") — carried, not
-    interpreted, by tiers. payload_len: bytes. checksum: of the payload, by ``algo``.
+    interpreted, by tiers. payload_len: bytes. checksum: of the payload, by ``algo`` ("none": 0,
+    for a chunk only a tier that seals it stores: its tag covers the payload instead).
     group: what ties chunks written as one unit (e.g. the pieces of one SGLang page) to that
     write, so a reader that assembles the unit can tell one write from a mix of two; 0: none.
     Tiers carry it, never interpret it. seal: None for a plain chunk; a sealed one's `Seal`
@@ -149,12 +154,26 @@ class ChunkHeader:
 
     def verify(self, payload) -> bool:
         """True if ``payload`` has this header's length and checksum (the plain check: a sealed
-        chunk read from a tier is checked by its key ring instead)."""
+        chunk read from a tier is checked by its key ring instead; algo "none" checks nothing,
+        so never verifies)."""
         view = as_view(payload)
-        return view.nbytes == self.payload_len and payload_checksum(view, self.algo) == self.checksum
+        if self.algo == "none" or view.nbytes != self.payload_len:
+            return False
+        return payload_checksum(view, self.algo) == self.checksum
 
     def pack(self) -> bytes:
-        """Version 1 for a plain header, version 2 for a sealed one."""
+        """Version 1 for a plain header, version 2 for a sealed one. ValueError for a plain
+        header without a checksum (algo "none")."""
+        if self.seal is None and self.algo == "none":
+            raise ValueError("a plain header needs a checksum: algo 'none' is for a chunk a key ring seals")
+        return self._pack()
+
+    def sealed_fields(self) -> bytes:
+        """What a seal's tag covers of this header: every field but the seal, packed as version 1
+        (one unambiguous string; a checksum of algo "none" too)."""
+        return dataclasses.replace(self, seal=None)._pack() if self.seal is not None else self._pack()
+
+    def _pack(self) -> bytes:
         dtype, layout = self.dtype.encode(), self.layout.encode()
         seal = self.seal
         if seal is None:
@@ -212,8 +231,8 @@ class ChunkHeader:
                 group, mac, key_id, salt, tag = _SEAL.unpack_from(view, pos)
                 seal = Seal(key_id, salt, tag, bool(flags & _ENCRYPTED), _MAC_NAMES[mac])
                 pos += _SEAL.size
-            elif flags:
-                raise HeaderError(f"flags {flags} in a plain header")
+            elif flags or algo == ALGOS["none"]:
+                raise HeaderError(f"a plain header with flags {flags} and algo {algo}")
             elif pos + _GROUP.size == total - _CRC.size:
                 (group,) = _GROUP.unpack_from(view, pos)
                 pos += _GROUP.size

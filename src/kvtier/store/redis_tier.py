@@ -142,7 +142,10 @@ class RedisTier(TierReads):
         """``put`` of each ``(key, header, payload)``, the payloads sent from the caller's memory
         in one pipelined round trip for the whole batch (two on a cluster: ``redis_write``);
         each chunk is stored whole or not at all."""
-        checked = [(key, header, check_put_args(key, header, payload)) for key, header, payload in items]
+        sealed = self.auth is not None
+        checked = [
+            (key, header, check_put_args(key, header, payload, sealed)) for key, header, payload in items
+        ]
         if not checked:
             return []
         t0 = time.perf_counter()

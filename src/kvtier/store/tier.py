@@ -94,11 +94,14 @@ class TierReads:
         return None if got is None else got[0]
 
 
-def check_put_args(key: bytes, header: ChunkHeader, payload) -> memoryview:
-    """Validate a put's arguments (caller bugs raise) and return the payload's byte view."""
+def check_put_args(key: bytes, header: ChunkHeader, payload, sealed: bool = False) -> memoryview:
+    """Validate a put's arguments (caller bugs raise) and return the payload's byte view.
+    ``sealed``: the tier seals what it stores (only then may a header have no checksum)."""
     check_key(key)
     if not isinstance(header, ChunkHeader):
         raise ValueError(f"header must be a ChunkHeader, got {type(header).__name__}")
+    if header.algo == "none" and not sealed:
+        raise ValueError("header.algo 'none' (no checksum): only for a tier with a key ring, which seals it")
     if header.key != key:
         raise ValueError(f"header.key {header.key.hex()} does not match key {key.hex()}")
     view = as_view(payload)
