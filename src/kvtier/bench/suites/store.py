@@ -100,7 +100,7 @@ def _lookup_row(ctx: Context, case: str, rig: Rig, t, ok: bool, path: str, **par
 
 
 AUTH = ("none", "mac", "encrypted")  # the key ring's modes, each a pair of rows per lower tier
-ROUNDS = {True: 3, False: 11}  # timed runs of each mode when several are interleaved (by ctx.quick)
+ROUNDS = {True: 3, False: 15}  # timed runs of each mode when several are interleaved (by ctx.quick)
 
 
 class _Run:
@@ -167,8 +167,9 @@ class _Run:
 def _time_runs(ctx: Context, runs: list[_Run], what: str) -> tuple[list, list[float | None]]:
     """The timing of ``what`` ("save" or "load") of each run, and the median over rounds of its
     time over the first run's in the same round (None for the first run, or a run alone).
-    Several runs go round by round, one timed run of each in turn: a neighbour loading the host
-    weighs on each alike, so their rows compare side by side. One run alone: ``ctx.time``."""
+    Several runs go round by round, one timed run of each in turn, each round starting with the
+    next run: a neighbour loading the host weighs on each alike, so their rows compare side by
+    side. One run alone: ``ctx.time``."""
     setup = "fresh" if what == "save" else "cold"
     if len(runs) == 1:
         r = runs[0]
@@ -181,8 +182,10 @@ def _time_runs(ctx: Context, runs: list[_Run], what: str) -> tuple[list, list[fl
         getattr(r, what)()
         r.release()
     samples: list[list[float]] = [[] for _ in runs]
-    for _ in range(ROUNDS[bool(ctx.quick)]):
-        for r, got in zip(runs, samples, strict=True):
+    for n in range(ROUNDS[bool(ctx.quick)]):
+        # Each round starts with the next run: no run is always first, nor always after the same one.
+        for i in range(n, n + len(runs)):
+            r, got = runs[i % len(runs)], samples[i % len(runs)]
             getattr(r, setup)()
             t0 = time.perf_counter()
             getattr(r, what)()
