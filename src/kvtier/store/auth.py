@@ -21,13 +21,15 @@ The seal (`header.Seal`, header version 2): per write a random 16-byte salt; fro
 an AES-256 key and a mask of this write alone (keyed BLAKE2b). The tag is AES-GCM's over the
 header's fields (key, shape, dtype, layout, payload_len, checksum, group, algo, key id, salt)
 and the payload: a header moved onto another chunk's payload, or a payload under another header,
-fails. Without encryption the payload is GCM's associated data (GMAC: one GHASH pass, at
-memcpy-like speed where the CPU has AES and carry-less multiply instructions); with it, the
-payload is GCM's plaintext and the stored bytes are its ciphertext. Each AES key seals one write,
-so GCM's fixed nonce is never reused. The header's checksum and group are stored masked (an
-encrypted payload's checksum would otherwise tell its plaintext). Tags are compared in constant
-time. Keys are never logged, nor in reprs, stats, metrics or error messages: a ring shows its
-count and the id of the key that seals (8 bytes derived from the key, which they do not reveal).
+fails. Without encryption the payload is GCM's associated data and the header's fields its
+plaintext, whose ciphertext is dropped (GMAC: one GHASH pass over the payload, near xxh3's speed
+where the CPU has AES and carry-less multiply instructions); with it, the payload is GCM's
+plaintext, the stored bytes its ciphertext, and the header's fields the associated data. Each
+AES key seals one write, so GCM's fixed nonce is never reused. The header's checksum and group
+are stored masked (an encrypted payload's checksum would otherwise tell its plaintext). Tags
+are compared in constant time. Keys are never logged, nor in reprs, stats, metrics or error
+messages: a ring shows its count and the id of the key that seals (8 bytes derived from the key,
+which they do not reveal).
 
 Outcomes, per tier: a tier with a ring counts a chunk it cannot open as ``forged`` (a bad tag, a
 key not in its ring, or no tag at all: a plain chunk); a tier without one counts a sealed chunk
