@@ -72,3 +72,10 @@ def _state(pid: str) -> str:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
     except OSError:
         return "Z"
+
+
+def test_probe_mac_prints_every_candidate():
+    r = run("probe_mac.py", "--mib", "0.25", "--reps", "2")
+    assert r.returncode == 0, r.stderr
+    for name in ("xxh3_64", "gmac", "hmac-sha256", "blake2b keyed", "aes-256-gcm decrypt_into"):
+        assert name in r.stdout

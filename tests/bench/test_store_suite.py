@@ -34,6 +34,12 @@ def test_quick_run_writes_a_valid_result_with_every_tier(run):
     cases = {row["case"] for row in doc["rows"]}
     for tier in TIERS:
         assert {f"save {tier}", f"load {tier}"} <= cases
+    for tier in TIERS[1:]:  # the lower tiers again with a key ring: sealed, then encrypted too
+        assert {f"{d} {tier} {a}" for d in ("save", "load") for a in ("mac", "encrypted")} <= cases
+    auth = {row["case"]: row["params"].get("auth") for row in doc["rows"]}
+    assert auth["save disk"] == "none" and auth["load disk mac"] == "mac"
+    vs = {row["case"]: row["params"].get("time_vs_none") for row in doc["rows"]}
+    assert vs["save disk"] is None and vs["load disk mac"] > 0 and vs["save disk encrypted"] > 0
     assert {"lookup 32K host hit", "chunk_keys 32K list"} <= cases
     assert all(row["correct"] is True for row in doc["rows"])
     ceilings = doc["environment"]["ceilings"]

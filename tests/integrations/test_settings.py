@@ -289,3 +289,64 @@ def test_for_model_sizes_and_the_least_pool_that_holds():
     refused(lambda: KVTier.for_model(model, chunk_tokens=64, pool_bytes=3 * CHUNK - 256), "pool_bytes")
     with KVTier.for_model(model, chunk_tokens=64, num_blocks=4) as kvt:  # the default pool holds a chunk
         assert kvt.pool.capacity >= 3 * CHUNK
+
+
+# -- auth_keys: the key that seals the shared tiers' chunks, in every integration -----------------
+
+KEY_A, KEY_B = "0123456789abcdef0123456789abcdef", "a second key of twenty four"
+
+
+def test_auth_keys_become_a_key_ring_in_every_integration(tmp_path, monkeypatch):
+    from kvtier.integrations.hf import KVTier
+    from kvtier.store.auth import ENV, KeyRing
+    from kvtier.store.disk import DiskTier
+
+    monkeypatch.delenv(ENV, raising=False)
+    want = KeyRing([KEY_A, KEY_B]).key_ids
+    s = vllm(auth_keys=[KEY_A, KEY_B], encrypt_chunks=1)
+    assert s.auth_keys.key_ids == want and s.auth_keys.encrypt
+    be = sglang(tiers=["disk"], disk_path=str(tmp_path / "sg"), auth_keys=f"{KEY_A},{KEY_B}")
+    assert [t.auth.key_ids for t in be.tiers] == [want]
+    be.close()
+    tier = DiskTier(tmp_path / "hf", 1 << 30)
+    with KVTier.for_model(_llama(), chunk_tokens=64, tiers=[tier], auth_keys=[KEY_A, KEY_B]) as kvt:
+        assert tier.auth is kvt.store.config.auth_keys and tier.auth.key_ids == want
+    tier.close()
+    monkeypatch.setenv(ENV, KEY_B)  # no setting: the environment's keys
+    assert vllm().auth_keys.key_ids == KeyRing(KEY_B).key_ids
+    assert vllm(auth_keys=KEY_A).auth_keys.key_ids == KeyRing(KEY_A).key_ids  # a setting wins
+
+
+def test_auth_keys_refused_name_the_setting_never_the_key(tmp_path, monkeypatch):
+    from kvtier.integrations.hf import KVTier
+    from kvtier.store.auth import ENV
+
+    monkeypatch.delenv(ENV, raising=False)
+    bad = "weak-key-123"
+    for msg in (
+        refused(lambda: vllm(auth_keys=[KEY_A, bad]), f"{VLLM}['auth_keys']", "key 2 of 2", "16 bytes"),
+        refused(lambda: sglang(disk_path=str(tmp_path), auth_keys=bad), "extra_config['auth_keys']"),
+        refused(lambda: KVTier.for_model(_llama(), chunk_tokens=64, auth_keys=bad), "auth_keys"),
+        refused(lambda: vllm(auth_keys=[KEY_A, KEY_A]), "the same key is given twice"),
+        refused(lambda: vllm(encrypt_chunks=True), "encryption needs keys", ENV),
+        refused(lambda: vllm(auth_keys=3), f"{VLLM}['auth_keys']", "int"),
+    ):
+        assert bad not in msg and KEY_A not in msg
+    monkeypatch.setenv(ENV, f"{KEY_A},{bad}")
+    assert bad not in refused(lambda: vllm(), ENV, "key 2 of 2")
+
+
+def test_no_key_in_the_settings_reprs(tmp_path, monkeypatch):
+    from kvtier.integrations.sglang_settings import HiCacheSettings
+    from kvtier.store.auth import ENV
+    from kvtier.store.config import StoreConfig
+
+    monkeypatch.delenv(ENV, raising=False)
+    shown = [
+        repr(vllm(auth_keys=[KEY_A, KEY_B])),
+        repr(HiCacheSettings(disk_path=str(tmp_path), auth_keys=[KEY_A, KEY_B])),
+        repr(StoreConfig(auth_keys=[KEY_A, KEY_B], encrypt_chunks=True)),
+        str(StoreConfig(auth_keys=[KEY_A, KEY_B])),
+    ]
+    assert not [s for s in shown if KEY_A in s or KEY_B in s]
+    assert "KeyRing(2 keys" in shown[2]  # what an operator may see: how many, and which seals

@@ -406,3 +406,45 @@ def test_concurrent_backup_and_prefetch(tmp_path):
         t.join()
     assert not errors
     be.close()
+
+
+AUTH_KEY = "0123456789abcdef0123456789abcdef"
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_a_page_planted_without_the_key_is_a_forged_miss(tmp_path, redis_server, layout):  # noqa: F811
+    """A server without the key backs pages up into the shared Redis; a server with the key
+    never loads them (counted forged), and its own pages load bit for bit."""
+    planter_tier = RedisTier(url=redis_server.url, prefix="kvtier:sglang:", timeout_s=5.0)
+    planter, attacker_pool = _backend([planter_tier], layout)
+    _fill(attacker_pool, 21)
+    assert planter.batch_set_v1(["p0", "p1"], _indices(attacker_pool, [0, 1])) == [True, True]
+    extra = {"tiers": ["redis"], "redis_url": redis_server.url, "auth_keys": [AUTH_KEY]}
+    keyed, pool = _backend(None, layout, extra=extra)
+    redis = keyed.tiers[0]
+    assert redis.auth is not None and keyed.batch_exists(["p0", "p1"]) == 2  # held, as a hint
+    for p in (4, 5):
+        pool.view(p).fill_(0x5A5A)
+    poisoned = [pool.page(p) for p in (4, 5)]
+    assert keyed.batch_get_v1(["p0", "p1"], _indices(pool, [4, 5])) == [False, False]
+    assert all(torch.equal(pool.page(p), w) for p, w in zip((4, 5), poisoned, strict=True))  # never loaded
+    assert redis.stats()["errors_forged"] >= 1 and redis.stats()["hits"] == 0
+    _fill(pool, 22)
+    assert _round_trip(keyed, pool, ["q0", "q1"], [0, 1], [6, 7]) == [True, True]
+    planter.close()
+    keyed.close()
+
+
+def test_sealed_pages_round_trip_on_disk_encrypted(tmp_path):
+    from kvtier.store.auth import KeyRing
+
+    disk = DiskTier(
+        tmp_path / "disk", 1 << 30, o_direct=True, name="disk", auth=KeyRing(AUTH_KEY, encrypt=True)
+    )
+    be, pool = _backend([disk], "page_first")
+    _fill(pool, 23)
+    keys = [f"enc{i}" for i in range(4)]
+    assert _round_trip(be, pool, keys, [0, 1, 2, 3], [8, 9, 10, 11]) == [True] * 4
+    assert disk.stats()["encrypted"] == 1 and disk.stats()["errors_forged"] == 0
+    be.close()

@@ -388,7 +388,14 @@ def _redis_server(tmp_path, url: str):
 
 
 @pytest.mark.redis
-def test_a_page_of_two_interleaved_writers_is_a_miss(tmp_path, redis_server):  # noqa: F811
+@pytest.mark.parametrize("keyed", [False, True])
+def test_a_page_of_two_interleaved_writers_is_a_miss(tmp_path, redis_server, keyed, monkeypatch):  # noqa: F811
+    from kvtier.store.auth import ENV
+
+    if keyed:  # every server's backend seals its pieces (the keys from the environment)
+        monkeypatch.setenv(ENV, "0123456789abcdef0123456789abcdef")
+    else:
+        monkeypatch.delenv(ENV, raising=False)
     a, pa = _redis_server(tmp_path, redis_server.url)
     b, pb = _redis_server(tmp_path, redis_server.url)
     pr = _mha_pool("page_first")
@@ -399,6 +406,7 @@ def test_a_page_of_two_interleaved_writers_is_a_miss(tmp_path, redis_server):  #
     assert not torch.equal(want_a, want_b)  # the same page key, other bytes (another GPU's numerics)
     backend = a.storage_backend
     direct = backend.tiers[0]
+    assert (direct.auth is not None) == keyed and (reader.tiers[0].auth is not None) == keyed
     backend.tiers[0] = _WritesBetweenPieces(direct, lambda: _backup(b, ["page"], src_b))
     _backup(a, ["page"], src_a)  # A's K first, then B's whole backup of the page, then A's V
     backend.tiers[0] = direct

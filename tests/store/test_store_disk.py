@@ -166,10 +166,10 @@ def test_nothing_is_evicted_while_a_read_holds_it(tmp_path, monkeypatch):
     reading, release = threading.Event(), threading.Event()
     real_read = chunkfile.read_chunk_file
 
-    def slow_read(path, key, dest, o_direct, align=PAGE):
+    def slow_read(*args):
         reading.set()
         assert release.wait(10)  # holds the read open so the put below runs during it
-        return real_read(path, key, dest, o_direct, align)
+        return real_read(*args)
 
     monkeypatch.setattr("kvtier.store.disk.read_chunk_file", slow_read)
     result = []

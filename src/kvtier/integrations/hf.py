@@ -100,7 +100,8 @@ class KVTier:
         model's device: `CudaDevice` on CUDA, `SimDevice` on the CPU. pool_bytes: pinned host pool
         (default: room for every block twice). model_id: the identity of the weights, part of every
         key (default: the config's name_or_path, else the class name: give one for weights made
-        locally). options: `StoreConfig` fields (chunk_tokens, salt, ...) and engine_options
+        locally). options: `StoreConfig` fields (chunk_tokens, salt, auth_keys: the keys that
+        seal the chunks of disk and Redis tiers shared with other processes, ...) and engine_options
         (`EngineConfig` fields). Sizes take bytes or a string with a unit ("4GiB", "512MiB").
 
         Every argument is checked first, each error naming it: nothing is allocated and no thread

@@ -28,7 +28,9 @@ Keys carry the model, the TP/PP ranks (except MLA's latent, which every TP rank 
 the storage writer, TP rank 0, writes) and the KV dtype the model runs (``sglang_dtype``: fp8
 formats share a uint8 pool). A page is atomic: it is read whole from one tier, and its pieces
 must come from one write (``sglang_pages.page_group``); a page mixed from two writers is a miss,
-and is dropped from that tier so the next backup stores it whole. Importable without SGLang and
+and is dropped from that tier so the next backup stores it whole. With ``auth_keys`` every tier
+seals each chunk it writes and loads only chunks a holder of the keys sealed (`kvtier.store.auth`):
+a planted page is a miss, counted ``forged`` in the tier's stats. Importable without SGLang and
 without a GPU; it subclasses SGLang's ``HiCacheStorage`` where that imports.
 """
 
@@ -42,6 +44,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from kvtier.store.auth import note_unauthenticated
 from kvtier.store.header import ChunkHeader, payload_checksum
 from kvtier.store.stats import StatsLog, StoreStats
 from kvtier.store.tier import contains_many, put_many
@@ -123,6 +126,7 @@ class KVTierHiCache(HybridPools, _Base):
         self.tiers = list(tiers)
         if not self.tiers:
             raise ValueError("tiers must name at least one tier")
+        note_unauthenticated(self.tiers)
         self.mem_pool_host = None
         self.shape: PageShape | None = None
         self._ns = ""

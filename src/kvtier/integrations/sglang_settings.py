@@ -21,6 +21,10 @@ except the keys SGLang itself reads from the same dict.
     gather_below_bytes   a page whose pieces are smaller is stored as one chunk (default 256 KiB)
     io_threads           pages moved in parallel (default 4)
     key_salt             mixed into every key: tenants with different salts never share KV
+    auth_keys            the key (or list of keys: the first seals, all open) that seals every
+                         chunk of both tiers, each a str of at least 16 bytes; none: the keys in
+                         $KVTIER_AUTH_KEYS where set, else chunks are not authenticated (`auth`)
+    encrypt_chunks       the payloads stored AES-256-GCM-encrypted too (default false; needs keys)
     kv_cache_dtype       the server's --kv-cache-dtype, needed only where SGLang's own cannot be
                          read and the pool stores uint8 (fp8): ``sglang_dtype``
 
@@ -32,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from kvtier.integrations import setting_checks as check
+from kvtier.store.auth import KeyRing
 
 TIER_NAMES = ("disk", "redis")
 # Keys SGLang (or its dynamic factory) puts in the same dict; read there, ignored here.
@@ -60,6 +65,8 @@ class HiCacheSettings:
     io_threads: int = 4
     key_salt: str = ""
     kv_cache_dtype: str | None = None
+    auth_keys: KeyRing | str | list | None = field(default=None, repr=False)
+    encrypt_chunks: bool = False
     interface_v1: bool = field(default=False)
 
     def __post_init__(self) -> None:
@@ -92,7 +99,7 @@ class HiCacheSettings:
         )
         if self.redis_ttl_s is not None:
             check.whole(self.redis_ttl_s, _name("redis_ttl_s"))
-        for key in ("disk_o_direct", "disk_fsync", "redis_cluster", "interface_v1"):
+        for key in ("disk_o_direct", "disk_fsync", "redis_cluster", "interface_v1", "encrypt_chunks"):
             put(key, check.flag(getattr(self, key), _name(key)))
         for key in ("redis_prefix", "key_salt"):
             if not isinstance(getattr(self, key), str):
@@ -103,6 +110,8 @@ class HiCacheSettings:
             raise ValueError(
                 f"{_name('kv_cache_dtype')} must be SGLang's --kv-cache-dtype, got {self.kv_cache_dtype!r}"
             )
+        # Checked into a KeyRing (its repr shows no key; errors name the setting, never a key).
+        put("auth_keys", KeyRing.resolve(self.auth_keys, self.encrypt_chunks, _name("auth_keys")))
 
     @classmethod
     def from_extra_config(cls, extra: dict | None) -> HiCacheSettings:
@@ -146,6 +155,7 @@ class HiCacheSettings:
                             label="extra_config['disk_path']",
                             o_direct=self.disk_o_direct,
                             fsync=self.disk_fsync,
+                            auth=self.auth_keys,
                         )
                     )
                 else:
@@ -157,6 +167,7 @@ class HiCacheSettings:
                             part_bytes=self.redis_part_bytes,
                             ttl_s=self.redis_ttl_s,
                             timeout_s=float(self.redis_timeout_s),
+                            auth=self.auth_keys,
                         )
                     )
         except BaseException:

@@ -24,6 +24,10 @@ The tiers, for `KVStore(tiers=...)` or alone (each keeps `Tier`'s contract, `tie
     RedisTier(client | url)          one Redis/Valkey server or a cluster, shared between hosts
     MemoryTier / ThrottledTier       in-process, and a rate-limited wrapper, to model a tier
 
+Disk and Redis tiers given a key ring (``auth=KeyRing(keys)``, `auth`; or the store's
+``StoreConfig.auth_keys`` / $KVTIER_AUTH_KEYS) seal every chunk they write and load only chunks
+a holder of the keys sealed: a chunk another process planted is a miss counted ``forged``.
+
 The tier modules need neither torch nor the engine; `KVStore` (which needs both) is imported
 on first use: ``from kvtier.store import KVStore``.
 """

@@ -16,6 +16,7 @@ import threading
 import uuid
 from pathlib import Path
 
+from .auth import TAG, KeyRing, check_seal, open_chunk, stored_len
 from .header import ChunkHeader, HeaderError
 from .payload import PAGE, aligned_buffer, round_up
 from .tier import DestTooSmall
@@ -198,65 +199,94 @@ def read_header(key: bytes, head, size: int) -> ChunkHeader:
 
 
 def read_chunk_file(
-    path: Path, key: bytes, dest: memoryview | None, o_direct: bool, align: int = PAGE
+    path: Path,
+    key: bytes,
+    dest: memoryview | None,
+    o_direct: bool,
+    align: int = PAGE,
+    ring: KeyRing | None = None,
 ) -> tuple[ChunkHeader, memoryview]:
-    """Read and verify a chunk; the payload lands in ``dest`` if given, else in a new buffer.
+    """Read and check a chunk; the payload lands in ``dest`` if given, else in a new buffer.
 
     With O_DIRECT, a ``dest`` at an ``align``-aligned address (a pool slot, an SGLang host page)
     takes the payload straight from the file, its page-multiple head in place and only a partial
     last page through a copy; any other ``dest`` takes it through a page-aligned bounce buffer.
-    The checksum is verified over the payload where it landed. On any exception ``dest`` may
-    hold garbage (a torn file's bytes, another chunk's): the caller must not use them.
+    The payload is checked where it landed (`auth.open_chunk`: a plain chunk's checksum, a sealed
+    one's tag under ``ring``); an encrypted one lands in a buffer of its own and is decrypted into
+    ``dest``. On any exception ``dest`` may hold garbage (a torn file's bytes, another chunk's):
+    the caller must not use them.
 
-    Raises CorruptChunk for anything but ``key``'s intact chunk, OSError for IO failures,
-    DestTooSmall if ``dest`` cannot hold it (``dest`` untouched then).
+    Raises CorruptChunk for anything but ``key``'s intact chunk, Rejected for one that fails its
+    checksum or its seal, OSError for IO failures, DestTooSmall if ``dest`` cannot hold it
+    (``dest`` untouched then).
     """
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | (os.O_DIRECT if o_direct else 0))
     try:
         size = os.fstat(fd).st_size
         if o_direct and dest is not None and _address(dest) % align == 0:
-            header, payload = _read_direct_into(fd, dest, key, size)
-        elif o_direct and dest is not None:  # the bounce copy: dest (a SimDevice slot) is not aligned
-            with _STAGING.buffer(size) as staged, memoryview(staged) as buf:
-                header, payload = _read_direct(fd, buf, key, size)
+            return _read_direct_into(fd, dest, key, size, ring)
+        if o_direct and dest is not None:  # the bounce copy: dest (a SimDevice slot) is not aligned
+            with _STAGING.buffer(size + TAG) as staged, memoryview(staged) as buf:
+                header, stored = _read_direct(fd, buf, key, size, ring)
                 _check_dest(dest, header)
-                dest[: header.payload_len] = payload
-                payload.release()  # before the buffer is reused
-            payload = dest[: header.payload_len]
-        elif o_direct:
-            header, payload = _read_direct(fd, memoryview(aligned_buffer(size)), key, size)
-        else:
-            header = read_header(key, os.pread(fd, PAGE, 0), size)
-            if dest is not None:
-                _check_dest(dest, header)
-                payload = dest[: header.payload_len]
-            else:
-                payload = memoryview(bytearray(header.payload_len))
-            if _pread_into(fd, payload, PAGE) != header.payload_len:
-                raise CorruptChunk("file shorter than its header says")
+                if header.encrypted:  # decrypted out of the bounce buffer, straight into dest
+                    try:
+                        return open_chunk(ring, header, stored, dest)
+                    finally:
+                        stored.release()  # before the buffer is reused
+                dest[: header.payload_len] = stored
+                stored.release()  # before the buffer is reused
+            return open_chunk(ring, header, dest[: header.payload_len], dest)
+        if o_direct:
+            header, stored = _read_direct(fd, memoryview(aligned_buffer(size + TAG)), key, size, ring)
+            return open_chunk(ring, header, stored, None)
+        header = read_header(key, os.pread(fd, PAGE, 0), size)
+        check_seal(ring, header)  # before any payload byte is read
+        n = header.payload_len
+        if dest is not None:
+            _check_dest(dest, header)
+        if dest is not None and not header.encrypted:
+            stored = dest[:n]
+        else:  # a new buffer; an encrypted payload's, with room for its tag
+            stored = memoryview(bytearray(stored_len(header)))
+        if _pread_into(fd, stored[:n], PAGE) != n:
+            raise CorruptChunk("file shorter than its header says")
+        return open_chunk(ring, header, stored, dest)
     finally:
         os.close(fd)
-    if not header.verify(payload):
-        raise CorruptChunk("payload checksum mismatch")
-    return header, payload
 
 
-def _read_direct(fd: int, buf: memoryview, key: bytes, size: int) -> tuple[ChunkHeader, memoryview]:
+def _read_direct(
+    fd: int, buf: memoryview, key: bytes, size: int, ring: KeyRing | None
+) -> tuple[ChunkHeader, memoryview]:
+    """The whole file into ``buf`` (TAG bytes longer than it, for an encrypted payload's tag):
+    the header, and the payload's bytes as `open_chunk` takes them."""
     got = _pread_into(fd, buf, 0)
     header = read_header(key, buf[: min(got, PAGE)], size)
+    check_seal(ring, header)
     if got < PAGE + header.payload_len:
         raise CorruptChunk("file shorter than its header says")
-    return header, buf[PAGE : PAGE + header.payload_len]
+    return header, buf[PAGE : PAGE + stored_len(header)]
 
 
-def _read_direct_into(fd: int, dest: memoryview, key: bytes, size: int) -> tuple[ChunkHeader, memoryview]:
+def _read_direct_into(
+    fd: int, dest: memoryview, key: bytes, size: int, ring: KeyRing | None
+) -> tuple[ChunkHeader, memoryview]:
     """O_DIRECT into an aligned ``dest``: the header page into a page of its own, the payload's
     whole pages from file offset PAGE straight into ``dest``, and the rest of a payload that is
-    not a page multiple through that page (O_DIRECT moves whole pages only)."""
+    not a page multiple through that page (O_DIRECT moves whole pages only). An encrypted
+    payload goes through a bounce buffer instead, decrypted from there into ``dest``."""
     with _HEADS.buffer(PAGE) as page, memoryview(page) as buf:
         header = read_header(key, buf[: _pread_into(fd, buf, 0)], size)
+        check_seal(ring, header)  # before any payload byte lands in dest
         n = header.payload_len
         _check_dest(dest, header)  # before the first byte lands in dest
+        if header.encrypted:
+            with _STAGING.buffer(n + TAG) as staged, memoryview(staged) as sbuf:
+                if _pread_into(fd, sbuf, PAGE) < n:
+                    raise CorruptChunk("file shorter than its header says")
+                with sbuf[: n + TAG] as stored:  # released before the buffer is reused
+                    return open_chunk(ring, header, stored, dest)
         whole = n // PAGE * PAGE
         with dest[:whole] as pages:
             got = _pread_into(fd, pages, PAGE)
@@ -265,7 +295,7 @@ def _read_direct_into(fd: int, dest: memoryview, key: bytes, size: int) -> tuple
             dest[whole:n] = buf[: n - whole]  # buf's header bytes were parsed already
     if got < n:
         raise CorruptChunk("file shorter than its header says")
-    return header, dest[:n]
+    return open_chunk(ring, header, dest[:n], dest)
 
 
 def is_einval(exc: OSError) -> bool:

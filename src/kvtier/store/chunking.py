@@ -81,9 +81,10 @@ class ChunkFormat:
         dtype = str(kv.dtype).removeprefix("torch.")
         return cls(chunk_tokens, blocks, nbytes, span, tuple(kv.chunk_shape(blocks)), dtype, chunk_layout(kv))
 
-    def header(self, key: bytes, payload) -> ChunkHeader:
-        """The header of a chunk's bytes (checksum computed here)."""
-        return ChunkHeader.for_payload(key, payload, self.shape, self.dtype, self.layout)
+    def header(self, key: bytes, payload, algo: str = "xxh3_64") -> ChunkHeader:
+        """The header of a chunk's bytes (checksum computed here; "none" for a chunk only tiers
+        that seal it store)."""
+        return ChunkHeader.for_payload(key, payload, self.shape, self.dtype, self.layout, algo=algo)
 
     def matches(self, h: ChunkHeader) -> bool:
         """True if a stored chunk's header describes exactly this format."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .auth import KeyRing
 from .keys import HASHES
 from .policy import EvictionPolicy
 
@@ -25,6 +26,12 @@ class StoreConfig:
     prefetch_workers: threads that run ``prefetch`` and read-ahead. read_ahead: once a load
     reads a chunk from a lower tier, how many of the following chunks are read in the background
     meanwhile (promote only; 0: none).
+    auth_keys: the keys that seal the chunks of the lower tiers that other processes can write
+    (disk, Redis: `auth.KeyRing`): one, or a list whose first seals and all open (rotation); each
+    a str or bytes of at least 16 bytes; None: $KVTIER_AUTH_KEYS (comma-separated) where set, else
+    no key (chunks not authenticated). Checked into a `KeyRing` (its repr shows no key). The
+    store gives it to every such tier built without one. encrypt_chunks: those tiers store the
+    payloads AES-256-GCM-encrypted too (needs keys).
     """
 
     chunk_tokens: int = 256
@@ -40,6 +47,8 @@ class StoreConfig:
     alloc_timeout_s: float = 0.0
     prefetch_workers: int = 2
     read_ahead: int = 4
+    auth_keys: KeyRing | str | bytes | list | None = None
+    encrypt_chunks: bool = False
 
     def __post_init__(self) -> None:
         if self.write_policy not in WRITE_POLICIES:
@@ -56,6 +65,9 @@ class StoreConfig:
             raise ValueError(f"read_ahead must be an int >= 0, got {self.read_ahead!r}")
         if not isinstance(self.promote, bool):
             raise ValueError(f"promote must be a bool, got {self.promote!r}")
+        if not isinstance(self.encrypt_chunks, bool):
+            raise ValueError(f"encrypt_chunks must be a bool, got {self.encrypt_chunks!r}")
+        self.auth_keys = KeyRing.resolve(self.auth_keys, self.encrypt_chunks, "auth_keys")
 
     def host_capacity(self, pool_capacity: int, span: int) -> int:
         """The host index's capacity for a pool of ``pool_capacity`` and slots of ``span``."""

@@ -20,6 +20,11 @@ appear: on an index miss it looks at the file (a stat and a header check).
 
 Either way ``contains`` / ``contains_many`` ask the filesystem (one ``lstat`` per key): a chunk
 whose file is gone (deleted by an operator, evicted by another process) is not reported held.
+
+With a key ring (``auth``, `auth.KeyRing`) every chunk is sealed as it is written and opened as
+it is read: a file its ring cannot open (planted, sealed under another key, or plain) is a miss
+counted ``forged``, and the writer drops it like a torn one, so the next put stores it sealed.
+Without one, a sealed file is a miss counted ``unverifiable``.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import threading
 import time
 from pathlib import Path
 
+from .auth import KeyRing, Rejected
 from .chunkfile import (
     SUFFIX,
     CorruptChunk,
@@ -74,6 +80,8 @@ class DiskTier(TierReads):
     errors name root (an integration passes the setting as the operator typed it). o_direct:
     bypass the page cache (falls back to buffered IO, logged once, where the filesystem refuses
     it). fsync: make each put durable before it returns True (off only for tests or scratch disks).
+    auth: the `KeyRing` that seals what is written and opens what is read (None: plain chunks; a
+    `KVStore` with ``auth_keys`` gives its ring to a tier built without one).
 
     >>> tier = DiskTier("/nvme/kv", 200 << 30, space="tp0")   # chunks in /nvme/kv/tp0/
     >>> peer = DiskTier("/nvme/kv", 200 << 30, space="tp0", writer=False)  # reads what tier writes
@@ -94,7 +102,11 @@ class DiskTier(TierReads):
         metrics: StoreMetrics | None = None,
         failure_threshold: int = 3,
         cooldown_s: float = 5.0,
+        auth: KeyRing | None = None,
     ) -> None:
+        if auth is not None and not isinstance(auth, KeyRing):
+            raise ValueError(f"auth must be a KeyRing or None, got {type(auth).__name__}")
+        self.auth = auth
         self._policy = make_policy(policy, capacity_bytes)
         self._folder = OwnedFolder(root, space, label, bool(writer), name)
         self.name, self.writer = name, bool(writer)
@@ -140,7 +152,7 @@ class DiskTier(TierReads):
         items = list(items)
         batch = {}  # key -> (header, view): a key twice in one batch is written once
         for key, header, payload in items:
-            batch.setdefault(key, (header, check_put_args(key, header, payload)))
+            batch.setdefault(key, (header, check_put_args(key, header, payload, self.auth is not None)))
         if not self.writer or not self._folder.ready(self._forget_all):
             for _ in batch:
                 self._m.put_failed("skipped" if not self.writer else "error")
@@ -149,9 +161,12 @@ class DiskTier(TierReads):
         done = {key: self._claim(key, header.payload_len) for key, (header, _) in batch.items()}
         kinds = {key: None for key, got in done.items() if got is None}  # claimed: None while all goes well
         linked: dict[Path, list[bytes]] = {}
+        ring = self.auth
         for key in kinds:
             (header, view), path = batch[key], self.chunk_path(key)
             try:
+                if ring is not None:  # sealed one at a time: an encrypted payload's copy lives for its write
+                    header, view = ring.seal(header, view)
                 self._write(key, path, header.pack(), view)
                 linked.setdefault(path.parent, []).append(key)
             except Exception as exc:  # never into the serving loop (a background writer included)
@@ -237,7 +252,8 @@ class DiskTier(TierReads):
         out = self._m.snapshot()
         out.update(o_direct=int(self._o_direct), read_skipping=int(self._read_health.is_open))
         out.update(write_skipping=int(self._write_health.is_open), foreign_files=foreign)
-        out.update(writer=int(self.writer))
+        out.update(writer=int(self.writer), authenticated=int(self.auth is not None))
+        out.update(encrypted=int(self.auth is not None and self.auth.encrypt))
         return out
 
     def resident_keys(self) -> list[bytes]:
@@ -283,14 +299,14 @@ class DiskTier(TierReads):
         try:
             if not known and not self._real_shard(key, {}):
                 raise FileNotFoundError(path)
-            header, payload = read_chunk_file(path, key, dest, self._o_direct, self._align)
+            header, payload = read_chunk_file(path, key, dest, self._o_direct, self._align, self.auth)
         except FileNotFoundError:  # the writer's: as bad as a torn file; a reader's: evicted
             kind = "corrupt" if self.writer else "gone"
-        except CorruptChunk as exc:
-            kind = "corrupt"
+        except (CorruptChunk, Rejected) as exc:
+            kind = getattr(exc, "kind", "corrupt")
             # The message, not the exception: a kept log record would hold its traceback's
             # frames, and their views of dest, and the caller could not unmap its buffer.
-            log.warning("disk tier %s: chunk %s is corrupt (%s); dropped", self.name, key.hex(), str(exc))
+            log.warning("disk tier %s: chunk %s is %s (%s); dropped", self.name, key.hex(), kind, str(exc))
         except DestTooSmall as exc:
             kind, caller_bug = "dest", exc
         except OSError as exc:
@@ -305,8 +321,9 @@ class DiskTier(TierReads):
             log.warning("disk tier %s: get %s: %s", self.name, key.hex(), exc, exc_info=True)
         with self._lock:
             if known:
-                if kind in ("corrupt", "gone"):
-                    self._doomed[key] = kind
+                if kind in ("corrupt", "gone", "forged", "unverifiable"):
+                    # A file its ring cannot open is as useless to this tier as a torn one.
+                    self._doomed[key] = "gone" if kind == "gone" else "corrupt"
                 self._release(key)  # after the bytes were copied and verified, never before
             elif kind is None:
                 self._index(key, file_size(header.payload_len, False))

@@ -20,8 +20,10 @@ KV of another model, dtype, layout or TP rank never matches.
   ends the load: ``handle.tokens`` is what will arrive; the caller recomputes the rest.
 - ``prefetch``: the same walk in the background, promoting without loading.
 
-Failures of tiers (errors, timeouts, full, bad checksum or header) are misses, counted and
-logged, never raised; bad arguments raise ValueError naming them. Pins keep every slot a
+Failures of tiers (errors, timeouts, full, bad checksum or header, a chunk its key ring cannot
+open) are misses, counted and logged, never raised; bad arguments raise ValueError naming them.
+With ``auth_keys`` (`StoreConfig`), the lower tiers other processes can write seal every chunk
+they store and load only chunks a holder of the keys sealed (`auth`). Pins keep every slot a
 transfer or push touches out of eviction until the event that ends the transfer completed.
 """
 
@@ -41,6 +43,7 @@ from kvtier.engine import Path, parse_path
 from kvtier.lifecycle import LifecycleError, SlotState
 from kvtier.pool import PoolExhausted
 
+from .auth import adopt, note_unauthenticated
 from .chunking import ChunkFormat, request_block_ids
 from .config import StoreConfig
 from .handles import LoadHandle, Lookup, SaveHandle
@@ -132,6 +135,8 @@ class KVStore:
         names = [getattr(t, "name", None) for t in self._tiers]
         if not all(isinstance(t, Tier) for t in self._tiers) or len({*names, "host"}) <= len(names):
             raise ValueError(f"tiers must be Tier objects with distinct names other than 'host', got {names}")
+        adopt(self._tiers, cfg.auth_keys)  # tiers other processes can write seal what they hold
+        note_unauthenticated(self._tiers)
         self.engine, self.kv = engine, kv
         self.extra = KeyExtra(model, fmt.dtype, fmt.layout, cfg.tp_rank, cfg.tp_size, cfg.salt)
         self.write_back, self.promote = cfg.write_policy == "write_back", cfg.promote

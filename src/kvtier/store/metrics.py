@@ -14,7 +14,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 # Why a chunk became a miss or a put failed; the label values of ``kvtier_tier_errors_total``.
 # "foreign": a disk tier found a file that is not kvtier's where a chunk would go (left alone).
-ERROR_KINDS = ("error", "timeout", "full", "corrupt", "skipped", "foreign")
+# "forged": a tier with a key ring read a chunk no key of it opens (a bad tag, another key's
+# seal, or a plain chunk); "unverifiable": a tier without keys read a sealed chunk (`auth`).
+ERROR_KINDS = ("error", "timeout", "full", "corrupt", "skipped", "foreign", "forged", "unverifiable")
 
 _LATENCY_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0)
 

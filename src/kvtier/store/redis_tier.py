@@ -15,6 +15,11 @@ or bytes that fail the header checksum, make a miss. Capacity and eviction are t
 so no one client's bookkeeping could see what the others store — and the server evicts
 orphans of failed puts.
 
+With a key ring (``auth``, `auth.KeyRing`) every chunk is sealed as it is written and opened as
+it is read. A value its ring cannot open (planted, sealed under a key the ring does not hold, or
+plain) is a miss counted ``forged``, and is deleted, so the next put stores it sealed. Without a
+ring, a sealed value is a miss counted ``unverifiable``, and is left for the instances with keys.
+
 A server that does not answer when the tier is made (a closed port, a wrong password, a db it
 does not have) is a warning then, naming the URL (password masked: ``url``) and what failed; the
 tier starts as a miss, its breakers open, and it reconnects on its own once the server answers.
@@ -26,6 +31,7 @@ import dataclasses
 import logging
 import time
 
+from .auth import KeyRing, Rejected, check_seal, open_chunk, stored_len
 from .header import ChunkHeader, HeaderError
 from .health import CircuitBreaker
 from .keys import check_key
@@ -41,9 +47,14 @@ log = logging.getLogger(__name__)
 class _Corrupt(Exception):
     """The stored value is not this key's intact chunk."""
 
-    def __init__(self, message: str, part_missing: bool = False) -> None:
+    def __init__(self, message: str, part_missing: bool = False, kind: str = "corrupt", drop: bool = True):
         super().__init__(message)
-        self.part_missing = part_missing
+        self.part_missing, self.kind, self.drop = part_missing, kind, drop
+
+
+# A sealed value is encrypted in batches of at most this many payload bytes: each ciphertext is
+# a copy that lives until its batch is sent.
+SEAL_BATCH_BYTES = 256 << 20
 
 
 # Delete a manifest only if it is still the one read: a concurrent put may have replaced it,
@@ -58,6 +69,8 @@ class RedisTier(TierReads):
     timeout_s: per-command socket timeout when the client is made here.
     url: ``redis://``, ``rediss://`` (TLS) or ``unix://``, as redis-py takes it; checked here
     (ValueError naming ``url``). ``self.url`` is it with the password masked, for logs and stats.
+    auth: the `KeyRing` that seals what is written and opens what is read (None: plain chunks; a
+    `KVStore` with ``auth_keys`` gives its ring to a tier built without one).
     The server is asked once here (PING): no answer is a warning, never an exception.
     """
 
@@ -76,6 +89,7 @@ class RedisTier(TierReads):
         failure_threshold: int = 3,
         cooldown_s: float = 5.0,
         parts_per_batch: int = 16,
+        auth: KeyRing | None = None,
     ) -> None:
         if (client is None) == (url is None):
             raise ValueError("give exactly one of client or url")
@@ -87,6 +101,9 @@ class RedisTier(TierReads):
             raise ValueError(f"parts_per_batch must be an int >= 1, got {parts_per_batch!r}")
         if not isinstance(prefix, str):
             raise ValueError(f"prefix must be a str, got {prefix!r}")
+        if auth is not None and not isinstance(auth, KeyRing):
+            raise ValueError(f"auth must be a KeyRing or None, got {type(auth).__name__}")
+        self.auth = auth
         if client is None:
             check_url(url, "url")
             client = make_client(url, cluster, timeout_s)
@@ -125,7 +142,10 @@ class RedisTier(TierReads):
         """``put`` of each ``(key, header, payload)``, the payloads sent from the caller's memory
         in one pipelined round trip for the whole batch (two on a cluster: ``redis_write``);
         each chunk is stored whole or not at all."""
-        checked = [(key, header, check_put_args(key, header, payload)) for key, header, payload in items]
+        sealed = self.auth is not None
+        checked = [
+            (key, header, check_put_args(key, header, payload, sealed)) for key, header, payload in items
+        ]
         if not checked:
             return []
         t0 = time.perf_counter()
@@ -133,7 +153,7 @@ class RedisTier(TierReads):
             for _ in checked:
                 self._m.put_failed("skipped")
             return [False] * len(checked)
-        kinds = put_chunks(self._target, checked)
+        kinds = self._put_sealed(checked) if self.auth is not None else put_chunks(self._target, checked)
         dt = (time.perf_counter() - t0) / len(checked)
         for (_, _, view), kind in zip(checked, kinds, strict=True):
             if kind == STORED:
@@ -148,6 +168,27 @@ class RedisTier(TierReads):
         else:
             self._write_health.record_success()
         return [kind in (STORED, PRESENT) for kind in kinds]
+
+    def _put_sealed(self, checked: list) -> list[str]:
+        """``put_chunks`` of the sealed chunks, in batches of at most SEAL_BATCH_BYTES of payload
+        (an encrypted payload is a copy, alive until its batch is sent)."""
+        kinds: list[str] = []
+        limit = SEAL_BATCH_BYTES if self.auth.encrypt else float("inf")  # a MAC alone copies nothing
+        while len(kinds) < len(checked):
+            batch, sealed, nbytes = [], [], 0
+            for key, header, view in checked[len(kinds) :]:
+                if batch and nbytes + view.nbytes > limit:
+                    break
+                nbytes += view.nbytes
+                try:
+                    sealed.append((key, *self.auth.seal(header, view)))
+                    batch.append(None)
+                except ValueError as exc:  # a payload the seal refuses: this chunk is not stored
+                    log.warning("redis tier %s: put %s: %s", self.name, key.hex(), exc)
+                    batch.append("error")
+            got = iter(put_chunks(self._target, sealed) if sealed else ())
+            kinds += [kind or next(got) for kind in batch]
+        return kinds
 
     def contains(self, key: bytes) -> bool:
         check_key(key)
@@ -194,6 +235,8 @@ class RedisTier(TierReads):
         out.update(
             read_skipping=int(self._read_health.is_open), write_skipping=int(self._write_health.is_open)
         )
+        out.update(authenticated=int(self.auth is not None))
+        out.update(encrypted=int(self.auth is not None and self.auth.encrypt))
         return out
 
     def close(self) -> None:
@@ -242,11 +285,15 @@ class RedisTier(TierReads):
                 if exc.part_missing and self.client.get(self._target.key(key)) != rec:
                     self._m.miss(None, time.perf_counter() - t0)
                     return None
-                log.warning("redis tier %s: chunk %s is corrupt (%s); dropped", self.name, key.hex(), exc)
-                self._drop(key, rec)
+                what = "dropped" if exc.drop else "left for the tiers with keys"
+                log.warning(
+                    "redis tier %s: chunk %s is %s (%s); %s", self.name, key.hex(), exc.kind, exc, what
+                )
+                if exc.drop:
+                    self._drop(key, rec)
             except Exception as cleanup:  # the miss stands; cleanup is best-effort
                 log.debug("redis tier %s: dropping %s failed: %s", self.name, key.hex(), cleanup)
-            self._m.miss("corrupt", time.perf_counter() - t0)
+            self._m.miss(exc.kind, time.perf_counter() - t0)
             return None
         except Exception as exc:
             kind = classify(exc)
@@ -262,12 +309,14 @@ class RedisTier(TierReads):
         return got
 
     def _decode(self, key: bytes, rec: memoryview, dest: memoryview | None) -> tuple[ChunkHeader, memoryview]:
+        """The chunk in value ``rec``: its header parsed, and its seal checked before any part is
+        fetched or a byte lands in ``dest``; then its payload opened (`auth.open_chunk`)."""
         kind = bytes(rec[:1])
         try:
             if kind == b"S":
                 header, hlen = ChunkHeader.unpack(rec[1:])
             elif kind == b"M" and rec.nbytes > 1 + MANIFEST.size:
-                nonce, nparts, part_bytes = MANIFEST.unpack_from(rec, 1)
+                manifest = MANIFEST.unpack_from(rec, 1)
                 header, _ = ChunkHeader.unpack(rec[1 + MANIFEST.size :])
             else:
                 raise _Corrupt(f"unknown record kind {kind!r}")
@@ -275,35 +324,45 @@ class RedisTier(TierReads):
             raise _Corrupt(str(exc)) from None
         if header.key != key:
             raise _Corrupt(f"value holds key {header.key.hex()}")
+        try:
+            check_seal(self.auth, header)
+            n = header.payload_len
+            if dest is not None and dest.nbytes < n:
+                raise DestTooSmall(f"dest holds {dest.nbytes} bytes, chunk needs {n}")
+            # Where the stored bytes land: dest, unless they are ciphertext (decrypted into dest).
+            land = dest if dest is not None and not header.encrypted else None
+            if kind == b"S":
+                stored = _single(rec[1 + hlen :], header, land)
+            else:
+                stored = self._parts(key, manifest, header, land)
+            return open_chunk(self.auth, header, stored, dest)
+        except Rejected as exc:
+            # A value its ring cannot open is dropped, so the next put stores it sealed (a put
+            # never replaces a value: left, it would hold the name while readers refresh it). A
+            # tier without keys cannot judge a sealed value: left for the tiers with keys.
+            raise _Corrupt(str(exc), kind=exc.kind, drop=exc.kind != "unverifiable") from None
+
+    def _parts(self, key: bytes, manifest: tuple, header: ChunkHeader, land: memoryview | None) -> memoryview:
+        """A manifest's parts, fetched ``parts_per_batch`` a round trip, into ``land`` or a new
+        buffer (an encrypted payload's with room for its tag)."""
+        nonce, nparts, part_bytes = manifest
         n = header.payload_len
-        if dest is not None and dest.nbytes < n:
-            raise DestTooSmall(f"dest holds {dest.nbytes} bytes, chunk needs {n}")
-        if kind == b"S":
-            payload = rec[1 + hlen :]
-            if payload.nbytes != n:
-                raise _Corrupt(f"payload is {payload.nbytes} bytes, header says {n}")
-            if dest is not None:
-                dest[:n] = payload
-        else:
-            if part_bytes < 1 or nparts != -(-n // part_bytes):
-                raise _Corrupt(f"manifest of {nparts} parts of {part_bytes} bytes cannot hold {n} bytes")
-            payload = dest if dest is not None else memoryview(bytearray(n))
-            names = self._target.part_keys(key, nonce, nparts)
-            for batch in range(0, nparts, self.parts_per_batch):
-                pipe = self.client.pipeline(transaction=False)
-                for name in names[batch : batch + self.parts_per_batch]:
-                    pipe.get(name)
-                for i, part in enumerate(pipe.execute(), start=batch):
-                    want = min(part_bytes, n - i * part_bytes)
-                    if part is None:  # evicted by the server, or deleted under us
-                        raise _Corrupt(f"part {i} of {nparts} missing", part_missing=True)
-                    if len(part) != want:
-                        raise _Corrupt(f"part {i} is {len(part)} bytes, expected {want}")
-                    payload[i * part_bytes : i * part_bytes + want] = part
-        payload = payload[:n]
-        if not header.verify(payload):
-            raise _Corrupt("payload checksum mismatch")
-        return header, payload
+        if part_bytes < 1 or nparts != -(-n // part_bytes):
+            raise _Corrupt(f"manifest of {nparts} parts of {part_bytes} bytes cannot hold {n} bytes")
+        payload = land if land is not None else memoryview(bytearray(stored_len(header)))
+        names = self._target.part_keys(key, nonce, nparts)
+        for batch in range(0, nparts, self.parts_per_batch):
+            pipe = self.client.pipeline(transaction=False)
+            for name in names[batch : batch + self.parts_per_batch]:
+                pipe.get(name)
+            for i, part in enumerate(pipe.execute(), start=batch):
+                want = min(part_bytes, n - i * part_bytes)
+                if part is None:  # evicted by the server, or deleted under us
+                    raise _Corrupt(f"part {i} of {nparts} missing", part_missing=True)
+                if len(part) != want:
+                    raise _Corrupt(f"part {i} is {len(part)} bytes, expected {want}")
+                payload[i * part_bytes : i * part_bytes + want] = part
+        return payload[: stored_len(header)]
 
     def _drop(self, key: bytes, rec: bytes) -> bool:
         """Delete the value ``rec`` read under ``key`` and, for a manifest, its parts."""
@@ -315,6 +374,19 @@ class RedisTier(TierReads):
         nonce, nparts, _ = MANIFEST.unpack_from(rec, 1)
         self._target.delete(self._target.part_keys(key, nonce, min(nparts, 1 << 20)), raise_errors=True)
         return True
+
+
+def _single(payload: memoryview, header: ChunkHeader, land: memoryview | None) -> memoryview:
+    """A one-value chunk's payload (written by earlier versions): copied into ``land``, else as
+    read (an encrypted one copied, with room for its tag)."""
+    n = header.payload_len
+    if payload.nbytes != n:
+        raise _Corrupt(f"payload is {payload.nbytes} bytes, header says {n}")
+    if land is None and not header.encrypted:
+        return payload
+    out = land if land is not None else memoryview(bytearray(stored_len(header)))
+    out[:n] = payload
+    return out[: stored_len(header)] if land is None else out[:n]
 
 
 def _address(client) -> str:

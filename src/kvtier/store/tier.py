@@ -1,9 +1,15 @@
 """The contract every tier keeps, so KVStore can stack them (host pool → disk → Redis).
 
 Failure never escapes a tier: an error, timeout, full tier, or bytes that fail their header
-or checksum make ``get`` return None (a miss — the caller recomputes) and ``put`` return
-False; each is logged and counted in ``stats()``. Only caller bugs (a malformed key, a header
-that does not match its payload) raise, as ValueError naming the argument.
+or checksum (or, for a tier with a key ring, their seal) make ``get`` return None (a miss — the
+caller recomputes) and ``put`` return False; each is logged and counted in ``stats()``. Only
+caller bugs (a malformed key, a header that does not match its payload) raise, as ValueError
+naming the argument.
+
+A tier that other processes can write (disk, Redis) has an ``auth`` attribute: None, or the
+`auth.KeyRing` that seals every chunk it puts and opens every chunk it reads; a get then returns
+the header as its writer gave it (unsealed), and never a chunk its ring could not open. A tier
+without the attribute holds chunks only this process writes.
 """
 
 from __future__ import annotations
@@ -88,11 +94,14 @@ class TierReads:
         return None if got is None else got[0]
 
 
-def check_put_args(key: bytes, header: ChunkHeader, payload) -> memoryview:
-    """Validate a put's arguments (caller bugs raise) and return the payload's byte view."""
+def check_put_args(key: bytes, header: ChunkHeader, payload, sealed: bool = False) -> memoryview:
+    """Validate a put's arguments (caller bugs raise) and return the payload's byte view.
+    ``sealed``: the tier seals what it stores (only then may a header have no checksum)."""
     check_key(key)
     if not isinstance(header, ChunkHeader):
         raise ValueError(f"header must be a ChunkHeader, got {type(header).__name__}")
+    if header.algo == "none" and not sealed:
+        raise ValueError("header.algo 'none' (no checksum): only for a tier with a key ring, which seals it")
     if header.key != key:
         raise ValueError(f"header.key {header.key.hex()} does not match key {key.hex()}")
     view = as_view(payload)

@@ -46,13 +46,13 @@ class Push:
 
 
 class Writer:
-    """header(key, payload) -> ChunkHeader: the header of a chunk's bytes. host: whose entries
+    """header(key, payload, algo) -> ChunkHeader: the header of a chunk's bytes. host: whose entries
     are pushed (unpinned after a push). release(slot): gives a spilled entry's slot back.
     count(**events): the store's counters."""
 
     def __init__(
         self,
-        header: Callable[[bytes, object], ChunkHeader],
+        header: Callable[[bytes, object, str], ChunkHeader],
         host: HostTier,
         release: Callable[[object], None],
         count: Callable[..., None],
@@ -140,7 +140,10 @@ class Writer:
                 continue
             try:
                 payload = push.entry.slot.tensor
-                items[push] = (push.entry.key, self._header(push.entry.key, payload), payload)
+                # A chunk only tiers that seal it store needs no checksum: its tag covers the payload.
+                sealed = all(getattr(t, "auth", None) is not None for t in push.tiers)
+                header = self._header(push.entry.key, payload, "none" if sealed else "xxh3_64")
+                items[push] = (push.entry.key, header, payload)
                 push.ok = True
             except Exception:  # this chunk is not pushed; the rest of the batch is
                 log.exception("store writer: header of %s failed", push.entry.key.hex())

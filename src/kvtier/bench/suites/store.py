@@ -30,6 +30,16 @@ events completed; write-through pushes stored: `wait_durable`).
       `path_predicted_gbps` its prediction (bytes / bottleneck + hop latencies), `vs_path` the
       measured GB/s over it. Every loaded byte is checked once against the source blocks, on poisoned
       destination blocks; that check is `correct` for the tier's save and load rows.
+  save <tier> mac / load <tier> mac   the same request through the same kind of tier with a key ring
+                        (`kvtier.store.auth`, a random key): every chunk sealed on its put (an
+                        AES-256-GCM tag over header and payload) and opened on its read, in place of
+                        the plain checksum. The rows compare side by side: the three runs of a
+                        tier (none, mac, encrypted) go round by round, one timed run of each
+                        in turn, so a neighbour loading the host weighs on each alike. Params
+                        ``auth``: "none", "mac" or "encrypted"; ``time_vs_none``: the median over
+                        rounds of the run's time over the unsealed run's in the same round.
+  save <tier> encrypted / load <tier> encrypted   the same with the payloads stored encrypted
+                        (AES-256-GCM): what encryption at rest costs on top of the MAC.
 """
 
 from __future__ import annotations
@@ -37,13 +47,16 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections import Counter
 from contextlib import ExitStack
 from pathlib import Path
+from statistics import median
 
 import torch
 
 from kvtier.bench.probes_io import disk_io_mode
+from kvtier.bench.stats import summarize
 from kvtier.bench.suite import Context, Row, SkipSuite, register
 from kvtier.bench.suites.store_rig import PROMPT_TOKENS, TIER_CEILINGS, Rig, path_model, redis_server
 
@@ -86,82 +99,159 @@ def _lookup_row(ctx: Context, case: str, rig: Rig, t, ok: bool, path: str, **par
     return ctx.row(case, 4 * len(rig.tokens), t, "host_memcpy", correct=ok, **(p | params))
 
 
-def _tier_rows(ctx: Context, rig: Rig, tier: str, tiers: list, workdir: Path, extra: dict):
-    """Save, load (and, for a lower tier, lookup) rows of one tier; `tiers`: the store's lower tiers."""
-    tokens, lower = rig.tokens, bool(tiers)
-    cur = [rig.store(tiers)]
+AUTH = ("none", "mac", "encrypted")  # the key ring's modes, each a pair of rows per lower tier
+ROUNDS = {True: 3, False: 15}  # timed runs of each mode when several are interleaved (by ctx.quick)
 
-    def renew() -> None:
+
+class _Run:
+    """One store over one stack of lower tiers (none: the host alone), as a pair of rows times it:
+    ``save`` after ``fresh``, ``load`` after ``cold``. ``auth``: how the tiers seal (`AUTH`);
+    ``extra``: the tier's params (``client``: a Redis tier's own database, flushed by ``fresh``)."""
+
+    def __init__(self, rig: Rig, tier: str, tiers: list, workdir: Path, extra: dict, auth: str = "none"):
+        self.rig, self.tier, self.tiers, self.workdir, self.extra, self.auth = (
+            rig,
+            tier,
+            tiers,
+            workdir,
+            extra,
+            auth,
+        )
+        self.lower = bool(tiers)
+        self.cur = rig.store(tiers)
+        self.saved: list[int] = []  # chunks each timed save stored (-1: not durable in time)
+        self.sources: Counter[str] = Counter()  # where the chunks of the timed loads came from
+        self.timed = False  # the warm-up runs get no setup: only runs after one are counted
+
+    @property
+    def case(self) -> str:
+        return self.tier if self.auth == "none" else f"{self.tier} {self.auth}"
+
+    def renew(self) -> None:
         # A store of its own for each run that reads the tier: the host starts cold, and close()
         # waits for the read-ahead the last load left queued (run after an evict, it would bring
         # chunks back into the host behind the next run's back).
-        cur[0].close()
-        cur[0] = rig.store(tiers)
-        _drop_cache(workdir, extra)
+        self.cur.close()
+        self.cur = self.rig.store(self.tiers)
+        _drop_cache(self.workdir, self.extra)
 
-    saved: list[int] = []  # chunks each timed save stored (-1: not durable in time)
-    timed = [False]  # the warm-up runs get no setup: only runs after one are counted
+    def save(self) -> None:
+        h = self.cur.save(self.rig.tokens, self.rig.src)
+        done = h.wait_durable(120) if self.lower else h.wait(120)  # durable: every push stored, not queued
+        if self.timed:
+            self.saved.append(h.saved if done else -1)
 
-    def save() -> None:
-        h = cur[0].save(tokens, rig.src)
-        done = h.wait_durable(120) if lower else h.wait(120)  # durable: every push stored, not queued
-        if timed[0]:
-            saved.append(h.saved if done else -1)
+    def fresh(self) -> None:  # each run saves every chunk anew
+        self.timed = True
+        self.cur.evict(self.rig.tokens, lower=self.lower and self.tier != "redis")
+        if self.tier == "redis":
+            self.extra["client"].flushdb()  # this run's own database: cheaper than a GET + DEL per chunk
 
-    def fresh() -> None:  # each run saves every chunk anew
-        timed[0] = True
-        cur[0].evict(tokens, lower=lower and tier != "redis")
-        if tier == "redis":
-            extra["client"].flushdb()  # our own server: cheaper than a GET + DEL per chunk
-
-    sources: Counter[str] = Counter()  # where the chunks of the timed loads came from
-
-    def load() -> None:
-        lh = cur[0].load(tokens, rig.dst)
+    def load(self) -> None:
+        lh = self.cur.load(self.rig.tokens, self.rig.dst)
         lh.wait(120)
-        if timed[0]:
-            sources.update(lh.tiers)
-            sources["missed"] += rig.chunks - len(lh.tiers)
+        if self.timed:
+            self.sources.update(lh.tiers)
+            self.sources["missed"] += self.rig.chunks - len(lh.tiers)
 
-    def cold() -> None:  # every chunk must come from the tier
-        timed[0] = True
-        if lower:
-            renew()
+    def cold(self) -> None:  # every chunk must come from the tier
+        self.timed = True
+        if self.lower:
+            self.renew()
 
+    def release(self) -> None:
+        """The host's chunks go back to the pool, which the runs interleaved with this one share."""
+        self.cur.evict()
+
+
+def _time_runs(ctx: Context, runs: list[_Run], what: str) -> tuple[list, list[float | None]]:
+    """The timing of ``what`` ("save" or "load") of each run, and the median over rounds of its
+    time over the first run's in the same round (None for the first run, or a run alone).
+    Several runs go round by round, one timed run of each in turn, each round starting with the
+    next run: a neighbour loading the host weighs on each alike, so their rows compare side by
+    side. One run alone: ``ctx.time``."""
+    setup = "fresh" if what == "save" else "cold"
+    if len(runs) == 1:
+        r = runs[0]
+        return [ctx.time(getattr(r, what), setup=getattr(r, setup), host=True, name=f"{what}/{r.case}")], [
+            None
+        ]
+    if ctx.on_progress:
+        ctx.on_progress(f"{what}/{runs[0].tier} ({', '.join(r.auth for r in runs)})")
+    for r in runs:  # warm-up, neither timed nor counted
+        getattr(r, what)()
+        r.release()
+    samples: list[list[float]] = [[] for _ in runs]
+    for n in range(ROUNDS[bool(ctx.quick)]):
+        # Each round starts with the next run: no run is always first, nor always after the same one.
+        for i in range(n, n + len(runs)):
+            r, got = runs[i % len(runs)], samples[i % len(runs)]
+            getattr(r, setup)()
+            t0 = time.perf_counter()
+            getattr(r, what)()
+            got.append((time.perf_counter() - t0) * 1e3)
+            r.release()
+    paired = [None] + [median([a / b for a, b in zip(got, samples[0], strict=True)]) for got in samples[1:]]
+    return [summarize(got, "perf_counter") for got in samples], paired
+
+
+def _tier_rows(ctx: Context, rig: Rig, runs: list[_Run]):
+    """Save and load rows of each run of one tier (several: interleaved, `_time_runs`), and, for a
+    lower tier without a key ring, the lookup row."""
+    tier, tokens = runs[0].tier, rig.tokens
     try:
-        t_save = ctx.time(save, setup=fresh, host=True, name=f"save/{tier}")
-        if lower:
-            renew()  # the check below must read every byte from the tier
-        ok, how = rig.check_load(cur[0], tier)
-        if set(saved) != {rig.chunks}:  # every timed save must have stored every chunk
-            ok, how = False, f"timed saves stored {sorted(set(saved))} of {rig.chunks} chunks; {how}"
-        timed[0] = False
-        t_load = ctx.time(load, setup=cold, host=True, name=f"load/{tier}")
-        public = {k: v for k, v in extra.items() if k != "client"}
-        for direction, t in (("save", t_save), ("load", t_load)):
-            ceiling, model = path_model(ctx, tier, direction, rig.nbytes)
-            p = rig.params() | public | model | dict(path=f"{tier} tier {direction}", tier=tier)
-            p["direction"] = direction
-            if direction == "load":
-                p["chunks_by_source"] = ", ".join(f"{k} {v}" for k, v in sorted(sources.items()) if v)
-            p["check"] = how
-            p["vs_path"] = t.gbps(rig.nbytes) / p["path_predicted_gbps"]
-            yield ctx.row(f"{direction} {tier}", rig.nbytes, t, ceiling, correct=ok, **p)
-        if lower and not ctx.quick:
-            renew()  # nothing in the host: the lookup asks the tier for every chunk
-            got = cur[0].lookup(tokens)
-            t = ctx.time(lambda: cur[0].lookup(tokens), host=True, name=f"lookup/{tier}_hit")
+        t_save, vs_save = _time_runs(ctx, runs, "save")
+        checks = []
+        for r in runs:
+            if r.lower:
+                r.renew()  # the check below must read every byte from the tier
+            ok, how = rig.check_load(r.cur, tier)
+            if set(r.saved) != {rig.chunks}:  # every timed save must have stored every chunk
+                ok, how = False, f"timed saves stored {sorted(set(r.saved))} of {rig.chunks} chunks; {how}"
+            checks.append((ok, how))
+            r.timed = False
+            if len(runs) > 1:
+                r.release()
+        t_load, vs_load = _time_runs(ctx, runs, "load")
+        for i, (r, (ok, how)) in enumerate(zip(runs, checks, strict=True)):
+            public = {k: v for k, v in r.extra.items() if k != "client"}
+            for direction, t, vs in (("save", t_save[i], vs_save[i]), ("load", t_load[i], vs_load[i])):
+                ceiling, model = path_model(ctx, tier, direction, rig.nbytes)
+                p = rig.params() | public | model | dict(path=f"{tier} tier {direction}", tier=tier)
+                p["direction"], p["auth"] = direction, r.auth
+                if len(runs) > 1:
+                    p["timed"] = f"interleaved with {', '.join(o.case for o in runs if o is not r)}"
+                if vs is not None:  # > 1: slower than the first run (no key ring) in the same rounds
+                    p[f"time_vs_{runs[0].auth}"] = vs
+                if direction == "load":
+                    p["chunks_by_source"] = ", ".join(f"{k} {v}" for k, v in sorted(r.sources.items()) if v)
+                p["check"] = how
+                p["vs_path"] = t.gbps(rig.nbytes) / p["path_predicted_gbps"]
+                yield ctx.row(f"{direction} {r.case}", rig.nbytes, t, ceiling, correct=ok, **p)
+        r = runs[0]
+        if r.lower and not ctx.quick and r.auth == "none":
+            r.renew()  # nothing in the host: the lookup asks the tier for every chunk
+            got = r.cur.lookup(tokens)
+            t = ctx.time(lambda: r.cur.lookup(tokens), host=True, name=f"lookup/{tier}_hit")
             hit = got.tokens == len(tokens) and got.tiers == (tier,) * rig.chunks
             yield _lookup_row(ctx, f"lookup {tier} hit", rig, t, hit, f"lookup ({tier} hit)")
     finally:
-        cur[0].close()
+        for r in runs:
+            r.cur.close()
+
+
+def _ring(auth: str):
+    """The key ring of an `AUTH` mode, with a key made for this run (None: no ring)."""
+    from kvtier.store.auth import KeyRing
+
+    return None if auth == "none" else KeyRing(os.urandom(32), encrypt=auth == "encrypted")
 
 
 def _drop_cache(workdir: Path, extra: dict) -> None:
     """Buffered disk tier: drop its files from the page cache, so reads come from the disk."""
     if extra.get("disk_io", "O_DIRECT") == "O_DIRECT":
         return
-    for f in (workdir / "disk").rglob("*.kvc"):
+    for f in workdir.rglob("*.kvc"):
         fd = os.open(f, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # fsynced pages are clean: dropped
@@ -200,27 +290,35 @@ def store(ctx: Context):
             yield from _key_rows(ctx, keys_stack)
         layers, tokens = _request(ctx)
         rig = Rig(ctx, stack, layers=layers, tokens=tokens, heads=8, head_dim=128, seed=0)
-        yield from _tier_rows(ctx, rig, "host", [], workdir, {})
+        yield from _tier_rows(ctx, rig, [_Run(rig, "host", [], workdir, {})])
 
         io = disk_io_mode(workdir)
         disk = dict(disk_io=io, disk_fs=_fs_type(workdir), disk_dir=str(root))
         for name in TIER_CEILINGS["disk"]:
             ctx.ceiling(name, nbytes=rig.nbytes, root=workdir)
-        tier = DiskTier(workdir / "disk", 2 * rig.nbytes + (64 << 20), o_direct=io == "O_DIRECT")
-        yield from _tier_rows(ctx, rig, "disk", [tier], workdir, disk)
-        tier.close()
+        cap, o_direct = 2 * rig.nbytes + (64 << 20), io == "O_DIRECT"
+        tiers = [DiskTier(workdir / f"disk-{a}", cap, o_direct=o_direct, auth=_ring(a)) for a in AUTH]
+        for tier in tiers:
+            stack.callback(tier.close)
+        yield from _tier_rows(
+            ctx, rig, [_Run(rig, "disk", [t], workdir, disk, a) for t, a in zip(tiers, AUTH, strict=True)]
+        )
 
         url, why = redis_server(stack, workdir / "redis")
         if url is None:
-            for case in ("save redis", "load redis") + (() if ctx.quick else ("lookup redis hit",)):
+            cases = [f"{d} redis{'' if a == 'none' else ' ' + a}" for a in AUTH for d in ("save", "load")]
+            for case in cases + ([] if ctx.quick else ["lookup redis hit"]):
                 ctx.skip(case, why)
             return
-        tier = RedisTier(url=url, timeout_s=10.0)
-        stack.callback(tier.close)
-        part = min(tier.part_bytes, rig.span)
-        for name in TIER_CEILINGS["redis"]:
-            ctx.ceiling(name, nbytes=rig.nbytes, url=url, part_bytes=part)
-        info = tier.client.info("server")
-        redis = dict(client=tier.client, redis_version=info.get("redis_version"), redis_part_bytes=part)
-        redis |= dict(redis_timeout_s=10.0)
-        yield from _tier_rows(ctx, rig, "redis", [tier], workdir, redis)
+        runs = []
+        for db, auth in enumerate(AUTH):  # a database each: a run's fresh() flushes only its own
+            tier = RedisTier(url=url.rsplit("/", 1)[0] + f"/{db}", timeout_s=10.0, auth=_ring(auth))
+            stack.callback(tier.close)
+            part = min(tier.part_bytes, rig.span)
+            for name in TIER_CEILINGS["redis"]:
+                ctx.ceiling(name, nbytes=rig.nbytes, url=url, part_bytes=part)
+            info = tier.client.info("server")
+            redis = dict(client=tier.client, redis_version=info.get("redis_version"), redis_part_bytes=part)
+            redis |= dict(redis_timeout_s=10.0)
+            runs.append(_Run(rig, "redis", [tier], workdir, redis, auth))
+        yield from _tier_rows(ctx, rig, runs)

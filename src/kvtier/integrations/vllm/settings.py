@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from kvtier.integrations import setting_checks as check
+from kvtier.store.auth import KeyRing
 from kvtier.store.keys import HASHES
 
 WRITE_POLICIES = ("write_through", "write_back")
@@ -39,6 +40,11 @@ class VllmSettings:
     write_policy: "write_through" (each saved chunk pushed down at once) or "write_back".
     model: the identity keys are salted with (None: vLLM's model name and revision).
     salt: a per-tenant secret string mixed into every key. hash_name: kvtier's key hash.
+    auth_keys: the key, or list of keys (the first seals, all open: rotation), that seals every
+        chunk of the disk and Redis tiers, each a str of at least 16 bytes; none: the keys in
+        $KVTIER_AUTH_KEYS where set, else chunks are not authenticated (`kvtier.store.auth`).
+        Checked into a `KeyRing`, whose repr shows no key. encrypt_chunks: those tiers store the
+        payloads AES-256-GCM-encrypted too (needs keys).
     layerwise: layer-pipelined loads (``wait_for_layer_load`` waits for one layer): they take
         the engine's layer-major "kernel" path (a UVA kernel per layer over every chunk, on a
         quarter of the SMs), so attention of layer l starts once l + 1 layers landed; needs vLLM's
@@ -79,6 +85,8 @@ class VllmSettings:
     engine_path: str = "auto"
     staging_bytes: int | str = 256 << 20
     kv_layout: str = "auto"
+    auth_keys: KeyRing | str | list | None = field(default=None, repr=False)
+    encrypt_chunks: bool = False
     where: str = field(default=EXTRA, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -99,7 +107,7 @@ class VllmSettings:
         ):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{name(key)}: one of {allowed}, got {getattr(self, key)!r}")
-        for key in ("redis_cluster", "layerwise"):
+        for key in ("redis_cluster", "layerwise", "encrypt_chunks"):
             setattr(self, key, check.flag(getattr(self, key), name(key)))
         self.prefetch_timeout_s = check.seconds(self.prefetch_timeout_s, name("prefetch_timeout_s"), True)
         if not isinstance(self.salt, str):
@@ -110,6 +118,7 @@ class VllmSettings:
             check.disk_dir(self.disk_path, name("disk_path"))
         if self.redis_url is not None:
             check.redis_url(self.redis_url, name("redis_url"))
+        self.auth_keys = KeyRing.resolve(self.auth_keys, self.encrypt_chunks, name("auth_keys"))
 
     @classmethod
     def from_extra(cls, extra: dict | None) -> VllmSettings:

@@ -144,6 +144,7 @@ class WorkerSide:
             tp_size=self.tp_size,
             salt=s.salt.encode(),
             hash_name=s.hash_name,
+            auth_keys=s.auth_keys,
         )
         # Every chunk the host drops is noted (a deque append, under the host's lock); `report` tells
         # the scheduler of those no local tier holds any more.
