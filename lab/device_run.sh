@@ -22,7 +22,8 @@
 #       in $NOISY_PROCS (default "0 8 14"; kind $NOISY_KIND, default copy, or count:kind items such as
 #       "15:spin 14:copy"): P6 on a host made slow on purpose; writes noisy<count><kind>.json and noisy.log
 #   vllm: ($GPU_TESTS) `kvtier bench --suite vllm $VLLM_ARGS` (the connector's replay harness, #28) into
-#       $out/vllm.json and vllm.bench.log; KVTIER_VLLM_ORDERS limits the orders; the Redis row needs a
+#       $out/vllm.json and vllm.bench.log; KVTIER_VLLM_ORDERS limits the orders, KVTIER_VLLM_ROWS the row
+#       families (transfers, kernels, ttft, full_graph, beside_save, failover, decode); the Redis row needs a
 #       redis-server on PATH and redis-py importable (carried: see lab/RUNS.md)
 #   multi: (2+ GPUs) handoff/probe GPU tests, memcheck/racecheck of a handoff, probe --all-gpus,
 #          suites handoff + contention, `kvtier path` with the measured sharing

@@ -3,7 +3,7 @@
 A hybrid model keeps beside its KV pool (the anchor, whose pages move through the v1 calls) one
 host pool per other kind of state, named by SGLang's ``PoolName``: ``swa`` (a sliding-window
 model's window layers: gpt-oss, Gemma), ``mamba`` (Mamba / linear-attention state: Qwen3-Next,
-Nemotron-H, Granite 4.0), ``indexer`` (DeepSeek V3.2's DSA index keys, beside its MLA latent).
+Nemotron-H, Granite 4.0), ``indexer`` (DeepSeek-V3.2's DSA index keys, beside its MLA latent).
 SGLang's ``HybridCacheController`` calls, from its prefetch and backup threads:
 
     register_mem_host_pool_v2(pool, name)     each pool once (the KV pool too); its page shape,
@@ -21,7 +21,7 @@ the node boundaries SGLang backs up (one slot per key), the DSA indexer its inde
 page of the latent. The hit policies: ``all_pages`` (the indexer) needs the pool's page for every
 page of the prefix; ``trailing_pages`` (window, state) needs only the pool's last
 ``len(transfer.keys)`` pages before the prefix's end, so the prefix lengths a request can restore
-have holes (SGLang intersects them across ranks); ``block_groups`` (DeepSeek V4's compressed
+have holes (SGLang intersects them across ranks); ``block_groups`` (DeepSeek-V4's compressed
 pools) is not served: such a request is a miss.
 
 A pool's pages move through the v1 page path of a backend view for that pool (``_pool_view``): the

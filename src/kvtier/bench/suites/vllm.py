@@ -43,7 +43,14 @@ head_size 128, bf16, 16-token blocks; 8K and 32K tokens, 32 and 128 chunks of 16
   the KV equal bit for bit to what vLLM's recompute computed, the first token a recompute's
   (`vllm_failover.py`).
 
-$KVTIER_VLLM_ORDERS (comma-separated, e.g. "LBHNC,BLHNC") measures only those orders.
+- decode_beside <mode> <order> <batch>: a graphed decode batch beside arrivals and departures
+  (`vllm_decode.py`; orders LBHNC and BLHNC).
+
+$KVTIER_VLLM_ORDERS (comma-separated, e.g. "LBHNC,BLHNC") measures only those orders, and
+$KVTIER_VLLM_ROWS only those row families: transfers (save, load, vllm_batch, load_whole),
+kernels (gather_d2d / scatter_d2d), ttft (ttft_hit, ttft_recompute, ttft_hit_whole), full_graph,
+beside_save (forward_beside_save), failover (redis_killed_mid_load, load_failed_mid_request),
+decode (decode_beside).
 
 On a CPU (`--quick`): a tiny shape on `SimDevice` (the forward rows: a tiny Llama of that KV
 shape), timed on the host clock; the batched copy is skipped.
@@ -59,6 +66,8 @@ import torch
 
 from kvtier import layout
 from kvtier.bench.suite import Context, GiB, register
+from kvtier.bench.suites.vllm_decode import ORDERS as DECODE_ORDERS
+from kvtier.bench.suites.vllm_decode import decode_rows
 from kvtier.bench.suites.vllm_failover import failed_load_row, killed_row
 from kvtier.bench.suites.vllm_graphs import full_graph_rows
 
@@ -66,6 +75,10 @@ LLAMA = dict(L=32, H=8, D=128, N=16, dtype=torch.bfloat16)  # Llama-3-8B's KV
 TINY = dict(L=2, H=2, D=16, N=16, dtype=torch.bfloat16)
 IDLE_REPS = 200
 FAILOVER_TOKENS = 1280  # the failed-load row's least prompt: 5 chunks of 16 blocks
+# $KVTIER_VLLM_ROWS: the row families a run measures (module docstring)
+ROW_FAMILIES = ("transfers", "kernels", "ttft", "full_graph", "beside_save", "failover", "decode")
+FORWARD_ROWS = {"ttft", "full_graph", "beside_save", "failover"}  # the Llama forward's rows
+REPLAY_ROWS = {"transfers", "kernels", "ttft", "full_graph", "beside_save"}
 HOST_SLACK_CHUNKS = 4  # host pool room past one request's chunks: a timed save never finds it full
 
 
@@ -362,47 +375,74 @@ def vllm(ctx: Context):
         ctx.ceiling("d2d_copy", nbytes=GiB)
     else:
         shape, token_counts = TINY, (128,)
-    fwd = _forward(ctx, shape)
+    want = rows_asked(os.environ.get("KVTIER_VLLM_ROWS"))
+    fwd = _forward(ctx, shape) if want & FORWARD_ROWS else None
     for order in orders_asked(os.environ.get("KVTIER_VLLM_ORDERS")):
         for tokens in token_counts:
-            r = Replay(ctx, order, shape, tokens)
-            try:
-                run = layout.contiguous_block_run(r.kv)
-                label = f"{order} {tokens} tokens"
-                params = dict(
-                    order=order,
-                    tokens=r.blocks * shape["N"],
-                    chunks=r.chunks,
-                    layers=shape["L"],
-                    heads=shape["H"],
-                    head_size=shape["D"],
-                    block_size=shape["N"],
-                    dtype="bf16",
-                    block_run_bytes=run or 0,
-                    load_path=_load_path(r),
-                    idle_step_us=_idle_us(r),
-                )
-                yield from _save_rows(ctx, r, label, params)
-                yield from _load_rows(ctx, r, label, params)
-                yield from _batch_rows(ctx, r, label, params)
-                if tokens == token_counts[0]:
-                    yield from _kernel_rows(ctx, r, label, params)
-                if fwd is not None:
-                    yield from fwd.hit_row(r, label, params)
-                    yield from full_graph_rows(ctx, fwd, r, label, params, tokens == token_counts[0])
-                    if tokens == token_counts[0]:
-                        yield from fwd.beside_save_row(r, label, params)
-            finally:
-                r.close()
-            yield from _whole_rows(ctx, fwd, order, shape, tokens, params)
-            if fwd is not None and tokens == token_counts[0]:
+            first = tokens == token_counts[0]
+            if want & REPLAY_ROWS:
+                yield from _replay_rows(ctx, fwd, want, order, shape, tokens, first)
+            if "failover" in want and fwd is not None and first:
                 yield from killed_row(ctx, fwd, Replay, order, shape, tokens)
                 yield from failed_load_row(ctx, fwd, Replay, order, shape, max(tokens, FAILOVER_TOKENS))
             if ctx.on_gpu:
                 torch.cuda.empty_cache()
     del fwd
     if ctx.on_gpu:
-        torch.cuda.empty_cache()  # the model's memory goes back before the next suite
+        torch.cuda.empty_cache()  # the model's memory goes back before the decode batch's cache
+    if "decode" in want:
+        for order in orders_asked(os.environ.get("KVTIER_VLLM_ORDERS")):
+            if order in DECODE_ORDERS:
+                yield from decode_rows(ctx, order, shape)
+
+
+def _replay_rows(ctx: Context, fwd, want: set[str], order: str, shape: dict, tokens: int, first: bool):
+    """The rows over one `Replay` of `tokens` in `order` (the families `want` names)."""
+    r = Replay(ctx, order, shape, tokens)
+    try:
+        run = layout.contiguous_block_run(r.kv)
+        label = f"{order} {tokens} tokens"
+        params = dict(
+            order=order,
+            tokens=r.blocks * shape["N"],
+            chunks=r.chunks,
+            layers=shape["L"],
+            heads=shape["H"],
+            head_size=shape["D"],
+            block_size=shape["N"],
+            dtype="bf16",
+            block_run_bytes=run or 0,
+            load_path=_load_path(r),
+            idle_step_us=_idle_us(r),
+        )
+        if "transfers" in want:
+            yield from _save_rows(ctx, r, label, params)
+            yield from _load_rows(ctx, r, label, params)
+            yield from _batch_rows(ctx, r, label, params)
+        if "kernels" in want and first:
+            yield from _kernel_rows(ctx, r, label, params)
+        if fwd is not None:
+            if "ttft" in want:
+                yield from fwd.hit_row(r, label, params)
+            if "full_graph" in want:
+                yield from full_graph_rows(ctx, fwd, r, label, params, first)
+            if "beside_save" in want and first:
+                yield from fwd.beside_save_row(r, label, params)
+    finally:
+        r.close()
+    if want & {"transfers", "ttft"}:
+        yield from _whole_rows(ctx, fwd if "ttft" in want else None, order, shape, tokens, params, want)
+
+
+def rows_asked(value: str | None) -> set[str]:
+    """The row families $KVTIER_VLLM_ROWS names (comma-separated; unset or empty: every one)."""
+    if not value:
+        return set(ROW_FAMILIES)
+    asked = {x.strip().lower() for x in value.split(",") if x.strip()}
+    bad = sorted(asked - set(ROW_FAMILIES))
+    if bad:
+        raise ValueError(f"KVTIER_VLLM_ROWS: unknown row families {bad}; known: {', '.join(ROW_FAMILIES)}")
+    return asked
 
 
 def _kernel_rows(ctx: Context, r: Replay, label: str, params: dict):
@@ -444,13 +484,14 @@ def _load_path(r: Replay) -> str:
     return r.ws.load_path() or r.ws.store.engine.load_path(per_layer=False).value
 
 
-def _whole_rows(ctx: Context, fwd, order: str, shape: dict, tokens: int, params: dict):
+def _whole_rows(ctx: Context, fwd, order: str, shape: dict, tokens: int, params: dict, want: set[str]):
     """load_whole / ttft_hit_whole: the same request with ``layerwise: false`` (whole-job DMA
     loads, one wait before the forward), beside the default's layer-major rows."""
     r = Replay(ctx, order, shape, tokens, layerwise=False)
     try:
         label, p = f"{order} {tokens} tokens", params | {"load_path": _load_path(r), "layerwise": False}
-        yield from _load_rows(ctx, r, label, p, name="load_whole")
+        if "transfers" in want:
+            yield from _load_rows(ctx, r, label, p, name="load_whole")
         if fwd is not None:
             yield from fwd.hit_row(r, label, p, name="ttft_hit_whole")
     finally:

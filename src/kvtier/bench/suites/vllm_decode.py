@@ -9,10 +9,15 @@ hooks run around it in vLLM's order on the step's thread:
 
   decode_beside <mode> <order> <batch>
       load_layerwise   an arrival every EVERY steps, its 8K or 32K prefix (in turn) held by the
-                       host tier, loaded with the connector's defaults (``layerwise: true``)
+                       host tier, loaded with the connector's defaults (``layerwise: true``,
+                       ``load_async: auto``: others run, so it loads in the background and the
+                       request waits out of the batch until it landed, as vLLM's asynchronous
+                       load does)
       load_whole       the same with ``layerwise: false``
       save             a departure every EVERY steps: its 8K tokens saved after the step
       mixed            arrivals and departures, EVERY / 2 steps apart
+      load_in_step     the arrivals loaded in the step, as ``load_async: never`` does: every
+                       layer of the decode waits for the load (what the background load avoids)
 
 Steps with nothing beside and steps beside the transfers alternate in phases of PHASE steps
 (ROUNDS of each, after a warm-up phase), so both meet the same clocks. Params: ``p50_ratio`` /
@@ -38,7 +43,7 @@ from kvtier.bench.decode_batch import DecodeBatch
 from kvtier.bench.stats import percentile
 from kvtier.bench.suite import Context
 
-MODES = ("load_layerwise", "load_whole", "save", "mixed")
+MODES = ("load_layerwise", "load_whole", "save", "mixed", "load_in_step")
 ORDERS = ("LBHNC", "BLHNC")
 BATCHES, CONTEXT, HITS, DEPART = (32, 128), (2048, 8192), (8192, 32768), 8192
 PHASE, ROUNDS, EVERY, REGIONS = 24, 5, 6, 3
@@ -90,7 +95,7 @@ class DecodeRig:
 
     # -- the worker of one mode -------------------------------------------------------------------
 
-    def open(self, layerwise: bool) -> None:
+    def open(self, layerwise: bool, load_async: str) -> None:
         """A worker with ``layerwise`` over the cache; the arrivals' prefixes saved into its host
         (from the regions their loads will land in, fingerprinted there first)."""
         from kvtier.integrations.vllm.worker import WorkerSide
@@ -101,7 +106,7 @@ class DecodeRig:
             from kvtier.device import SimDevice
 
             dev = SimDevice()
-        s = self._settings_cls(**self.settings, layerwise=layerwise)
+        s = self._settings_cls(**self.settings, layerwise=layerwise, load_async=load_async)
         self.ws = WorkerSide(s, "decode-beside", order=self.order, block_size=self.N, device=dev)
         self.ws.register({name: self.cache[i] for i, name in enumerate(self.names)})
         self.dev = self.ws.dev
@@ -112,10 +117,13 @@ class DecodeRig:
             blocks = self.arrive[k % REGIONS][: tokens // self.N]
             ids = [f"hit{k}/{i}".encode().ljust(32, b".") for i in range(len(blocks) // self.chunk_blocks)]
             self.prefixes.append((ids, tokens, self.fingerprint(blocks)))
-            meta = KVTierMetadata(saves=[ChunkRun(f"seed{k}", ids, blocks)])
+            meta = KVTierMetadata(saves=[ChunkRun(f"seed{k}", ids, blocks)], release={f"seed{k}"})
             self.ws.save(meta)
             self.sync()
-            self.ws.finished({f"seed{k}"})
+            self.ws.finished(set())
+        for _, tokens, _ in self.prefixes:  # saved and landed (sync above): the loads must rewrite them
+            for region in self.arrive:
+                self.poison(region[: tokens // self.N])
         self.ws.stats()  # the seeding's counts are not the row's
 
     def close(self) -> None:
@@ -125,11 +133,24 @@ class DecodeRig:
                 self.dev.close()
             self.ws = None
 
+    def sampled(self, blocks: list[int]) -> torch.Tensor:
+        """The last block of each chunk of ``blocks``: what a check reads and a poison writes (a
+        chunk lands whole or not at all, so one block of it tells)."""
+        return torch.tensor(blocks[self.chunk_blocks - 1 :: self.chunk_blocks], device=self.ctx.device)
+
     def fingerprint(self, blocks: list[int]) -> int:
-        ids = torch.tensor(blocks, device=self.ctx.device)
-        return int(self.cache[:, ids].contiguous().view(torch.int16).sum(dtype=torch.int64))
+        """A sum over the sampled blocks' bits (the host waits for it: untimed work)."""
+        return int(self.cache[:, self.sampled(blocks)].contiguous().view(torch.int16).sum(dtype=torch.int64))
+
+    def poison(self, blocks: list[int]) -> None:
+        """The sampled blocks overwritten, so a load that does not land there is seen; done before
+        the next step starts (the host waits), so no step is billed for it."""
+        self.cache[:, self.sampled(blocks)] = torch.tensor(-7.0, dtype=self.cache.dtype)
+        if self.ctx.on_gpu:
+            torch.cuda.synchronize(self.ctx.device)
 
     def sync(self) -> None:
+        self.ws.wait_submitted()  # the saver and loader threads queued what they were handed
         if self.ctx.on_gpu:
             torch.cuda.synchronize(self.ctx.device)
         else:
@@ -155,7 +176,8 @@ class Run:
 
     def __init__(self, rig: DecodeRig, mode: str) -> None:
         self.rig, self.mode = rig, mode
-        self.loads = mode in ("load_layerwise", "load_whole", "mixed")
+        self.loads = mode in ("load_layerwise", "load_whole", "mixed", "load_in_step")
+        self.background = mode != "load_in_step"
         self.saves = mode in ("save", "mixed")
         self.step_s: dict[bool, list[float]] = {False: [], True: []}
         self.submit_s: list[float] = []
@@ -189,8 +211,7 @@ class Run:
         rig.batch().replay()
         t1 = time.perf_counter()
         ws.save(meta)
-        done = set(self.pending)
-        sending, recving = ws.finished(done)
+        sending, recving = ws.finished(set())  # get_transfer_results
         ws.load_errors()
         ws.report()
         host += time.perf_counter() - t1
@@ -203,7 +224,7 @@ class Run:
             self.step_s[beside].append(t_end - t0)
             if started:
                 self.submit_s.append(host / started)
-        self._settle(set(sending or ()) | set(recving or ()), ws.load_errors, t_end)
+        self._settle(set(sending or ()) | set(recving or ()), t_end)
 
     def _arrival(self, meta, ChunkRun) -> int:
         rig = self.rig
@@ -215,10 +236,9 @@ class Run:
         ids, tokens, fp = rig.prefixes[self.hits % len(rig.prefixes)]
         self.hits += 1
         blocks = rig.arrive[r][: tokens // rig.N]
-        rig.cache[:, torch.tensor(blocks, device=rig.ctx.device)] = 0  # vLLM hands zeroed new blocks
         self._n += 1
         rid = f"a{self._n}"
-        meta.loads.append(ChunkRun(rid, ids, blocks))
+        meta.loads.append(ChunkRun(rid, ids, blocks, background=self.background))
         self.pending[rid] = ("load", r, time.perf_counter(), (blocks, fp))
         self.busy[("load", r)] = rid
         return 1
@@ -235,18 +255,17 @@ class Run:
         blocks = rig.depart[r]
         ids = [f"{rid}/{i}".encode().ljust(32, b".") for i in range(len(blocks) // rig.chunk_blocks)]
         meta.saves.append(ChunkRun(rid, ids, blocks))
+        meta.release.add(rid)  # finished: reported once its saves read its blocks
         self.pending[rid] = ("save", r, time.perf_counter(), None)
         self.busy[("save", r)] = rid
         return 1
 
-    def _settle(self, finished: set[str], _errors, t_end: float) -> None:
-        """Transfers the worker reported complete free their regions; a load's blocks are
-        checked against the prefix it loaded."""
+    def _settle(self, finished: set[str], t_end: float) -> None:
+        """Transfers the worker reported complete (a load in the step: landed once the step
+        synced) free their regions; a load's blocks are checked against the prefix it loaded."""
         for rid in list(self.pending):
             kind, r, t0, check = self.pending[rid]
-            if kind == "save" and rid not in finished:
-                continue
-            if kind == "load" and rid not in finished and not self._landed(rid):
+            if rid not in finished and (kind == "save" or self.background):
                 continue
             del self.pending[rid]
             self.busy.pop((kind, r), None)
@@ -256,10 +275,7 @@ class Run:
                 blocks, fp = check
                 if self.rig.fingerprint(blocks) != fp:
                     self.wrong += 1
-
-    def _landed(self, rid: str) -> bool:
-        """A load the worker does not report (loaded in its step): landed once the step synced."""
-        return True
+                self.rig.poison(blocks)  # the next load into the region must land to pass its check
 
     def drain(self) -> None:
         """Steps with nothing new until every transfer started has landed and was settled."""
@@ -294,7 +310,7 @@ def _row(ctx: Context, rig: DecodeRig, mode: str, batch: int, kv_gib: float):
     label = f"decode_beside {mode} {rig.order} {batch}"
     if ctx.on_progress:
         ctx.on_progress(label)
-    rig.open(layerwise=mode != "load_whole")
+    rig.open(layerwise=mode != "load_whole", load_async="never" if mode == "load_in_step" else "auto")
     run, s = Run(rig, mode), rig.sizes
     for at in range(s["phase"]):  # warm-up: clocks, the first use of every path
         run.step(at % 2 == 1, at, timed=False)
@@ -309,7 +325,7 @@ def _row(ctx: Context, rig: DecodeRig, mode: str, batch: int, kv_gib: float):
     nothing, beside = run.step_s[False], run.step_s[True]
     ratios = {}
     for op, ceiling in (("load", "h2d_pinned"), ("save", "d2h_pinned")):
-        gpu_s, nbytes = counts.get(f"{op}_gpu_s", 0.0), counts.get(f"{op}_bytes", 0)
+        gpu_s, nbytes = counts.get(f"{op}_busy_s", 0.0), counts.get(f"{op}_bytes", 0)
         if gpu_s and nbytes and ctx.on_gpu:
             ratios[op] = nbytes / gpu_s / 1e9 / ctx.ceilings[ceiling]
     params = dict(
@@ -332,7 +348,8 @@ def _row(ctx: Context, rig: DecodeRig, mode: str, batch: int, kv_gib: float):
         arrival_ms_p50=_ms(run.arrivals, 50),
         transfers=run.transfers,
         skipped=run.skipped,
-        load_path=rig.ws.load_path() or rig.ws.store.engine.load_path(per_layer=False).value,
+        load_path=rig.ws.load_path(run.background) or rig.ws.store.engine.load_path(per_layer=False).value,
+        background=run.background if run.loads else None,
         load_errors=counts.get("miss_chunks", 0),
         save_errors=counts.get("save_errors", 0),
     )
