@@ -24,7 +24,7 @@ def test_paged_attention_equals_torch_over_each_context(order):
     g = torch.Generator().manual_seed(1)
     tables = torch.randperm(B, generator=g)[:18].view(3, 6).to(torch.int32).to(DEV)  # 3 sequences, 6 blocks
     lengths = torch.tensor([24, 7, 13], dtype=torch.int32, device=DEV)  # full, partial first block, mid-block
-    batch = DecodeBatch(cache, tables, lengths, hidden=64, mlp=32, q_heads=4, blocks_per_iter=2)
+    batch = DecodeBatch(cache, tables, lengths, hidden=64, mlp=32, q_heads=4, blocks_per_iter=4)
     q = torch.randn(3, 4, D).to(torch.float16).to(DEV)
     for layer in range(L):
         batch.attn.fill_(float("nan"))  # poisoned: every head of every sequence must be written

@@ -74,7 +74,7 @@ def test_full_graph_rows_come_out_correct(order):
         assert hit.correct is True
         assert p["token_full_graph"] == p["token_piecewise"] == p["token_recompute"] and p["tokens_stable"]
         assert p["vs_piecewise"] == pytest.approx(p["full_graph_ms"] / p["piecewise_ms"])
-        assert p["first_token_margin_std"] > 0 and p["recompute_ms"] > 0
+        assert p["prefill_margin_std"] > 0 and p["recompute_ms"] > 0
         q = decode.params
         assert q["waits"] == r.kv.num_layers and math.isfinite(q["slowdown_pct"])
         assert math.isfinite(q["slowdown_pct_branch"]) and q["branch_waits_ms"] > 0

@@ -111,6 +111,10 @@ class DecodeBatch:
             raise ValueError(
                 f"q_heads: a multiple of the {H} KV heads, at most {GROUP_PAD * H}, got {q_heads}"
             )
+        if blocks_per_iter * N < 16:
+            raise ValueError(
+                f"blocks_per_iter: its tokens ({blocks_per_iter} x {N}) at least 16, tl.dot's least K"
+            )
         if tables.dtype != torch.int32 or lengths.dtype != torch.int32:
             raise ValueError("tables, lengths: int32 tensors")
         if int(lengths.max()) > tables.shape[1] * N:

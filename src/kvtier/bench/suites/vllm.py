@@ -67,6 +67,7 @@ import torch
 from kvtier import layout
 from kvtier.bench.suite import Context, GiB, register
 from kvtier.bench.suites.vllm_decode import ORDERS as DECODE_ORDERS
+from kvtier.bench.suites.vllm_decode import Memory as DecodeMemory
 from kvtier.bench.suites.vllm_decode import decode_rows
 from kvtier.bench.suites.vllm_failover import failed_load_row, killed_row
 from kvtier.bench.suites.vllm_graphs import full_graph_rows
@@ -391,9 +392,11 @@ def vllm(ctx: Context):
     if ctx.on_gpu:
         torch.cuda.empty_cache()  # the model's memory goes back before the decode batch's cache
     if "decode" in want:
+        memory = DecodeMemory()  # one cache buffer for every order's decode batch
         for order in orders_asked(os.environ.get("KVTIER_VLLM_ORDERS")):
             if order in DECODE_ORDERS:
-                yield from decode_rows(ctx, order, shape)
+                yield from decode_rows(ctx, order, shape, memory)
+        del memory
 
 
 def _replay_rows(ctx: Context, fwd, want: set[str], order: str, shape: dict, tokens: int, first: bool):

@@ -28,7 +28,9 @@ the same-run pinned ceiling of their direction; the lower of the two in ``mixed`
 started a transfer), ``step_ms_nothing`` / ``step_ms_beside`` (p50), ``arrival_ms_p50`` (from the
 step that starts an arrival's load to the step whose report says it landed), ``transfers``,
 ``skipped`` (arrivals or departures not started: their blocks were still in use), ``load_path``.
-``correct``: every loaded prefix equals its saved blocks (a fingerprint of the blocks).
+``correct``: every loaded prefix equals its saved blocks (a fingerprint of the blocks). The row's
+bytes are the KV one decode step reads, its time the steps beside the transfers: its GB/s is the
+decode's read rate, against the same-run device copy.
 
 On a CPU (`--quick`): a tiny shape on `SimDevice`, a few steps, timed on the host clock.
 """
@@ -55,7 +57,7 @@ class DecodeRig:
     departure regions; a worker over it (its `layerwise` setting per mode); the arrivals'
     prefixes saved into its host tier once."""
 
-    def __init__(self, ctx: Context, order: str, shape: dict, batch: int, *, sizes: dict) -> None:
+    def __init__(self, ctx: Context, order: str, shape: dict, batch: int, *, sizes: dict, memory) -> None:
         from kvtier.integrations.vllm.settings import VllmSettings
 
         self.ctx, self.order, self.shape, self.sizes = ctx, order, shape, sizes
@@ -68,7 +70,9 @@ class DecodeRig:
         hit_blocks, dep_blocks = max(sizes["hits"]) // N, sizes["depart"] // N
         total = sum(per_seq) + REGIONS * (hit_blocks + dep_blocks)
         sz = dict(L=L, B=total, H=H, N=N, C=2 * D)
-        buf = torch.randn([sz[a] for a in order], dtype=shape["dtype"], device=ctx.device)
+        dims = [sz[a] for a in order]
+        buf = memory.get(dims, shape["dtype"], ctx.device)
+        buf.normal_()  # values, not random bits: the stand-in's attention must not meet NaNs
         self.cache = buf.permute(*[order.index(a) for a in "LBHNC"])  # logical [L, B, H, N, C]
         perm = torch.randperm(total, generator=g).tolist()  # scattered ids, as a serving engine's
         tables, at = torch.zeros(batch, max(per_seq), dtype=torch.int32), 0
@@ -146,8 +150,8 @@ class DecodeRig:
         """The sampled blocks overwritten, so a load that does not land there is seen; done before
         the next step starts (the host waits), so no step is billed for it."""
         self.cache[:, self.sampled(blocks)] = torch.tensor(-7.0, dtype=self.cache.dtype)
-        if self.ctx.on_gpu:
-            torch.cuda.synchronize(self.ctx.device)
+        if self.ctx.on_gpu:  # the compute stream only: the transfers in flight go on meanwhile
+            torch.cuda.current_stream(self.ctx.device).synchronize()
 
     def sync(self) -> None:
         self.ws.wait_submitted()  # the saver and loader threads queued what they were handed
@@ -188,6 +192,7 @@ class Run:
         self.hits = 0
         self.transfers = self.skipped = 0
         self.wrong = 0
+        self.ids: dict[str, list[bytes]] = {}  # departures' chunk ids, until saved
         self._n = 0
 
     def step(self, beside: bool, at: int, timed: bool) -> None:
@@ -216,7 +221,9 @@ class Run:
         ws.report()
         host += time.perf_counter() - t1
         if rig.ctx.on_gpu:
-            torch.cuda.synchronize(rig.ctx.device)  # vLLM's sampler reads the step's logits
+            # vLLM's sampler waits for the step's own stream, not the device: copies in flight on
+            # kvtier's streams go on past the step
+            torch.cuda.current_stream(rig.ctx.device).synchronize()
         else:
             rig.dev.current_stream().synchronize()
         t_end = time.perf_counter()
@@ -254,6 +261,7 @@ class Run:
         rid = f"d{self._n}"
         blocks = rig.depart[r]
         ids = [f"{rid}/{i}".encode().ljust(32, b".") for i in range(len(blocks) // rig.chunk_blocks)]
+        self.ids[rid] = ids
         meta.saves.append(ChunkRun(rid, ids, blocks))
         meta.release.add(rid)  # finished: reported once its saves read its blocks
         self.pending[rid] = ("save", r, time.perf_counter(), None)
@@ -270,6 +278,8 @@ class Run:
             del self.pending[rid]
             self.busy.pop((kind, r), None)
             self.transfers += 1
+            if kind == "save":  # each departure's chunks are new: dropped once saved, so the
+                self.rig.ws.store.evict(self.ids.pop(rid))  # arrivals' prefixes stay in the host
             if kind == "load":
                 self.arrivals.append(t_end - t0)
                 blocks, fp = check
@@ -284,8 +294,30 @@ class Run:
             self.step(False, 1, timed=False)
 
 
-def decode_rows(ctx: Context, order: str, shape: dict):
-    """The decode_beside rows of one order (module docstring)."""
+class Memory:
+    """One device buffer every rig's cache is carved from, grown only when a rig needs more: the
+    rigs of several orders and batches take tens of GiB each, and one allocation reused keeps
+    the caching allocator from holding several."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+
+    def get(self, dims: list[int], dtype: torch.dtype, device) -> torch.Tensor:
+        n = 1
+        for d in dims:
+            n *= d
+        if self.buf is None or self.buf.numel() < n or self.buf.dtype != dtype:
+            self.buf = None  # the old one goes back first
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()
+            self.buf = torch.empty(n, dtype=dtype, device=device)
+        return self.buf[:n].view(dims)
+
+
+def decode_rows(ctx: Context, order: str, shape: dict, memory: Memory | None = None):
+    """The decode_beside rows of one order (module docstring); memory: a `Memory` shared with the
+    other orders' rows (None: one of their own)."""
+    memory = Memory() if memory is None else memory
     sizes = dict(
         batches=BATCHES, context=CONTEXT, hits=HITS, depart=DEPART, phase=PHASE, rounds=ROUNDS, every=EVERY
     )
@@ -294,11 +326,11 @@ def decode_rows(ctx: Context, order: str, shape: dict):
     elif ctx.quick:
         sizes |= dict(batches=(32,), rounds=2)
     for batch in sizes["batches"]:
-        rig = DecodeRig(ctx, order, shape, batch, sizes=sizes)
+        rig = DecodeRig(ctx, order, shape, batch, sizes=sizes, memory=memory)
         try:
-            kv_gib = rig.batch().kv_bytes / 2**30
+            kv_bytes = rig.batch().kv_bytes
             for mode in MODES:
-                yield _row(ctx, rig, mode, batch, kv_gib)
+                yield _row(ctx, rig, mode, batch, kv_bytes)
         finally:
             rig.close()
             del rig
@@ -306,7 +338,7 @@ def decode_rows(ctx: Context, order: str, shape: dict):
                 torch.cuda.empty_cache()
 
 
-def _row(ctx: Context, rig: DecodeRig, mode: str, batch: int, kv_gib: float):
+def _row(ctx: Context, rig: DecodeRig, mode: str, batch: int, kv_bytes: int):
     label = f"decode_beside {mode} {rig.order} {batch}"
     if ctx.on_progress:
         ctx.on_progress(label)
@@ -333,7 +365,7 @@ def _row(ctx: Context, rig: DecodeRig, mode: str, batch: int, kv_gib: float):
         batch=batch,
         mode=mode,
         context_tokens=f"{s['context'][0]}-{s['context'][1]}",
-        kv_read_gib=round(kv_gib, 2),
+        kv_read_gib=round(kv_bytes / 2**30, 2),
         hits=list(s["hits"]),
         every=s["every"],
         step_ms_nothing=_ms(nothing, 50),
@@ -357,12 +389,9 @@ def _row(ctx: Context, rig: DecodeRig, mode: str, batch: int, kv_gib: float):
     from kvtier.bench.stats import summarize
 
     t = summarize([x * 1e3 for x in beside], "perf_counter")
-    nbytes = int(sum(counts.get(f"{op}_bytes", 0) for op in ("load", "save")) / max(run.transfers, 1))
-    ceiling = "h2d_pinned" if run.loads else "d2h_pinned"
-    if not ctx.on_gpu:
-        ceiling = "host_memcpy"
     ok = run.wrong == 0 and run.transfers > 0 and not params["load_errors"]
-    return ctx.row(label, nbytes, t, ceiling, correct=ok, **params)
+    ceiling = "d2d_copy" if ctx.on_gpu else "host_memcpy"  # the step's KV reads against the HBM's copy
+    return ctx.row(label, kv_bytes, t, ceiling, correct=ok, **params)
 
 
 def _ms(samples: list[float], q: float) -> float | None:
