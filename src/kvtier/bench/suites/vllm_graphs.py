@@ -29,8 +29,8 @@ a whole prefill rounds apart from a forward over a cached prefix, so it is repor
 tokens_stable: every run gave the same one); `correct`: every run hit every chunk in the host
 tier, the loaded blocks equal the saved ones bit for bit (poisoned before each run) and the full
 graph's and the piecewise hit's tokens are the recompute's. Decode: with_waits_ms, branch_waits_ms,
-without_waits_ms (CUDA-event medians of interleaved replays), `slowdown_pct` (inline), slowdown_pct_branch, waits (flag waits
-in the graph).
+without_waits_ms (CUDA-event medians of interleaved replays), `slowdown_pct` (inline),
+slowdown_pct_branch, waits (flag waits in the graph).
 
 On a CPU (`--quick`, SimDevice): nothing is captured; the same steps run eagerly, and each flag wait
 is followed by the host waiting for the compute stream (the host runs the layer next), as the
