@@ -256,3 +256,26 @@ def test_every_paths_first_use_is_at_register_and_leaves_the_cache_as_it_was(tmp
         assert torch.all(rk.cache == -1.0)  # POISON: the blocks hold what they held
     finally:
         e.close()
+
+
+@pytest.mark.parametrize("interval", [0.0005, 0])
+def test_the_worker_lowers_pythons_switch_interval_at_start(tmp_path, interval):
+    import sys
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)  # Python's default
+        e = Engine(tmp_path, EXTRA | {"gil_switch_interval_s": interval})
+        try:
+            assert sys.getswitchinterval() == pytest.approx(interval or 0.005)
+        finally:
+            e.close()
+    finally:
+        sys.setswitchinterval(before)
+
+
+def test_a_bad_switch_interval_is_refused_by_name():
+    from kvtier.integrations.vllm.settings import VllmSettings
+
+    with pytest.raises(ValueError, match=r"\['gil_switch_interval_s'\]"):
+        VllmSettings.from_extra({"gil_switch_interval_s": -1})

@@ -233,8 +233,11 @@ def failed_load_row(ctx: Context, fwd, replay, order: str, shape: dict, tokens: 
         sched.after_alloc(b, Blocks(r.dst[:need]), hit)
         meta = sched.build_meta(output(new=[("B", r.dst[:need], hit, n - hit)]))
         held_back = sum(len(x.ids) for x in meta.saves if x.req_id == "B")
-        lost = ws.store.keys([bytes(b.block_hashes[(failed + 1) * bpc - 1])])
-        ws.store.host.evict(lost)  # the host drops a granted chunk before B's load runs
+        # The host drops granted chunks, from one in the middle on, before B's load runs: B then
+        # recomputes and saves each of them (a later hit's KV is B's, bit for bit, where a chunk
+        # A's prefill saved and B recomputed would round apart in bf16).
+        lost = ws.store.keys([bytes(b.block_hashes[(i + 1) * bpc - 1]) for i in range(failed, granted)])
+        ws.store.host.evict(lost)
         t0 = time.perf_counter()
         _, errors = step(meta, lambda: paged_step(lean, r, r.dst, ids, hit, n))
         spent = time.perf_counter() - t0

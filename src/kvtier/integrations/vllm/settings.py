@@ -57,6 +57,10 @@ class VllmSettings:
         step, layer by layer, for the lowest first token), "always", or "never".
     prefetch_timeout_s: how long a request waits ("ask again") for a lower tier's read
         before it is scheduled with what the host holds.
+    gil_switch_interval_s: the Python switch interval the worker lowers the process's to at start
+        (`sys.setswitchinterval`; never raised): the longest vLLM's forward thread waits to get the
+        interpreter back from kvtier's saver and loader threads (Python's own default: 5 ms). 0
+        leaves Python's.
     index_entries: chunks the scheduler remembers as held (an LRU, ~100 B each).
     engine_path / staging_bytes: `EngineConfig`'s path and staging memory.
     kv_layout: the KV cache layout the connector asks vLLM for (`get_required_kvcache_layout`):
@@ -81,6 +85,7 @@ class VllmSettings:
     layerwise: bool = True
     load_async: str = "auto"
     prefetch_timeout_s: float = 2.0
+    gil_switch_interval_s: float = 0.0005
     index_entries: int = 1 << 20
     engine_path: str = "auto"
     staging_bytes: int | str = 256 << 20
@@ -110,6 +115,9 @@ class VllmSettings:
         for key in ("redis_cluster", "layerwise", "encrypt_chunks"):
             setattr(self, key, check.flag(getattr(self, key), name(key)))
         self.prefetch_timeout_s = check.seconds(self.prefetch_timeout_s, name("prefetch_timeout_s"), True)
+        self.gil_switch_interval_s = check.seconds(
+            self.gil_switch_interval_s, name("gil_switch_interval_s"), True
+        )
         if not isinstance(self.salt, str):
             raise ValueError(f"{name('salt')}: a str, got {self.salt!r}")
         if self.model is not None and (not isinstance(self.model, str) or not self.model):

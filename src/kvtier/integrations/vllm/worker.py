@@ -38,6 +38,7 @@ its data ready to its copies' last event, overlapping transfers counted once (``
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections import Counter, deque
 from functools import partial
@@ -154,6 +155,12 @@ class WorkerSide:
         self._lane_last = [None] * SAVE_LANES
         self._lane_order = deque(range(SAVE_LANES))
         self._warm_up(engine)
+        wanted = self.settings.gil_switch_interval_s
+        if wanted and sys.getswitchinterval() > wanted:
+            # The saver and loader threads run Python beside the forward thread: once the forward
+            # thread wants the interpreter back (its step synced), it waits at most this long.
+            log.info("kvtier: Python's switch interval %.2g s -> %.2g s", sys.getswitchinterval(), wanted)
+            sys.setswitchinterval(wanted)
         self._saver = Mover(f"kvtier-saver-tp{self.tp_rank}")
         self._loader = Mover(f"kvtier-loader-tp{self.tp_rank}")
 
