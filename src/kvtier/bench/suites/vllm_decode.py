@@ -25,7 +25,10 @@ Steps with nothing beside and steps beside the transfers alternate in phases of 
 over their GPU time, from the event that made the data ready to the copies' last event, against
 the same-run pinned ceiling of their direction; the lower of the two in ``mixed``),
 ``submit_us_p99`` (the hooks' host time on the step's thread per request, over the steps that
-started a transfer), ``step_ms_nothing`` / ``step_ms_beside`` (p50), ``arrival_ms_p50`` (from the
+started a transfer), ``step_ms_nothing`` / ``step_ms_beside`` (p50), ``steps_beside`` /
+``steps_nothing`` (where a step's time goes, the middle half of the steps and the slowest 2%: the
+wall time, the hooks' host time, the replay call, the host's wait for the stream, the graph's GPU
+time), ``arrival_ms_p50`` (from the
 step that starts an arrival's load to the step whose report says it landed), ``transfers``,
 ``skipped`` (arrivals or departures not started: their blocks were still in use), ``load_path``.
 ``correct``: every loaded prefix equals its saved blocks (a fingerprint of the blocks). The row's
@@ -184,6 +187,8 @@ class Run:
         self.background = mode != "load_in_step"
         self.saves = mode in ("save", "mixed")
         self.step_s: dict[bool, list[float]] = {False: [], True: []}
+        # per timed step: (wall, the hooks' host time, the replay call, the wait for the stream, GPU)
+        self.parts: dict[bool, list[tuple]] = {False: [], True: []}
         self.submit_s: list[float] = []
         self.arrivals: list[float] = []
         self.pending: dict[str, tuple] = {}  # req id -> (kind, region, t0, fingerprint or None)
@@ -213,8 +218,19 @@ class Run:
             t1 = time.perf_counter()
             ws.wait_layer(name)
             host += time.perf_counter() - t1
+        gpu = (
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            if rig.ctx.on_gpu
+            else None
+        )
+        t_replay = time.perf_counter()
+        if gpu:
+            gpu[0].record()
         rig.batch().replay()
+        if gpu:
+            gpu[1].record()
         t1 = time.perf_counter()
+        replay_s = t1 - t_replay
         ws.save(meta)
         sending, recving = ws.finished(set())  # get_transfer_results
         ws.load_errors()
@@ -229,6 +245,9 @@ class Run:
         t_end = time.perf_counter()
         if timed:
             self.step_s[beside].append(t_end - t0)
+            gpu_ms = gpu[0].elapsed_time(gpu[1]) if gpu else 0.0  # both completed: the stream synced
+            wait_s = t_end - t0 - host - replay_s
+            self.parts[beside].append((t_end - t0, host, replay_s, wait_s, gpu_ms / 1e3))
             if started:
                 self.submit_s.append(host / started)
         self._settle(set(sending or ()) | set(recving or ()), t_end)
@@ -378,6 +397,8 @@ def _row(ctx: Context, rig: DecodeRig, mode: str, batch: int, kv_bytes: int):
         submit_us_p99=round(percentile(run.submit_s, 99) * 1e6, 1) if run.submit_s else None,
         submit_us_p50=round(percentile(run.submit_s, 50) * 1e6, 1) if run.submit_s else None,
         arrival_ms_p50=_ms(run.arrivals, 50),
+        steps_beside=_profile(run.parts[True]),
+        steps_nothing=_profile(run.parts[False]),
         transfers=run.transfers,
         skipped=run.skipped,
         load_path=rig.ws.load_path(run.background) or rig.ws.store.engine.load_path(per_layer=False).value,
@@ -392,6 +413,23 @@ def _row(ctx: Context, rig: DecodeRig, mode: str, batch: int, kv_bytes: int):
     ok = run.wrong == 0 and run.transfers > 0 and not params["load_errors"]
     ceiling = "d2d_copy" if ctx.on_gpu else "host_memcpy"  # the step's KV reads against the HBM's copy
     return ctx.row(label, kv_bytes, t, ceiling, correct=ok, **params)
+
+
+def _profile(parts: list[tuple]) -> dict:
+    """Where a step's time goes, for the median steps and the slowest (at or past p98): the wall
+    time, the hooks' host time, the replay call's, the host's wait for the stream, and the graph's
+    GPU time (CUDA events; 0 on a CPU), each the mean over those steps, in ms."""
+    if not parts:
+        return {}
+    ranked = sorted(parts)
+    cut = min(len(ranked) - 1, int(0.98 * len(ranked)))
+    mid = ranked[len(ranked) // 4 : max(len(ranked) // 4 + 1, 3 * len(ranked) // 4)]
+    names = ("wall_ms", "hooks_ms", "replay_call_ms", "wait_ms", "gpu_ms")
+
+    def mean(rows) -> dict:
+        return {n: round(sum(r[i] for r in rows) / len(rows) * 1e3, 3) for i, n in enumerate(names)}
+
+    return {"middle_half": mean(mid), "slowest_2pct": mean(ranked[cut:]), "steps": len(ranked)}
 
 
 def _ms(samples: list[float], q: float) -> float | None:
