@@ -19,6 +19,7 @@ store (`kvtier.store.KVStore`):
                                            with loads arms them, its loads join (`flags=step`), the
                                            seal sets flag l once layer l of every load landed
     close()                                wait for every job; the pool stays open
+    warm_up(engine, block_ids, chunk_blocks)  every path's first use, at start (warm_up.py)
 
 The parts:
 
@@ -41,6 +42,7 @@ from kvtier.engine.handoff import Handoff, HandoffJob, handoff
 from kvtier.engine.jobs import LoadJob, SaveJob
 from kvtier.engine.paths import Path, choose_path, parse_path
 from kvtier.engine.trace import SubmitTrace
+from kvtier.engine.warm_up import warm_up
 
 __all__ = [
     "EngineConfig",
@@ -56,4 +58,5 @@ __all__ = [
     "choose_path",
     "handoff",
     "parse_path",
+    "warm_up",
 ]

@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from kvtier import layout
 from kvtier.device.base import Device
-from kvtier.engine import EngineConfig, TransferEngine
+from kvtier.engine import EngineConfig, TransferEngine, warm_up
 from kvtier.hfconfig import cache_kv_shape
 from kvtier.integrations import setting_checks as check
 from kvtier.pool import PinnedPool
@@ -74,6 +74,9 @@ class KVTier:
             self.engine = TransferEngine(device, self.kv, self.pool, config)
             made.append(self.engine.close)
             self.store = KVStore(self.engine, model, tiers=list(tiers), **store_options)
+            # Every copy path's first use now, not in the first request (a save and loads back
+            # into the same blocks: their bytes stay as they were).
+            warm_up(self.engine, range(self.kv.num_blocks), self.store.fmt.blocks)
         except BaseException:
             for close in reversed(made):
                 close()

@@ -112,7 +112,7 @@ class WorkerSide:
         import torch
 
         from kvtier import layout
-        from kvtier.engine import EngineConfig, TransferEngine
+        from kvtier.engine import EngineConfig, TransferEngine, warm_up
         from kvtier.pool import PinnedPool
         from kvtier.store import StoreConfig
 
@@ -154,7 +154,9 @@ class WorkerSide:
         self._lanes = [dev.new_stream(f"kvtier-save-{i}") for i in range(SAVE_LANES)]  # made at start
         self._lane_last = [None] * SAVE_LANES
         self._lane_order = deque(range(SAVE_LANES))
-        self._warm_up(engine)
+        # Every copy path's first use now, at start, on blocks no request holds yet (vLLM's block 0
+        # is its null block): kernel compiles, the staged path's graphs, the batched copy, each lane.
+        warm_up(engine, range(1, engine.kv.num_blocks), self.store.fmt.blocks, self._lanes)
         wanted = self.settings.gil_switch_interval_s
         if wanted and sys.getswitchinterval() > wanted:
             # The saver and loader threads run Python beside the forward thread: once the forward
@@ -441,36 +443,3 @@ class WorkerSide:
     def _count(self, **counts: int) -> None:
         with self._lock:
             self._counts.update(counts)
-
-    def _warm_up(self, engine) -> None:
-        """Every copy path's first use (Triton compiles, the staged path's CUDA graph captures,
-        the batched copy's first call, each save lane's) now, at start, on blocks that hold no
-        request's KV yet (vLLM's block 0 is its null block): a save of two chunks into the pool and
-        their loads back into the same blocks on every load path, the slots then given back."""
-        bpc = self.store.fmt.blocks
-        n = min(2 * bpc, engine.kv.num_blocks - 1)
-        if n < bpc:
-            return
-        blocks = list(range(1, 1 + n - n % bpc))
-        counts = [bpc] * (len(blocks) // bpc)
-        stream = self.dev.current_stream()
-        slots = []
-        try:
-            for lane in self._lanes:
-                jobs = engine.save_slots(blocks, counts, after=stream.record(), stream=lane)
-                for job in jobs:
-                    engine.wait(job)  # READY only once its copy landed: a load may read it then
-                slots.extend(job.slot for job in jobs)
-            mine = slots[-len(counts) :]
-            paths = {engine.load_path(per_layer=True), engine.load_path(per_layer=False)}
-            for path in paths:
-                for per_layer in (True, False):
-                    engine.wait(engine.load(mine[0], blocks[:bpc], per_layer=per_layer, path=path.value))
-                if len(mine) > 1:
-                    for job in engine.load_slots(mine, blocks, path=path.value):
-                        engine.wait(job)  # the next path's copies must not race these into the blocks
-        except Exception as exc:  # a warm-up is not worth failing vLLM's start: the first step pays
-            log.warning("kvtier: warm-up at start failed (%s): a path's first use may slow a step", exc)
-        finally:
-            for slot in slots:
-                engine.release(slot)  # freed once no copy into / out of it is pending
