@@ -72,20 +72,26 @@ def test_split_with_other_head_counts_and_the_front_saved_again(tmp_path):
 
 
 def test_the_front_is_computed_while_the_rest_is_still_loading():
-    """Loads land 0.2 s per layer into NaN-poisoned blocks: when split_cache returns, the forward
-    over [0, s) is done and the load is not; the tokens still match (every read waited)."""
+    """The load stream held behind a gate, NaN-poisoned blocks: when split_cache returns, the
+    forward over [0, s) is done and the load is not; once the gate opens, the tokens match (every
+    read waited)."""
+    import threading
+
     model = build(llama)
-    dev = SimDevice(launch_delay=0.0, seed=5)
+    dev = SimDevice(seed=5)
     kvt = KVTier.for_model(model, device=dev, chunk_tokens=32, num_blocks=64)
     a, b = prompts(model)
     run(kvt, model, a)
     for x in kvt.kv.layers:
         x.fill_(float("nan"))  # what a read before the load landed would see
-    dev.launch_delay = 0.2
-    cache = split_cache(kvt, model, b, 32)
-    assert cache.layers[0].keys.shape[-2] == 32  # [0, 32) computed ...
-    assert not cache.load.done()  # ... while [32, 64) is still in flight
-    dev.launch_delay = 0.0
+    gate = threading.Event()
+    dev.launch(lambda: gate.wait(60), kvt.engine.load_stream)  # the load's copies queue behind it
+    try:
+        cache = split_cache(kvt, model, b, 32)
+        assert cache.layers[0].keys.shape[-2] == 32  # [0, 32) computed ...
+        assert not cache.load.done()  # ... while [32, 64) is still in flight
+    finally:
+        gate.set()
     assert torch.equal(generate(model, b, cache), generate(model, b))
     cache.finish(None)
     kvt.close()
