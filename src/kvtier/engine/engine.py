@@ -677,7 +677,7 @@ class TransferEngine:
         """A load joins `step` (the lock held): its flag writer. Checked before anything is enqueued."""
         if self._flags is None or getattr(step, "flags", None) is not self._flags:
             raise ValueError(f"flags: expected a step of this engine's layer_flags(), got {step!r}")
-        return self._flags._join(step, self.load_stream)
+        return self._flags.join(step, self.load_stream)
 
     def _failed_load(self, w) -> None:
         """A load submit failed: its enqueued copies finish before the error reaches the caller, and

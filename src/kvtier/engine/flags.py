@@ -143,7 +143,7 @@ class LayerFlags:
         step.sealed = self.stream.record(f"{self.name}:sealed#{step.generation}")
         self.tracker.seal(step.generation, step.sealed)
 
-    def _join(self, step: FlagStep, stream: Stream) -> Writer:
+    def join(self, step: FlagStep, stream: Stream) -> Writer:
         """A load of this engine joins `step` (the engine's lock held): its sequence number."""
         if not isinstance(step, FlagStep) or step.flags is not self:
             raise ValueError(f"flags: expected a FlagStep of this engine's LayerFlags, got {step!r}")
@@ -193,7 +193,7 @@ class FlagStep:
 
 
 class Writer:
-    """One load's part in a step (`LayerFlags._join`): progress words := its number, per layer
+    """One load's part in a step (`LayerFlags.join`): progress words := its number, per layer
     (`layer`) or at the job's end (`finish`), or, on a failure, once its copies finished (`fail`)."""
 
     __slots__ = ("flags", "marked", "seq", "step")
