@@ -13,11 +13,12 @@ from kvtier.bench.suites.vllm_decode import MODES, decode_rows
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 
 
-def test_decode_beside_rows_every_mode_exact():
+@pytest.mark.parametrize("order", ["LBHNC", "BLHNC"])
+def test_decode_beside_rows_every_mode_exact(order):
     ctx = Context("cpu", quick=True)
     ctx.suite = "vllm"
-    rows = list(decode_rows(ctx, "BLHNC", TINY))
-    assert [r.case for r in rows] == [f"decode_beside {m} BLHNC 4" for m in MODES]
+    rows = list(decode_rows(ctx, order, TINY))
+    assert [r.case for r in rows] == [f"decode_beside {m} {order} 4" for m in MODES]
     for r in rows:
         p = r.params
         assert r.correct, (r.case, p)

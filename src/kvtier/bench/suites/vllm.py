@@ -50,7 +50,7 @@ $KVTIER_VLLM_ORDERS (comma-separated, e.g. "LBHNC,BLHNC") measures only those or
 $KVTIER_VLLM_ROWS only those row families: transfers (save, load, vllm_batch, load_whole),
 kernels (gather_d2d / scatter_d2d), ttft (ttft_hit, ttft_recompute, ttft_hit_whole), full_graph,
 beside_save (forward_beside_save), failover (redis_killed_mid_load, load_failed_mid_request),
-decode (decode_beside).
+decode (decode_beside; on a CPU only when named).
 
 On a CPU (`--quick`): a tiny shape on `SimDevice` (the forward rows: a tiny Llama of that KV
 shape), timed on the host clock; the batched copy is skipped.
@@ -376,7 +376,7 @@ def vllm(ctx: Context):
         ctx.ceiling("d2d_copy", nbytes=GiB)
     else:
         shape, token_counts = TINY, (128,)
-    want = rows_asked(os.environ.get("KVTIER_VLLM_ROWS"))
+    want = rows_asked(os.environ.get("KVTIER_VLLM_ROWS"), ctx.on_gpu)
     fwd = _forward(ctx, shape) if want & FORWARD_ROWS else None
     for order in orders_asked(os.environ.get("KVTIER_VLLM_ORDERS")):
         for tokens in token_counts:
@@ -437,10 +437,11 @@ def _replay_rows(ctx: Context, fwd, want: set[str], order: str, shape: dict, tok
         yield from _whole_rows(ctx, fwd if "ttft" in want else None, order, shape, tokens, params, want)
 
 
-def rows_asked(value: str | None) -> set[str]:
-    """The row families $KVTIER_VLLM_ROWS names (comma-separated; unset or empty: every one)."""
+def rows_asked(value: str | None, on_gpu: bool = True) -> set[str]:
+    """The row families $KVTIER_VLLM_ROWS names (comma-separated; unset or empty: every one, but
+    on a CPU the decode rows, whose batch of the tiny shape says nothing of a GPU's)."""
     if not value:
-        return set(ROW_FAMILIES)
+        return set(ROW_FAMILIES) if on_gpu else set(ROW_FAMILIES) - {"decode"}
     asked = {x.strip().lower() for x in value.split(",") if x.strip()}
     bad = sorted(asked - set(ROW_FAMILIES))
     if bad:

@@ -161,10 +161,7 @@ class DecodeRig:
         if self.ctx.on_gpu:
             torch.cuda.synchronize(self.ctx.device)
         else:
-            self.dev.current_stream().synchronize()
-            eng = self.ws.store.engine
-            eng.save_stream.synchronize()
-            eng.load_stream.synchronize()
+            self.dev.synchronize()  # every stream: compute, the loads' and each save lane's
 
     # -- the batch ---------------------------------------------------------------------------------
 
