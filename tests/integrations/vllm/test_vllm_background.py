@@ -29,6 +29,7 @@ B = A + list(range(1001, 1041))  # A's chunks, then tokens of its own
 LONG = list(range(2001, 2061))  # a request that keeps decoding beside the hit (finished by the test)
 EXTRA = {"chunk_tokens": 32, "host_bytes": 1 << 22}
 DELAY = 0.2  # seconds per simulated copy: a load of 3 chunks outlasts many steps
+STUCK_S = 30.0  # how long a held load stream stays held (released early by the test)
 
 
 def _warm(e, long_tokens: int = 2000) -> None:
@@ -68,36 +69,31 @@ def _load_runs(e, rid: str) -> list:
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("tp_size", [1, 2], ids=["tp1", "tp2"])
 def test_a_hit_beside_running_requests_loads_in_the_background(tmp_path, async_scheduling, tp_size):
-    devices = {r: SimDevice(copy_delay=DELAY) for r in range(tp_size)}
-    e = Engine(tmp_path, EXTRA, tp_size=tp_size, async_scheduling=async_scheduling, device=devices.get)
+    e = Engine(tmp_path, EXTRA, tp_size=tp_size, async_scheduling=async_scheduling)
+    gate = threading.Event()
     try:
         _warm(e)
-        t_add = len(e.history)
+        for rk in e.ranks:  # every load's copies queue behind the gate: b's cannot land before it opens
+            rk.dev.launch(lambda: gate.wait(STUCK_S), rk.store.engine.load_stream)
         e.add("b", B, max_tokens=3)
-        steps = []  # (wall seconds, scheduled request ids) of each step while b's load is in flight
-        deadline = time.monotonic() + 60
-        while "b" not in e.outputs:
+        steps = []  # (wall seconds, scheduled request ids) of each step while b's copies are held
+        while len(steps) < 8:
             t0 = time.monotonic()
             so = e.step()
             steps.append((time.monotonic() - t0, set(so.num_scheduled_tokens) if so else set()))
-            assert time.monotonic() < deadline, e.pending()
-        from vllm.v1.request import RequestStatus
-
-        e.sched.finish_requests("long", RequestStatus.FINISHED_ABORTED)  # it has decoded beside enough
         runs = _load_runs(e, "b")
         assert [len(r.ids) for _, r in runs] == [3] and runs[0][1].background
-        sent = runs[0][0]
-        assert "b" not in e.history[sent][0].num_scheduled_tokens  # it waited out of the batch
-        first_b = next(i for i, (so, _) in enumerate(e.history) if "b" in so.num_scheduled_tokens)
-        beside = steps[sent - t_add + 1 : first_b - t_add]
-        assert beside and all("long" in ids for _, ids in beside)  # the batch went on meanwhile
-        slowest = max(dt for dt, _ in beside)
-        assert slowest < DELAY, f"a step beside the load took {slowest:.3f} s: it waited for the copies"
-        e.settle()
+        assert "b" not in e.sched.running and "b" not in e.outputs  # it waits out of the batch
+        assert all("long" in ids for _, ids in steps[2:])  # the batch went on meanwhile ...
+        slowest = max(dt for dt, _ in steps)
+        assert slowest < STUCK_S / 3, f"a step took {slowest:.1f} s: it waited for b's held copies"
+        gate.set()  # ... and b is scheduled once its copies landed
+        _until_done(e, "b")
         assert not e.violations(), e.violations()
         assert e.outputs["b"][0] == e.first_token(B)
         assert e.counts().get("hit_chunks_host") == 3 * tp_size
     finally:
+        gate.set()
         e.close()
 
 
