@@ -69,10 +69,11 @@ class Rig:
         self.dev.close()
 
 
+@pytest.mark.parametrize("full_graphs", [False, True], ids=["events", "flags"])
 @pytest.mark.parametrize("sanitize", ["0", "1"])
-def test_a_step_starting_a_load_or_a_save_never_waits_for_the_copies(monkeypatch, sanitize):
+def test_a_step_starting_a_load_or_a_save_never_waits_for_the_copies(monkeypatch, sanitize, full_graphs):
     monkeypatch.setenv("KVTIER_SANITIZE", sanitize)  # on: every wait is noted and each access checked
-    r = Rig()
+    r = Rig(full_graphs=full_graphs)
     try:
         save_s = r.step(r.meta(save=True), "s")
         r.sync()

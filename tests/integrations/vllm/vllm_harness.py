@@ -4,7 +4,8 @@ on CPU caches and a stand-in model whose attention reads are checked (`stand_in.
 
     Rank      one TP rank's worker connector over its cache, on its own SimDevice
     Engine    the scheduler, the ranks and the model, stepped as vLLM's engine core steps them
-              (sync, or async with a batch queue of two: schedule k+1 before update k)
+              (sync, or async with a batch queue of two: schedule k+1 before update k); with
+              ``full_graph``, every forward is the replay of one CUDA graph captured at start
 
 A step, in vLLM 0.33's order (`gpu_model_runner.execute_model`, `kv_connector_model_runner_mixin`):
 handle_preemptions -> CoW block copies -> bind metadata -> start_load_kv (before the forward if
@@ -13,6 +14,13 @@ layer's forward -> wait_for_save -> get_transfer_results -> get_block_ids_with_l
 stats / events / build_connector_worker_meta -> clear metadata; the ranks' outputs through vLLM's
 own `KVOutputAggregator`, then `update_from_output`. Each rank runs on its own `SimDevice`, whose
 copies land late: a missing wait shows as a wrong read.
+
+A FULL CUDA graph, simulated (``full_graph``): at start each rank's forward is captured as vLLM
+captures it, with no connector metadata bound and the worker told a capture is on, its hooks
+called where vLLM's `maybe_transfer_kv_layer` calls them (wait_for_layer_load only where
+has_connector_metadata answers True); what they queue on the compute stream is kept per layer
+(the graph's nodes) instead of run. Each step's forward then queues those nodes again before each
+layer and calls no hook inside the forward, as a graph replay runs no Python.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from vllm_utils import (
 )
 
 POISON = -1.0  # what a block holds before anything wrote it: never a value of the stand-in
+STALL_S = 30.0  # a compute stream blocked this long before a layer is a wait that never passes
 
 
 class Rank:
@@ -92,6 +101,7 @@ class Engine:
         order: str = "LBHNC",
         tiers=None,
         device=None,
+        full_graph: bool = False,
         **config,
     ) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -113,6 +123,7 @@ class Engine:
             for r in range(tp_size)
         ]
         self.model = StandIn([rk.cache for rk in self.ranks], BLOCK)
+        self.graphs = [_capture(rk) for rk in self.ranks] if full_graph else None
         self.aggregator = KVOutputAggregator(tp_size)
         self.async_ = async_scheduling
         self.queue: deque = deque()
@@ -294,12 +305,20 @@ class Engine:
             work.append((rid, self.tokens(rid, start + n), self.blocks[rid], start, n))
         below: dict = {}
         for li, name in enumerate(layer_names()):
-            for rk in self.ranks:
-                rk.conn.wait_for_layer_load(name)
-                rk.dev.current_stream().synchronize()  # the forward runs on the host, in stream order
+            for r, rk in enumerate(self.ranks):
+                compute = rk.dev.current_stream()
+                if self.graphs is None:
+                    rk.conn.wait_for_layer_load(name)
+                else:
+                    for node in self.graphs[r][li]:
+                        compute._put(node)  # the replay runs what the capture queued before this layer
+                if not compute.record().synchronize(STALL_S):  # the forward runs on the host, in stream order
+                    for other in self.ranks:
+                        other.dev.close()  # every blocked stream released: the test fails, not hangs
+                    raise AssertionError(f"step {self.steps}: rank {r}'s forward blocked before layer {li}")
             if work:
                 self.model.layer(li, work, below)
-            for rk in self.ranks:
+            for rk in self.ranks if self.graphs is None else ():
                 rk.conn.save_kv_layer(name, rk.cache[li], None)
         sampled = {}
         for rid, _, _, start, n in work:
@@ -345,6 +364,26 @@ class Engine:
                 self.blocks[rid] = list(nb[0]) if nb else []
             elif nb:
                 self.blocks[rid] = self.blocks.get(rid, []) + list(nb[0])
+
+
+def _capture(rk: Rank) -> list[list]:
+    """Rank ``rk``'s forward captured as a FULL CUDA graph (module docstring): per layer, the
+    nodes its hooks queued on the compute stream."""
+    compute, graph = rk.dev.current_stream(), []
+    rk.ws.capturing = lambda: True  # torch's current stream is capturing
+    try:
+        for name in rk.names:
+            nodes: list = []
+            compute._put = nodes.append  # captured: kept as the graph's nodes, not run
+            try:
+                if rk.conn.has_connector_metadata():  # vLLM's check (no attention metadata is None here)
+                    rk.conn.wait_for_layer_load(name)
+            finally:
+                del compute._put
+            graph.append(nodes)
+    finally:
+        del rk.ws.capturing
+    return graph
 
 
 def _computed_of(so, rid: str) -> int:

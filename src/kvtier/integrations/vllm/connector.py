@@ -78,7 +78,23 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        return VllmSettings.from_extra(extra_config).layerwise  # per-layer waits run between graph pieces
+        """True with ``layerwise`` and its per-layer event waits (host calls between graph pieces);
+        False with ``full_graphs`` (the waits are flag waits a FULL graph holds) or without
+        ``layerwise`` (one wait before the forward). vLLM asks once, in `VllmConfig.__post_init__`."""
+        s = VllmSettings.from_extra(extra_config)
+        return s.layerwise and not s.flag_waits
+
+    def has_connector_metadata(self) -> bool:
+        """vLLM calls wait_for_layer_load only where this is True (`maybe_transfer_kv_layer`,
+        vllm/model_executor/layers/attention/kv_transfer_utils.py). A CUDA graph capture binds no
+        metadata: the V1 runner captures in `_dummy_run` (vllm/v1/worker/gpu_model_runner.py), the
+        V2 runner in `CudaGraphManager.capture` (vllm/v1/worker/gpu/cudagraph_utils.py), neither
+        calls bind_connector_metadata. With flag waits, it is also True while torch's current
+        stream captures, so the FULL graph holds each layer's flag wait; every replay runs it."""
+        if self._connector_metadata is not None:
+            return True
+        ws = self.worker_side
+        return ws is not None and ws.flags is not None and ws.capturing()
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config) -> str | None:
@@ -109,8 +125,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side -----------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches) -> None:
-        if not self.idle:
-            self.worker_side.register(kv_caches)
+        if self.idle:
+            return
+        if self.settings.flag_waits:
+            _check_outermost(self, self.settings.where)
+        self.worker_side.register(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata) -> None:
         if isinstance(kv_connector_metadata, KVTierMetadata):
@@ -195,6 +214,21 @@ def _accepted_layouts(vllm_config) -> list[str]:
     except Exception as exc:  # a layout preference is not worth failing vLLM's start-up
         log.info("kvtier: the attention backends' KV cache layouts not found (%s): no layout asked", exc)
         return []
+
+
+def _check_outermost(connector, where: str) -> None:
+    """Refuse flag waits when vLLM's connector is another one (kvtier inside a MultiConnector):
+    vLLM then asks that one's has_connector_metadata during a capture, the FULL graphs would hold
+    no flag wait, and a step's forward would read blocks still loading."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if has_kv_transfer_group() and get_kv_transfer_group() is not connector:
+        outer = type(get_kv_transfer_group()).__name__
+        raise ValueError(
+            f"kvtier: {where}['full_graphs']=true needs KVTierConnector as vLLM's kv_connector itself, "
+            f"not inside {outer}: vLLM would capture its FULL CUDA graphs without kvtier's layer waits; "
+            "set full_graphs to false there (vLLM then uses PIECEWISE graphs)"
+        )
 
 
 def _check_failure_policy(kv_transfer_config) -> None:

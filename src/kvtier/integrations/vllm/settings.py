@@ -48,8 +48,13 @@ class VllmSettings:
     layerwise: layer-pipelined loads (``wait_for_layer_load`` waits for one layer): they take
         the engine's layer-major "kernel" path (a UVA kernel per layer over every chunk, on a
         quarter of the SMs), so attention of layer l starts once l + 1 layers landed; needs vLLM's
-        PIECEWISE CUDA graphs. False: the whole-job DMA paths (staged / batch: no SM but short
-        scatters, closer to the link), one wait for the whole load before the forward.
+        PIECEWISE CUDA graphs unless ``full_graphs``. False: the whole-job DMA paths (staged /
+        batch: no SM but short scatters, closer to the link), one wait for the whole load before
+        the forward.
+    full_graphs: with ``layerwise``, keep vLLM's FULL CUDA graphs: each layer's wait is a device
+        wait on a per-layer "landed" flag (`kvtier.engine.flags`), captured into the graph once; a
+        step with loads re-arms the flags before the forward. Off by default until a real vLLM
+        run confirms it; without ``layerwise`` the graphs are full anyway (nothing changes).
     load_async: when a hit is loaded in the background, the request waiting out of the batch until
         its blocks landed (vLLM's asynchronous load), rather than in the step that computes it:
         "auto" (while other requests run: their steps then never wait for the load, and the load
@@ -83,6 +88,7 @@ class VllmSettings:
     salt: str = ""
     hash_name: str = "sha256"
     layerwise: bool = True
+    full_graphs: bool = False
     load_async: str = "auto"
     prefetch_timeout_s: float = 2.0
     gil_switch_interval_s: float = 0.0005
@@ -112,7 +118,7 @@ class VllmSettings:
         ):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{name(key)}: one of {allowed}, got {getattr(self, key)!r}")
-        for key in ("redis_cluster", "layerwise", "encrypt_chunks"):
+        for key in ("redis_cluster", "layerwise", "full_graphs", "encrypt_chunks"):
             setattr(self, key, check.flag(getattr(self, key), name(key)))
         self.prefetch_timeout_s = check.seconds(self.prefetch_timeout_s, name("prefetch_timeout_s"), True)
         self.gil_switch_interval_s = check.seconds(
@@ -147,6 +153,12 @@ class VllmSettings:
             extra, where = dict(block), f"{EXTRA}['kvtier']"
         check.refuse_unknown(extra, {f.name for f in fields(cls)} - {"where"}, where)
         return cls(**extra, where=where)
+
+    @property
+    def flag_waits(self) -> bool:
+        """Whether the worker's layer waits are waits on per-layer flags (``layerwise`` and
+        ``full_graphs``): vLLM may then capture them into FULL CUDA graphs."""
+        return self.layerwise and self.full_graphs
 
     def check_host_bytes(self, chunk_nbytes: int) -> None:
         """ValueError naming ``host_bytes`` when the pinned pool cannot hold the host tier for

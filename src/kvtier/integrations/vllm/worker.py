@@ -11,10 +11,14 @@ Per step, in vLLM's call order (`KVTierMetadata` bound first):
                                vLLM's own hit ends at); each background load: an event recorded,
                                the rest handed to the loader thread (whole-job DMA); what no tier
                                delivered is reported as load errors (vLLM recomputes those
-                               blocks), and each load's outcome to the scheduler
+                               blocks), and each load's outcome to the scheduler. Flag waits
+                               (``full_graphs``): a step with loads in it re-arms the per-layer
+                               flags first, its loads join the step, the step is sealed after them
     wait_layer(name)           compute waits for that layer of the step's loads only (layerwise:
                                the engine's layer-major path, a true event per layer), no host
-                               blocking; never for a background load
+                               blocking; never for a background load. Flag waits: a wait on the
+                               layer's flag, in a step that armed them or while a CUDA graph is
+                               captured (the graph holds it); `capturing()` tells which
     save(meta)                 after the forward: an event recorded, the request's new full chunks
                                handed to the saver thread, whose copies wait for that event; blocks
                                held (the request's free delayed) until the copies' event completed
@@ -104,6 +108,9 @@ class WorkerSide:
         self._lanes: list = []  # the save streams, made at register
         self._lane_last: list = []  # per lane, the last save handle put on it
         self._lane_order: deque[int] = deque()  # lanes, least recently used first
+        self.flags = None  # the engine's LayerFlags with flag waits (``full_graphs``), made at register
+        self._step = None  # the flags' step armed by this step's start_load, until its forward ended
+        self._on_cuda = False
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -157,6 +164,10 @@ class WorkerSide:
         # Every copy path's first use now, at start, on blocks no request holds yet (vLLM's block 0
         # is its null block): kernel compiles, the staged path's graphs, the batched copy, each lane.
         warm_up(engine, range(1, engine.kv.num_blocks), self.store.fmt.blocks, self._lanes)
+        self._on_cuda = first.is_cuda
+        if self.settings.flag_waits:
+            self.flags = engine.layer_flags()
+            self._warm_up_flags(self.flags)
         wanted = self.settings.gil_switch_interval_s
         if wanted and sys.getswitchinterval() > wanted:
             # The saver and loader threads run Python beside the forward thread: once the forward
@@ -216,30 +227,45 @@ class WorkerSide:
             except Exception as exc:  # a prefetch is a hint: its failure is a later miss
                 log.warning("kvtier: prefetch failed: %s", exc)
                 self._prefetched[run.req_id] = 1 << self.tp_rank
+        self._step = None
         if not meta.loads:
             return
-        # vLLM zeroes new blocks on the compute stream before the forward: a load must land after.
-        zeroed = self.dev.current_stream().record()
-        for run in meta.loads:
-            if run.background:
-                with self._lock:
-                    self._background[run.req_id] = None  # handed over: received once submitted and landed
-                self._loader.submit(partial(self._load, run, zeroed, True))
-            else:
-                self._load(run, zeroed, False)
+        compute, step = self.dev.current_stream(), None
+        if self.flags is not None and not all(run.background for run in meta.loads):
+            # Re-armed on the compute stream before the forward: no "landed" of an earlier step can
+            # pass this step's waits. Its event follows vLLM's zeroing of new blocks too.
+            self._step = step = self.flags.arm(compute)
+            zeroed = step.armed
+        else:
+            # vLLM zeroes new blocks on the compute stream before the forward: a load must land after.
+            zeroed = compute.record()
+        try:
+            for run in meta.loads:
+                if run.background:
+                    with self._lock:
+                        self._background[run.req_id] = None  # handed over: received once submitted and landed
+                    self._loader.submit(partial(self._load, run, zeroed, True))
+                else:
+                    self._load(run, zeroed, False, step)
+        finally:
+            if step is not None:
+                step.seal()  # each flag set once its layer of every load landed or failed: no wait hangs
         if not self.settings.layerwise:
             stream = self.dev.current_stream()
             for h, _, _ in self._loads:
                 for layer in range(self.kv.num_layers):
                     h.wait_layer(layer, stream)  # the forward must not read a layer before it landed
 
-    def _load(self, run: ChunkRun, zeroed, background: bool) -> None:
-        """One load (on the loader thread when ``background``): its outcome, errors and counts."""
+    def _load(self, run: ChunkRun, zeroed, background: bool, step=None) -> None:
+        """One load (on the loader thread when ``background``): its outcome, errors and counts.
+        ``step``: the flags' step its copies join (flag waits, a load in the step)."""
         bpc, got, h, missing = self.store.fmt.blocks, 0, None, None
         try:
             self.store.engine.compute_write(run.block_ids, zeroed)  # the copy waits for the zeroing
             path, per_layer = self.load_path(background), not background
-            h = self.store.load(run.ids, run.block_ids, first_block=run.skip, path=path, per_layer=per_layer)
+            h = self.store.load(
+                run.ids, run.block_ids, first_block=run.skip, path=path, per_layer=per_layer, flags=step
+            )
             got = len(h.jobs)  # chunks delivered (a job each), the first one from block run.skip on
         except Exception as exc:  # a failing tier is a miss: vLLM recomputes what did not arrive
             log.warning("kvtier: load of %s failed: %s", run.req_id, exc)
@@ -274,6 +300,9 @@ class WorkerSide:
         return "kernel" if self.settings.layerwise and not background else None
 
     def wait_layer(self, layer_name: str) -> None:
+        if self.flags is not None:
+            self._wait_flag(layer_name)
+            return
         if not self._loads or not self.settings.layerwise:
             return
         layer = self._layer_index.get(layer_name)
@@ -283,7 +312,29 @@ class WorkerSide:
         for h, _, _ in self._loads:
             h.wait_layer(layer, stream)  # attention of this layer must not read blocks still landing
 
+    def _wait_flag(self, layer_name: str) -> None:
+        """Flag waits: torch's current stream waits for the layer's flag (the stream attention's
+        kernels go to; while a CUDA graph is captured, the capturing one). In an eager step that
+        armed no flags there is nothing to wait for: every flag was set before the compute stream
+        passed the last step's waits. The wait sits inline, before the layer's attention: one
+        graph node per layer and no state. Waits on a side branch forked at the forward's start
+        cost a decode step less on the GPU (`kvtier bench --suite vllm`, decode_full_graph's
+        slowdown_pct_branch), but the fork must be joined inside the capture (torch refuses a
+        graph with an unjoined stream), which holds only if vLLM calls every layer's hook once per
+        forward on one stream; vLLM's micro-batching runs two forwards in one capture."""
+        if self._step is None and not self.capturing():
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is not None:
+            # Attention of this layer must not read its blocks before this step's loads landed them.
+            self.flags.wait(layer, self.flags.current_stream())
+
+    def capturing(self) -> bool:
+        """Whether torch's current stream is capturing a CUDA graph now (never off CUDA)."""
+        return self._on_cuda and self.torch.cuda.is_current_stream_capturing()
+
     def save(self, meta: KVTierMetadata) -> None:
+        self._step = None  # the step's forward is enqueued, its flag waits with it
         self._released |= meta.release  # vLLM frees their blocks once we report them
         if self.store is None or not meta.saves:
             return
@@ -443,3 +494,12 @@ class WorkerSide:
     def _count(self, **counts: int) -> None:
         with self._lock:
             self._counts.update(counts)
+
+    def _warm_up_flags(self, flags) -> None:
+        """The flags' first use at start: a step armed and sealed with no load, a wait on each
+        flag; the compute stream then waits until they ran (the flags are set again after)."""
+        compute = self.dev.current_stream()
+        flags.arm(compute).seal()
+        for layer in range(flags.num_layers):
+            flags.wait(layer, compute)  # the seal set every flag: nothing holds the stream for long
+        compute.synchronize()  # the first calls ran before any request's step
