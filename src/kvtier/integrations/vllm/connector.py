@@ -87,9 +87,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def has_connector_metadata(self) -> bool:
         """vLLM calls wait_for_layer_load only where this is True (`maybe_transfer_kv_layer`,
         vllm/model_executor/layers/attention/kv_transfer_utils.py). A CUDA graph capture binds no
-        metadata: the V1 runner captures in `_dummy_run` (vllm/v1/worker/gpu_model_runner.py), the
-        V2 runner in `CudaGraphManager.capture` (vllm/v1/worker/gpu/cudagraph_utils.py), neither
-        calls bind_connector_metadata. With flag waits, it is also True while torch's current
+        metadata: neither `GPUModelRunner._dummy_run` (vllm/v1/worker/gpu_model_runner.py) nor the
+        newer runner's `CudaGraphManager.capture` (vllm/v1/worker/gpu/cudagraph_utils.py) calls
+        bind_connector_metadata. With flag waits, it is also True while torch's current
         stream captures, so the FULL graph holds each layer's flag wait; every replay runs it."""
         if self._connector_metadata is not None:
             return True
