@@ -204,13 +204,13 @@ class Engine:
         """Every block any rank reported as not loaded, over every step."""
         return set().union(*(kv.invalid_block_ids for _, kv in self.history if kv is not None))
 
-    def counts(self) -> dict[str, int]:
-        """The workers' stats (vLLM's kv_connector_stats) summed over every step."""
-        out: dict[str, int] = {}
+    def counts(self) -> dict:
+        """The workers' stats (vLLM's kv_connector_stats) summed over every step (lists joined)."""
+        out: dict = {}
         for _, kv in self.history:
             if kv is not None and kv.kv_connector_stats is not None:
                 for k, v in kv.kv_connector_stats.data.items():
-                    out[k] = out.get(k, 0) + v
+                    out[k] = out.get(k, [] if isinstance(v, list) else 0) + v
         return out
 
     def violations(self, rid: str | None = None) -> list[str]:
