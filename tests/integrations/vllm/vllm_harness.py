@@ -78,6 +78,8 @@ class Engine:
     extra: kv_connector_extra_config. num_blocks: vLLM's KV blocks (block 0 is its null block).
     policy: kv_load_failure_policy. async_scheduling: `AsyncScheduler` and a batch queue of two.
     tiers(rank): a rank's lower tiers (None: what the settings build). device(rank): its SimDevice.
+    step_s_per_token: the stand-in's forward also takes this long per token scheduled (a model
+    whose prefill costs time, as the planner's choice needs; 0: as fast as the stand-in runs).
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class Engine:
         order: str = "LBHNC",
         tiers=None,
         device=None,
+        step_s_per_token: float = 0.0,
         **config,
     ) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -115,6 +118,7 @@ class Engine:
         self.model = StandIn([rk.cache for rk in self.ranks], BLOCK)
         self.aggregator = KVOutputAggregator(tp_size)
         self.async_ = async_scheduling
+        self.step_s_per_token = step_s_per_token
         self.queue: deque = deque()
         self.requests: dict[str, object] = {}
         self.prompts: dict[str, list[int]] = {}
@@ -128,6 +132,7 @@ class Engine:
         # (step, req id) whose reads need not be true: its load failed there (and, async, the step
         # already scheduled after it); vLLM drops their output and recomputes
         self.failed_loads: set[tuple[int, str]] = set()
+        self.logged: dict = {}  # the connector's stats vLLM's scheduler hands its loggers, summed
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -256,6 +261,7 @@ class Engine:
             if so.has_sync_kv_loads:
                 rk.conn.start_load_kv(None)
         sampled = self._forward(so)
+        time.sleep(so.total_num_scheduled_tokens * self.step_s_per_token)  # the model's own time
         outputs = []
         for rk in self.ranks:
             c = rk.conn
@@ -312,6 +318,9 @@ class Engine:
     def _update(self, so, out) -> None:
         got = self.sched.update_from_output(so, out)
         for eco in got.values():
+            stats = eco.scheduler_stats.kv_connector_stats if eco.scheduler_stats else None
+            for k, v in (stats or {}).items():  # the workers' and the scheduler side's, as logged
+                self.logged[k] = self.logged.get(k, [] if isinstance(v, list) else 0) + v
             for o in eco.outputs:
                 self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:

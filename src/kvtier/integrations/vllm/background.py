@@ -79,9 +79,9 @@ class BackgroundLoads:
             loads = list(self._loads.values())
         for ld in loads:
             if ld.state == "reading" and now >= ld.deadline:
-                tier = _tier(ld.run, ld.read)  # the chunk being read: its tier does not answer in time
-                if self._hand_over(ld, cut=True) and tier != HOST:
-                    self._probe.failed(tier)
+                i = ld.read  # the chunk being read: its tier does not answer in time
+                if self._hand_over(ld, cut=True) and i < len(ld.run.ids) and _tier(ld.run, i) != HOST:
+                    self._probe.failed(_tier(ld.run, i), self._store.keys(ld.run.ids[i : i + 1])[0])
         done = [ld for ld in loads if ld.state == "copied" and (ld.handle is None or ld.handle.done())]
         with self._lock:
             for ld in done:
@@ -102,7 +102,7 @@ class BackgroundLoads:
                     break
                 if not self._store.fetch([cid]):  # no tier delivered it: the tier is down, or lost it
                     if _tier(run, i) != HOST:
-                        self._probe.failed(_tier(run, i))
+                        self._probe.failed(_tier(run, i), self._store.keys([cid])[0])
                     break
                 with self._lock:
                     if ld.state != "reading":

@@ -19,6 +19,7 @@ the workers report once), and answers vLLM from what the workers say their tiers
     update(connector_output)              the workers' reports: keys held / lost, load outcomes,
                                           tiers down / up, read and copy rates, the step's number
     finished(request)                     True while a save of it may still read its blocks
+    absent                                the lower tiers planned as absent now
     stats()                               per request with a hit: its choice, its first token
                                           planned and measured (vLLM's logged metrics, Prometheus)
 
@@ -308,6 +309,12 @@ class SchedulerSide:
             return False
         self._finishing.add(rid)  # freed once released and every worker's saves read them
         return True
+
+    @property
+    def absent(self) -> frozenset[str]:
+        """The lower tiers planned as absent now: a worker found each down or stalled, and none
+        has reported it answering again since."""
+        return frozenset(self._absent)
 
     def stats(self) -> dict:
         """What the scheduler side adds to vLLM's connector stats since the last call:

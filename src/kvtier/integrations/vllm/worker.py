@@ -171,7 +171,7 @@ class WorkerSide:
             sys.setswitchinterval(wanted)
         self._saver = Mover(f"kvtier-saver-tp{self.tp_rank}")
         self._loader = Mover(f"kvtier-loader-tp{self.tp_rank}")
-        self._probe = TierProbe(self.store.tiers)
+        self._probe = TierProbe(self.store.tiers, self.store.fmt.nbytes)
         self._background = BackgroundLoads(
             self.store,
             self._loader,
