@@ -86,9 +86,8 @@ def _chunk_ids(tokens: list[int]) -> list[bytes]:
 
 
 def _load_runs(e, rid: str) -> list:
-    return [
-        (i, r) for i, (so, _) in enumerate(e.history) for r in so.kv_connector_metadata.loads if r.req_id == rid
-    ]
+    loads = [(i, so.kv_connector_metadata.loads) for i, (so, _) in enumerate(e.history)]
+    return [(i, r) for i, runs in loads for r in runs if r.req_id == rid]
 
 
 def _first_scheduled(e, rid: str) -> tuple[int, int]:
@@ -178,7 +177,9 @@ def test_a_tier_measured_slower_than_the_prefill_is_not_read(tmp_path, monkeypat
             assert time.monotonic() - t0 < 10
             time.sleep(0.05)
         e.sched.reset_prefix_cache()
-        e.add("b2", PREFIX)  # the host holds the chunks that landed, the disk all of them  # the disk's rate is known now: the host's chunks load, vLLM does the rest
+        # The host holds the chunks that landed, the disk all of them, at the rate it showed: the
+        # host's chunks load, vLLM prefills the rest.
+        e.add("b2", PREFIX)
         e.settle()
         ((_, run),) = _load_runs(e, "b2")
         assert len(run.ids) == landed // CT and set(run.tiers) == {"host"}

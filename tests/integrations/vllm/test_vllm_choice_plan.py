@@ -47,7 +47,7 @@ def test_step_times_fit_the_engines_forward_and_chunk_a_prefill():
     times = StepTimes(2048)
     _steps(times)
     a, b, c = times.coefficients()
-    assert a == pytest.approx(A, rel=1e-6) and b == pytest.approx(B, rel=1e-6) and c == pytest.approx(C, rel=1e-6)
+    assert (a, b, c) == pytest.approx((A, B, C), rel=1e-6)
     # 8192 tokens in steps of 2048: four forwards, each after the ones before
     want = sum(A + B * 2048 + C * 2048 * (i * 2048 + 1024) for i in range(4))
     assert times.prefill_ms(8192) == pytest.approx(want)
