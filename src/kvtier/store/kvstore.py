@@ -307,6 +307,7 @@ class KVStore:
         path: str | None = None,
         flags=None,
         lower: bool = True,
+        fetch_wait_s: float | None = None,
     ) -> LoadHandle:
         """Load the longest available chunk prefix of ``tokens`` (``[num_tokens]``) into
         ``block_ids`` (``[num_blocks]``, distinct GPU blocks of the request, in order; chunks
@@ -332,6 +333,8 @@ class KVStore:
         lower: False loads only what the host holds (no disk or remote read in this call: a
         chunk the host lacks ends the load, as a miss), for a caller whose thread must not wait
         on a lower tier; `fetch` reads chunks into the host beforehand, on another thread.
+        fetch_wait_s: how long a chunk another request is still saving or reading into the host
+        is waited for (None: the store's ``fetch_wait_s``; 0: a miss at once).
 
         >>> h = store.load(range(100), range(20, 24), first_chunk=1)  # chunks 1 and 2
         >>> h.wait(5), h.tokens, h.tiers
@@ -359,14 +362,14 @@ class KVStore:
         if first_block:
             head = bpc - first_block
             if len(ids) >= head and self._load_head(
-                keys[0], ids[:head], first_block, handle, layer_major, path, flags, lower
+                keys[0], ids[:head], first_block, handle, layer_major, path, flags, (lower, fetch_wait_s)
             ):
                 tiers.append(handle.tiers[0])
                 keys, ids = keys[1:], ids[head:]
             else:
                 keys = []  # the first chunk is missing: nothing after it is of use
         if keys:
-            tiers += self._load_run(keys, ids, handle, layer_major, path, flags, lower)
+            tiers += self._load_run(keys, ids, handle, layer_major, path, flags, (lower, fetch_wait_s))
         handle.tiers = tuple(tiers)
         handle.tokens = len(handle.jobs) * self.fmt.tokens - (
             first_block * self.kv.block_size if tiers else 0
@@ -378,11 +381,12 @@ class KVStore:
         return handle
 
     def _load_head(
-        self, key: bytes, ids, skip: int, handle: LoadHandle, layer_major: bool, path, flags, lower: bool
+        self, key: bytes, ids, skip: int, handle: LoadHandle, layer_major: bool, path, flags, where: tuple
     ) -> bool:
         """A chunk whose first ``skip`` blocks the cache holds: its other blocks into ``ids``
-        (one engine job reading the slot's byte suffix). False if no tier delivers it."""
-        got = self._take(key, lower)
+        (one engine job reading the slot's byte suffix). False if no tier delivers it.
+        where: (lower, fetch_wait_s) as `load` takes them."""
+        got = self._take(key, *where)
         if got is None:
             return False
         try:
@@ -401,7 +405,7 @@ class KVStore:
         return True
 
     def _load_run(
-        self, keys: list[bytes], ids, handle: LoadHandle, layer_major: bool, path, flags, lower: bool
+        self, keys: list[bytes], ids, handle: LoadHandle, layer_major: bool, path, flags, where: tuple
     ) -> list[str]:
         """The walk over ``keys`` into ``ids`` (chunk i into ids[i*bpc:(i+1)*bpc]) and its copies,
         appended to ``handle.jobs``; returns the tier of each chunk loaded."""
@@ -410,7 +414,7 @@ class KVStore:
         got_all: list[_Taken] = []
         jobs = []
         try:
-            for got in self._walk(keys[: len(ids) // self.fmt.blocks], lower):
+            for got in self._walk(keys[: len(ids) // self.fmt.blocks], *where):
                 got_all.append(got)
                 if not layer_major and (got.tier != "host" or len(got_all) == LEAD_CHUNKS):
                     # A lower tier's chunk goes as soon as the walk holds it, with the host hits
@@ -568,9 +572,9 @@ class KVStore:
 
     # -- the walk: chunks held for a load, or promoted by a prefetch --------------------------
 
-    def _walk(self, keys: list[bytes], lower: bool = True):
-        """Yield ``_take(key, lower)`` for ``keys`` in order, up to the first miss. Once a chunk
-        comes from a lower tier, the next ``read_ahead`` chunks are read in the background
+    def _walk(self, keys: list[bytes], lower: bool = True, wait_s: float | None = None):
+        """Yield ``_take(key, lower, wait_s)`` for ``keys`` in order, up to the first miss. Once a
+        chunk comes from a lower tier, the next ``read_ahead`` chunks are read in the background
         meanwhile (each a prefetch: the load finds it pending or ready in the host)."""
         ahead = None
         depth = self.config.read_ahead if self.promote and self._tiers and lower else 0
@@ -578,18 +582,19 @@ class KVStore:
             while ahead is not None and ahead < min(len(keys), i + 1 + depth):
                 self._prefetcher.submit(self._prefetch_keys, [keys[ahead]], True)
                 ahead += 1
-            got = self._take(key, lower)
+            got = self._take(key, lower, wait_s)
             if got is None:
                 return
             if ahead is None and depth and got.tier != "host":
                 ahead = i + 1  # lower-tier reads have begun: the rest likely needs them too
             yield got
 
-    def _take(self, key: bytes, lower: bool = True) -> _Taken | None:
-        """``key``'s chunk, held for one load: a host hit, else (``lower``) a lower-tier read
-        (promoted into the host when ``promote``, else a temporary slot); None if no tier
-        delivers it."""
-        entry = self.host.acquire(key, self.fetch_wait_s, settle=self._reap, count=False)
+    def _take(self, key: bytes, lower: bool = True, wait_s: float | None = None) -> _Taken | None:
+        """``key``'s chunk, held for one load: a host hit (one still being filled waited for
+        ``wait_s``, None: ``fetch_wait_s``), else (``lower``) a lower-tier read (promoted into the
+        host when ``promote``, else a temporary slot); None if no tier delivers it."""
+        wait = self.fetch_wait_s if wait_s is None else wait_s
+        entry = self.host.acquire(key, wait, settle=self._reap, count=False)
         if entry is not None:
             tier = entry.source if entry.fresh else "host"
             entry.fresh = False

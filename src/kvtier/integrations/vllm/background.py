@@ -7,7 +7,7 @@ the loader thread copies what the host holds into the request's blocks.
                                 else the copies at once
     loads.poll() -> [done]      (forward thread) reads past their deadline are cut; the loads
                                 whose copies landed (or that copied nothing), each once
-    loads.close()
+    loads.close(timeout_s)      readers still in a tier are waited for, at most ``timeout_s``
 
 A run's reads have a deadline, ``run.budget_s`` after `start` (the plan's; ``cap_s`` where the
 run gives none). A read still running then is cut (by the reader at its next chunk, or by `poll`
@@ -61,6 +61,8 @@ class BackgroundLoads:
         self._lock = threading.Lock()
         self._loads: dict[str, Load] = {}
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix=name)
+        self._reading = 0  # reader threads inside `_read`
+        self._idle = threading.Condition(self._lock)
 
     def start(self, run: ChunkRun, zeroed) -> None:
         budget = self.cap_s if run.budget_s is None else min(run.budget_s, self.cap_s)
@@ -88,13 +90,22 @@ class BackgroundLoads:
                 del self._loads[ld.run.req_id]
         return done
 
-    def close(self) -> None:
-        self._readers.shutdown(wait=False, cancel_futures=True)  # a reader stalled in a tier stays there
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Start no more reads; wait, at most ``timeout_s``, for those running (each writes into a
+        pool slot: the store must outlive them). False when one is still stalled in its tier."""
+        self._readers.shutdown(wait=False, cancel_futures=True)
+        with self._idle:
+            done = self._idle.wait_for(lambda: self._reading == 0, timeout_s)
+        if not done:
+            log.warning("kvtier: %d background read(s) still wait in a tier at shutdown", self._reading)
+        return done
 
     def _read(self, ld: Load) -> None:
         """On a reader thread: the run's chunks into the host, in order, until one no tier
         delivers or the deadline; then the copies of those read."""
         run, cut = ld.run, False
+        with self._lock:
+            self._reading += 1
         try:
             for i, cid in enumerate(run.ids):
                 if time.monotonic() >= ld.deadline:
@@ -110,6 +121,10 @@ class BackgroundLoads:
                     ld.read = i + 1
         except Exception:  # a bug in a read must cost a recompute, never the load's report
             log.exception("kvtier: background read of %s failed", run.req_id)
+        finally:
+            with self._idle:
+                self._reading -= 1
+                self._idle.notify_all()
         self._hand_over(ld, cut)
 
     def _hand_over(self, ld: Load, cut: bool) -> bool:

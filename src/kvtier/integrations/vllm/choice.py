@@ -15,8 +15,9 @@ the read grows linearly in K while the prefill left shrinks ever faster (attenti
 fastest K is where a run of one tier ends. The candidates are those boundaries: K = every held
 chunk (the full load), the end of each tier's run (a split), and none (a recompute). Each is one
 `plan` of its K chunks (``prefill_ms``: `StepTimes`; ``pipelined``: False for a load in the
-background, whose copies land before its forward; ``hit_fixed_ms``: the step a background load
-then waits for). A full load gives way only to an option predicted `MARGIN` faster.
+background, whose copies land before its forward; ``hit_fixed_ms``: half a step, the wait of a
+background load that landed for the step it landed in to end). A full load gives way only to an
+option predicted `MARGIN` faster.
 
 Choice.budget_s is the deadline the plan gives a lower tier's read: the time after which the
 load would finish later than recomputing would have (the recompute's predicted time less the
@@ -112,9 +113,9 @@ class Chooser:
         full = options[n].options["load"].ms
         best_k = min(options, key=lambda k: (options[k].options["load"].ms, -k))
         best = options[best_k].options["load"].ms
-        if min(best, recompute) > (1 - MARGIN) * full:
+        if best > (1 - MARGIN) * full:  # a split must beat the full load by the margin
             best_k, best = n, full
-        if recompute < best:
+        if recompute < best and recompute <= (1 - MARGIN) * full:  # and so must a recompute
             why = options[n].why
             return Choice("recompute", 0, HOST, recompute, recompute, None, f"recompute | {why}")
         p = options[best_k]
@@ -140,7 +141,7 @@ class Chooser:
             kv_dtype=self.kv_dtype,
             prefill_ms=lambda tokens, prefix: self.steps.prefill_ms(tokens, prefix + computed),
             pipelined=not background,
-            hit_fixed_ms=self.steps.step_ms() if background else 0.0,
+            hit_fixed_ms=self.steps.step_ms() / 2 if background else 0.0,  # the step it lands in ends
             kv_bytes_per_token=per_token,
         )
         tier = HOST

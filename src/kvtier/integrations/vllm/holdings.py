@@ -66,8 +66,8 @@ class Holdings:
                 del self._recheck[key]
         while self._gone:
             key = self._gone.popleft()
-            if host.contains(key):
-                continue  # held again (or being filled: reported when done)
+            if host.contains(key, pending=False):
+                continue  # held again (one being filled is reported once it is, by whoever fills it)
             self._keys[key] = below = _below(key, watched)
             if below is None and watched:  # no local tier holds it: unless one is still writing it
                 self._recheck[key] = RECHECKS

@@ -19,7 +19,8 @@ the workers report once), and answers vLLM from what the workers say their tiers
     update(connector_output)              the workers' reports: keys held / lost, load outcomes,
                                           tiers down / up, read and copy rates, the step's number
     finished(request)                     True while a save of it may still read its blocks
-    absent                                the lower tiers planned as absent now
+    choice(rid) / absent                  a request's latest choice; the lower tiers planned
+                                          as absent now
     stats()                               per request with a hit: its choice, its first token
                                           planned and measured (vLLM's logged metrics, Prometheus)
 
@@ -309,6 +310,11 @@ class SchedulerSide:
             return False
         self._finishing.add(rid)  # freed once released and every worker's saves read them
         return True
+
+    def choice(self, rid: str) -> Choice | None:
+        """The choice the latest lookup of request ``rid`` made (None: none, or it finished)."""
+        got = self._choices.get(rid)
+        return None if got is None else got[1]
 
     @property
     def absent(self) -> frozenset[str]:

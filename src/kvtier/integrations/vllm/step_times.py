@@ -20,8 +20,9 @@ prefills that show b and c out of the fit.
     times.ready(tokens)                 a step of at least ``tokens`` tokens was seen (a prefill)
     times.prefill_ms(tokens, prefix)    a prefill of ``tokens`` after ``prefix`` cached ones, in
                                         steps of at most ``step_tokens`` (vLLM's chunked prefill)
-    times.step_ms()                     the median of the recent steps (how long a request that
-                                        becomes ready waits for the next one to start)
+    times.step_ms()                     the median of the recent steps, empty ones included: a
+                                        request whose load lands waits about half of one for the
+                                        next step that can schedule it
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import time
 from collections import deque
 
 PER_CLASS = 8  # the newest steps kept per power of two of their tokens
-RECENT = 32  # steps `step_ms` takes its median over
+RECENT = 8  # steps `step_ms` takes its median over: the batch running now
 PENDING = 64  # steps built and not reported yet, at most (a report that never comes is dropped)
 
 
@@ -66,12 +67,14 @@ class StepTimes:
         self._last_report = now
 
     def observe(self, tokens: int, work: float, ms: float) -> None:
-        if tokens <= 0 or not 0 <= ms < float("inf"):
+        if not 0 <= ms < float("inf"):
             return
+        self._recent.append(ms)
+        if tokens <= 0:
+            return  # an empty step (requests waiting for their loads): no forward to fit
         self._classes.setdefault(tokens.bit_length(), deque(maxlen=PER_CLASS)).append(
             (float(tokens), float(work), float(ms))
         )
-        self._recent.append(ms)
         self._largest = max(self._largest, tokens)
         self._coef = None
 

@@ -251,8 +251,17 @@ class WorkerSide:
             if ids:
                 self.store.engine.compute_write(run.block_ids, zeroed)  # the copy waits for the zeroing
                 path, per_layer = self.load_path(background), not background
+                # The step's thread waits for no tier, nor for a chunk still being filled (a read
+                # stalled in its tier may never fill it): what the host holds ready, or a miss.
+                wait = None if background else 0.0
                 h = self.store.load(
-                    ids, run.block_ids, first_block=run.skip, path=path, per_layer=per_layer, lower=False
+                    ids,
+                    run.block_ids,
+                    first_block=run.skip,
+                    path=path,
+                    per_layer=per_layer,
+                    lower=False,
+                    fetch_wait_s=wait,
                 )
                 got = len(h.jobs)  # chunks delivered (a job each), the first one from block run.skip on
         except Exception as exc:  # a failing load is a miss: vLLM recomputes what did not arrive
@@ -439,8 +448,9 @@ class WorkerSide:
                     self._account("load", ld.handle, ld.zeroed, copies=not read)
             for _, (h, run, ready) in done_saves:
                 self._account("save", h, ready)
-                if h.tokens:
-                    self._holdings.held(self.store.keys(run.ids[: h.tokens // tokens]))
+                if h.tokens:  # those the host holds ready (a chunk skipped as held may only be pending)
+                    keys = self.store.keys(run.ids[: h.tokens // tokens])
+                    self._holdings.held([k for k in keys if self.store.host.contains(k, pending=False)])
 
     def _account(self, op: str, h, ready, copies: bool = False) -> None:
         """A transfer that completed: bytes, count, and its device time from ``ready`` (the event
