@@ -147,6 +147,7 @@ class SchedulerSide:
         if redis is not None:
             self.chooser.kinds[redis.name] = "remote"
         self._choices: dict[str, tuple[tuple, Choice]] = {}  # req id -> (what it was made of, choice)
+        self._shared: dict[str, tuple[int, int]] = {}  # req id -> (chunks held locally, then shared)
         self._absent: set[str] = set()  # tiers a worker found down or stalled: planned without
         self._step = 0  # the number of the latest step's metadata
         self._firsts = FirstTokens()
@@ -167,7 +168,11 @@ class SchedulerSide:
         keys = self._keys_of(rid, ids)
         tiers = self._held_tiers(keys)
         if self.redis is not None and self.redis.name not in self._absent and len(tiers) < len(ids):
-            tiers += [self.redis.name] * self._shared_prefix(keys[len(tiers) :])
+            local, shared = self._shared.get(rid, (-1, 0))
+            if local != len(tiers):  # asked once per request and local hit, not every step it waits
+                shared = self._shared_prefix(keys[len(tiers) :])
+                self._shared[rid] = (len(tiers), shared)
+            tiers += [self.redis.name] * shared
         if num_computed % self.block_size or len(tiers) * ct <= num_computed:
             self._hits[rid] = len(tiers)
             return 0, False  # a load starts on a block: never over a block vLLM computed or shares
@@ -292,7 +297,7 @@ class SchedulerSide:
 
     def finished(self, request) -> bool:
         rid = request.request_id
-        for d in (self._hits, self._asked, self._keys, self._choices):
+        for d in (self._hits, self._asked, self._keys, self._choices, self._shared):
             d.pop(rid, None)
         self._firsts.forget(rid)
         st = self._reqs.get(rid)

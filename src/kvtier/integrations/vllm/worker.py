@@ -106,6 +106,7 @@ class WorkerSide:
         self._extra_sent = False
         self._copies: deque[tuple[float, float]] = deque(maxlen=COPY_RATES)  # (bytes, s) host loads
         self._rates_sent: dict[str, tuple[float, float]] = {}
+        self._rates_due = False  # a load settled since the last report: the rates may have moved
         self._step = 0  # the scheduler's number of the step this worker runs
         self._counts: Counter = Counter()
         self._owned: list = []  # what register_kv_caches made, closed in reverse at shutdown
@@ -368,14 +369,16 @@ class WorkerSide:
             self._loaded, self._failed = {}, {}
             copies = list(self._copies)
         wm.down, wm.up = self._probe.take()
-        rates = {}
-        for tier in self.store.read_rate.snapshot():  # each lower tier its loads read from so far
-            if (fit := self.store.read_rate.fit(tier)) is not None:
-                rates[tier] = fit
-        if copies:
-            rates["host"] = (sum(b for b, _ in copies) / sum(t for _, t in copies) / 1e9, 0.0)
-        if rates != self._rates_sent:
-            wm.rates = self._rates_sent = rates
+        if self._rates_due:  # fitted only after loads: an idle step pays nothing for it
+            self._rates_due = False
+            rates = {}
+            for tier in self.store.read_rate.snapshot():  # each lower tier its loads read from so far
+                if (fit := self.store.read_rate.fit(tier)) is not None:
+                    rates[tier] = fit
+            if copies:
+                rates["host"] = (sum(b for b, _ in copies) / sum(t for _, t in copies) / 1e9, 0.0)
+            if rates != self._rates_sent:
+                wm.rates = self._rates_sent = rates
         if not self._extra_sent:
             x = self.store.extra
             wm.extra, self._extra_sent = (x.model, x.kv_dtype, x.layout, x.tp_size, x.salt), True
@@ -460,6 +463,7 @@ class WorkerSide:
         nbytes = (h.saved if op == "save" else len(jobs)) * self.store.fmt.nbytes
         self._counts[f"{op}_bytes"] += nbytes
         self._counts[f"{op}s"] += 1
+        self._rates_due |= op == "load"
         if not jobs:
             return
         try:
