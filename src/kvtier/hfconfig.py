@@ -62,6 +62,13 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         raise ConfigError(f"{where}: no such file") from None
     except (OSError, ValueError) as e:  # ValueError: bad JSON, bad UTF-8, an int too long to read
         raise ConfigError(f"{where}: not valid JSON ({e})") from None
+    return from_hf_dict(cfg, where, key=p.parent.name or p.stem, fallback_name=p.parent.name)
+
+
+def from_hf_dict(cfg: object, where: str, *, key: str = "dict", fallback_name: str = "") -> ModelSpec:
+    """A ModelSpec from a config's fields as a dict (what `from_hf_config` reads from a file, or
+    what ``PretrainedConfig.to_dict()`` gives in a process that has the config loaded already).
+    where: how errors name the config. key: the spec's key is ``config:<key>``."""
     if not isinstance(cfg, dict):
         raise ConfigError(f"{where}: expected a JSON object")
     cfg = cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
@@ -112,10 +119,10 @@ def from_hf_config(path: str | Path) -> ModelSpec:
         )
     tie = _bool(cfg, "tie_word_embeddings", where, False)
     bias = _bool(cfg, "attention_bias", where, cfg.get("model_type") == "qwen2")
-    name = cfg.get("_name_or_path") or cfg.get("model_type") or p.parent.name or "custom"
+    name = cfg.get("_name_or_path") or cfg.get("model_type") or fallback_name or "custom"
     try:
         return ModelSpec(
-            key=f"config:{p.parent.name or p.stem}",
+            key=f"config:{key}",
             name=str(name),
             hidden=hidden,
             layers=layers,

@@ -3,7 +3,8 @@ tokens have KV in tier T, for each way of getting that KV, and the one to choose
 
 n = matched tokens (whole store chunks), m = new tokens (the rest of the prompt; at least one:
 the first output token needs a forward), L = layers. All times are roofline lower bounds
-(`roofline.prefill`: max(bytes / HBM bandwidth, FLOPs / peak x efficiency)) and pipelined
+(`roofline.prefill`: max(bytes / HBM bandwidth, FLOPs / peak x efficiency), or the forward times a
+serving engine measured on its own steps: ``prefill_ms``) and pipelined
 transfer times (`path`: bytes / slowest hop + hop latencies), with probed ceilings when given;
 each forward is at least the forward floor (the fixed host cost of launching one; measured by
 `kvtier calibrate`, or on first use by `integrations.hf_split.plan_request`), which grows with the
@@ -16,7 +17,8 @@ submission, each layer's arrival).
 - load: the KV of [0, n) moves through the tier's path while the m new tokens are prefilled;
   layer i of that prefill waits for layer i of the load (per-layer events), so the two overlap
   as a two-stage pipeline: ``overlap(X, C) = max(X + C / L, X / L + C)``, C at least the floor
-  after n cached tokens; plus the hit's fixed cost.
+  after n cached tokens; plus the hit's fixed cost. Where the copies land before the forward
+  starts (``pipelined=False``: a serving engine's asynchronous load), X + C.
 - split at s (a chunk boundary, 0 < s < n): the compute stream prefills [0, s) while [s, n) is
   read from the tier on a thread; the device copies of [s, n) then pipeline under the m new
   tokens: ``max(R_s, read_s) + overlap(copy_s, C)``. The front's KV is exact (attention of a
@@ -40,6 +42,7 @@ bisection on its slope finds the least one (`_best_split`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier.ceilings import Ceilings
@@ -232,6 +235,9 @@ def plan(
     hit_fixed_ms: float = 0.0,
     read_gbps: float | None = None,
     read_fixed_ms: float = 0.0,
+    prefill_ms: Callable[[int, int], float] | None = None,
+    pipelined: bool = True,
+    kv_bytes_per_token: float | None = None,
 ) -> Plan:
     """Predict recompute, load and the best chunk-aligned split for one request; choose the fastest.
 
@@ -261,6 +267,14 @@ def plan(
     read_gbps: the tier's read rate as the store measured it on its loads (`KVStore.read_rate`;
     `hf_split.plan_request` passes it once the store has read from the tier); None: the probed
     ceiling or the datasheet. read_fixed_ms: the fixed part of such a read (`ReadRate.fit`).
+    prefill_ms: ``prefill_ms(tokens, prefix)``, the ms one forward over `tokens` after `prefix`
+    cached ones takes as measured where the request runs (a serving engine's own steps), in place
+    of the roofline (`efficiency` then unused; floors and fixed costs still apply where given).
+    pipelined: the copies of a load land layer by layer under the new tokens' forward (`overlap`);
+    False: they all land before it starts (a whole-job load, as a serving engine's asynchronous
+    load), so a load takes its read, its copies and the new tokens' forward one after the other.
+    kv_bytes_per_token: the bytes a load moves per token (None: the model's in `kv_dtype`), e.g.
+    one tensor-parallel rank's share where the ranks load theirs at once.
     """
     if isinstance(model, str):
         from kvtier.hfconfig import resolve_model
@@ -278,6 +292,14 @@ def plan(
         )
     if isinstance(efficiency, bool) or not isinstance(efficiency, int | float) or not 0 < efficiency <= 1:
         raise ValueError(f"efficiency: must be within (0, 1], got {efficiency!r}")
+    if prefill_ms is not None and not callable(prefill_ms):
+        raise ValueError(f"prefill_ms: a callable (tokens, prefix) -> ms, got {prefill_ms!r}")
+    if kv_bytes_per_token is not None and (
+        isinstance(kv_bytes_per_token, bool)
+        or not isinstance(kv_bytes_per_token, int | float)
+        or not 0 < kv_bytes_per_token < float("inf")
+    ):
+        raise ValueError(f"kv_bytes_per_token: must be a number > 0, got {kv_bytes_per_token!r}")
     tail_floor = forward_floor_ms if tail_floor_ms is None else tail_floor_ms
     front_floor = forward_floor_ms if front_floor_ms is None else front_floor_ms
     tail_fixed = prefill_overhead_ms if tail_overhead_ms is None else tail_overhead_ms
@@ -295,7 +317,8 @@ def plan(
         if isinstance(v, bool) or not isinstance(v, int | float) or not (0 <= v < float("inf")):
             raise ValueError(f"{name}: must be a number >= 0, got {v!r}")
     p = tier_path(g, tier, ceilings, link, nic, gpudirect, shared_by, read_gbps, read_fixed_ms)
-    layers, m, per_token = model.layers, new_tokens, model.kv_bytes_per_token(kv_dtype)
+    layers, m = model.layers, new_tokens
+    per_token = model.kv_bytes_per_token(kv_dtype) if kv_bytes_per_token is None else kv_bytes_per_token
     # the copies' own bottleneck (after a lower tier's read: the hops past the first), short name
     copy_hops = p.hops if p.tier == "host" or p.gpudirect or len(p.hops) < 2 else p.hops[1:]
     bottleneck = min(copy_hops, key=lambda h: h.gbps).name.split(" (")[0]
@@ -306,30 +329,36 @@ def plan(
         """(ms, what bounds it) of one forward over `tokens` after `prefix` cached ones."""
         if not tokens:
             return 0.0, "nothing"
-        b = prefill(model, g, tokens, prefix, dtype, kv_dtype, efficiency)
-        ms = b.ms + overhead
+        if prefill_ms is None:
+            b = prefill(model, g, tokens, prefix, dtype, kv_dtype, efficiency)
+            core, what = b.ms, f"{b.bound}-bound"
+        else:
+            core, what = float(prefill_ms(tokens, prefix)), "measured"
+        ms = core + overhead
         floor = floor0 + floor_ms_per_token * prefix
         if floor > ms:
             return floor, f"forward floor {floor:.1f}"
         fixed = f" + fixed {overhead:.1f}" if overhead else ""
-        return ms, f"{b.bound}-bound {b.ms:.1f}{fixed}"
+        return ms, f"{what} {core:.1f}{fixed}"
 
     new_ms, new_bound = pre(m, n, tail_floor, tail_fixed)
     hit = f" + hit {hit_fixed_ms:.1f}" if hit_fixed_ms else ""
 
-    def pipelined(read: float, copy: float) -> tuple[float, str]:
-        """The copies of a load under the new tokens' forward, after the tier's read."""
-        t = overlap(copy, new_ms, layers)
+    def landed(read: float, copy: float) -> tuple[float, str]:
+        """The copies of a load under the new tokens' forward (or before it), after the tier's read."""
         head = f"read {read:.1f} + " if read else ""
+        if not pipelined:
+            return read + copy + new_ms, f"{head}{bottleneck}-bound {copy:.1f} + new tokens {new_bound}"
+        t = overlap(copy, new_ms, layers)
         if copy + new_ms / layers >= copy / layers + new_ms:
             return read + t, f"{head}{bottleneck}-bound {copy:.1f} + the last layer {new_ms / layers:.1f}"
         return read + t, f"{head}the first layer {copy / layers:.1f} + new tokens {new_bound}"
 
     def split_at(s: int, name: str) -> Option:
         (r, r_bound), (read, copy) = pre(s, 0, front_floor, front_fixed), transfer_parts(p, n - s, per_token)
-        tail, tail_bound = pipelined(0.0, copy)
+        tail, tail_bound = landed(0.0, copy)
         if not s:  # a load
-            ms, bound = pipelined(read, copy)
+            ms, bound = landed(read, copy)
             return Option(name, 0, n, 0.0, read + copy, new_ms, hit_fixed_ms + ms, bound + hit)
         front = max(r, read)
         side = f"front [0, {s}) {r_bound}" if r >= read else f"read of [{s}, {n}) {read:.1f}"

@@ -131,9 +131,32 @@ def test_measured_ceilings_replace_the_hops_they_measured():
     assert plan("llama-3-8b", "h200", "host", 8192, 64, c, link="pcie5").path.bottleneck.gbps == 50.0
 
 
+def test_a_measured_prefill_replaces_the_roofline_and_an_unpipelined_load_adds_up():
+    """What a serving engine feeds the planner: its own forward times, its asynchronous load (the
+    copies land before the forward), and one TP rank's bytes."""
+
+    def measured(tokens: int, prefix: int) -> float:
+        return 2.0 + 0.03 * tokens + 1e-6 * tokens * (prefix + tokens / 2)
+
+    n, m = 8192, 64
+    p = plan("llama-3-8b", "h200", "disk", n, m, read_gbps=2.0, prefill_ms=measured, pipelined=False)
+    assert p.predicted_ms["recompute"] == pytest.approx(measured(n + m, 0))
+    load = p.options["load"]
+    read, copy = transfer_parts(p.path, n, p.kv_bytes_per_token)
+    assert load.new_ms == pytest.approx(measured(m, n)) and "measured" in load.bound
+    assert load.ms == pytest.approx(read + copy + measured(m, n))  # one after the other
+    piped = plan("llama-3-8b", "h200", "disk", n, m, read_gbps=2.0, prefill_ms=measured)
+    assert piped.options["load"].ms == pytest.approx(read + overlap(copy, measured(m, n), 32))
+    half = plan("llama-3-8b", "h200", "host", n, m, prefill_ms=measured, kv_bytes_per_token=65536)
+    full = plan("llama-3-8b", "h200", "host", n, m, prefill_ms=measured)
+    assert half.options["load"].load_ms == pytest.approx(full.options["load"].load_ms / 2, rel=0.01)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
+        (dict(prefill_ms=3.0), "prefill_ms"),
+        (dict(kv_bytes_per_token=0), "kv_bytes_per_token"),
         (dict(matched_tokens=100), "matched_tokens"),
         (dict(matched_tokens=-256), "matched_tokens"),
         (dict(new_tokens=0), "new_tokens"),

@@ -39,6 +39,25 @@ def test_write_through_then_load_from_disk_promotes_to_host(tmp_path):
         r.close()
 
 
+def test_a_load_of_the_host_alone_reads_no_tier_and_fetch_reads_into_the_host(tmp_path):
+    tier = disk(tmp_path)
+    r = Rig(tiers=[tier])
+    try:
+        a = toks(7, 3 * CT)
+        assert r.store.save(a, range(6), after=r.write(a, range(6))).wait_durable(5)
+        assert r.store.evict() == 3  # the disk alone holds them
+        reads = tier.stats()["hits"]
+        lh = r.store.load(a, range(40, 46), lower=False)  # what a serving step may load: no disk read
+        assert lh.tokens == 0 and tier.stats()["hits"] == reads
+        assert r.store.fetch(a) == 3 * CT and tier.stats()["hits"] == reads + 3  # on this thread
+        r.poison(range(40, 46))
+        lh = r.store.load(a, range(40, 46), lower=False)
+        assert lh.tiers == ("disk",) * 3 and lh.wait(5) and r.check(a, range(40, 46), 3)
+        assert tier.stats()["hits"] == reads + 3  # the load read the host: counted as the disk's hits
+    finally:
+        r.close()
+
+
 def test_write_back_spills_on_eviction_and_flushes_on_close(tmp_path):
     tier = disk(tmp_path)
     r = Rig(tiers=[tier], write_policy="write_back", host_capacity_bytes=2 * 1024)

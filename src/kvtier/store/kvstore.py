@@ -18,7 +18,8 @@ KV of another model, dtype, layout or TP rank never matches.
   (``engine.load_slots`` on the staged / batch path: one engine call) when the walk reaches a
   lower tier's chunk or ends. A job per chunk either way. The first chunk no tier delivers
   ends the load: ``handle.tokens`` is what will arrive; the caller recomputes the rest.
-- ``prefetch``: the same walk in the background, promoting without loading.
+- ``prefetch`` / ``fetch``: the same walk in the background (or on the calling thread),
+  promoting without loading; ``load(..., lower=False)`` then copies what the host holds.
 
 Failures of tiers (errors, timeouts, full, bad checksum or header, a chunk its key ring cannot
 open) are misses, counted and logged, never raised; bad arguments raise ValueError naming them.
@@ -305,6 +306,8 @@ class KVStore:
         first_block: int = 0,
         path: str | None = None,
         flags=None,
+        lower: bool = True,
+        fetch_wait_s: float | None = None,
     ) -> LoadHandle:
         """Load the longest available chunk prefix of ``tokens`` (``[num_tokens]``) into
         ``block_ids`` (``[num_blocks]``, distinct GPU blocks of the request, in order; chunks
@@ -326,6 +329,12 @@ class KVStore:
 
         flags: a step of the engine's `layer_flags()` (`kvtier.engine.flags`): every engine load of
         this call joins it, so its flag l is set only once layer l of these chunks landed too.
+
+        lower: False loads only what the host holds (no disk or remote read in this call: a
+        chunk the host lacks ends the load, as a miss), for a caller whose thread must not wait
+        on a lower tier; `fetch` reads chunks into the host beforehand, on another thread.
+        fetch_wait_s: how long a chunk another request is still saving or reading into the host
+        is waited for (None: the store's ``fetch_wait_s``; 0: a miss at once).
 
         >>> h = store.load(range(100), range(20, 24), first_chunk=1)  # chunks 1 and 2
         >>> h.wait(5), h.tokens, h.tiers
@@ -353,14 +362,14 @@ class KVStore:
         if first_block:
             head = bpc - first_block
             if len(ids) >= head and self._load_head(
-                keys[0], ids[:head], first_block, handle, layer_major, path, flags
+                keys[0], ids[:head], first_block, handle, layer_major, path, flags, (lower, fetch_wait_s)
             ):
                 tiers.append(handle.tiers[0])
                 keys, ids = keys[1:], ids[head:]
             else:
                 keys = []  # the first chunk is missing: nothing after it is of use
         if keys:
-            tiers += self._load_run(keys, ids, handle, layer_major, path, flags)
+            tiers += self._load_run(keys, ids, handle, layer_major, path, flags, (lower, fetch_wait_s))
         handle.tiers = tuple(tiers)
         handle.tokens = len(handle.jobs) * self.fmt.tokens - (
             first_block * self.kv.block_size if tiers else 0
@@ -372,11 +381,12 @@ class KVStore:
         return handle
 
     def _load_head(
-        self, key: bytes, ids, skip: int, handle: LoadHandle, layer_major: bool, path, flags
+        self, key: bytes, ids, skip: int, handle: LoadHandle, layer_major: bool, path, flags, where: tuple
     ) -> bool:
         """A chunk whose first ``skip`` blocks the cache holds: its other blocks into ``ids``
-        (one engine job reading the slot's byte suffix). False if no tier delivers it."""
-        got = self._take(key)
+        (one engine job reading the slot's byte suffix). False if no tier delivers it.
+        where: (lower, fetch_wait_s) as `load` takes them."""
+        got = self._take(key, *where)
         if got is None:
             return False
         try:
@@ -395,7 +405,7 @@ class KVStore:
         return True
 
     def _load_run(
-        self, keys: list[bytes], ids, handle: LoadHandle, layer_major: bool, path, flags
+        self, keys: list[bytes], ids, handle: LoadHandle, layer_major: bool, path, flags, where: tuple
     ) -> list[str]:
         """The walk over ``keys`` into ``ids`` (chunk i into ids[i*bpc:(i+1)*bpc]) and its copies,
         appended to ``handle.jobs``; returns the tier of each chunk loaded."""
@@ -404,7 +414,7 @@ class KVStore:
         got_all: list[_Taken] = []
         jobs = []
         try:
-            for got in self._walk(keys[: len(ids) // self.fmt.blocks]):
+            for got in self._walk(keys[: len(ids) // self.fmt.blocks], *where):
                 got_all.append(got)
                 if not layer_major and (got.tier != "host" or len(got_all) == LEAD_CHUNKS):
                     # A lower tier's chunk goes as soon as the walk holds it, with the host hits
@@ -463,6 +473,18 @@ class KVStore:
         self._check_open()
         self._count("prefetches")
         return self._prefetcher.submit(self._prefetch_keys, self.keys(tokens))
+
+    def fetch(self, tokens) -> int:
+        """Bring the chunks of ``tokens`` (``[num_tokens]``) from lower tiers into the host, as
+        `prefetch` does, on the calling thread: the tokens of the prefix the host then holds (or
+        another request is filling). Never raises for a tier's failure (a miss ends the prefix).
+
+        >>> store.fetch(range(100))  # every chunk is in the host already: no read
+        96
+        """
+        self._check_open()
+        self._count("prefetches")
+        return self._prefetch_keys(self.keys(tokens), fresh=True)
 
     def evict(self, tokens=None, *, lower: bool = False) -> int:
         """Evict from the host the chunks of ``tokens`` (``[num_tokens]``; None: every chunk)
@@ -550,31 +572,35 @@ class KVStore:
 
     # -- the walk: chunks held for a load, or promoted by a prefetch --------------------------
 
-    def _walk(self, keys: list[bytes]):
-        """Yield ``_take(key)`` for ``keys`` in order, up to the first miss. Once a chunk comes
-        from a lower tier, the next ``read_ahead`` chunks are read in the background meanwhile
-        (each a prefetch: the load finds it pending or ready in the host)."""
+    def _walk(self, keys: list[bytes], lower: bool = True, wait_s: float | None = None):
+        """Yield ``_take(key, lower, wait_s)`` for ``keys`` in order, up to the first miss. Once a
+        chunk comes from a lower tier, the next ``read_ahead`` chunks are read in the background
+        meanwhile (each a prefetch: the load finds it pending or ready in the host)."""
         ahead = None
-        depth = self.config.read_ahead if self.promote and self._tiers else 0
+        depth = self.config.read_ahead if self.promote and self._tiers and lower else 0
         for i, key in enumerate(keys):
             while ahead is not None and ahead < min(len(keys), i + 1 + depth):
                 self._prefetcher.submit(self._prefetch_keys, [keys[ahead]], True)
                 ahead += 1
-            got = self._take(key)
+            got = self._take(key, lower, wait_s)
             if got is None:
                 return
             if ahead is None and depth and got.tier != "host":
                 ahead = i + 1  # lower-tier reads have begun: the rest likely needs them too
             yield got
 
-    def _take(self, key: bytes) -> _Taken | None:
-        """``key``'s chunk, held for one load: a host hit, else a lower-tier read (promoted
-        into the host when ``promote``, else a temporary slot); None if no tier delivers it."""
-        entry = self.host.acquire(key, self.fetch_wait_s, settle=self._reap, count=False)
+    def _take(self, key: bytes, lower: bool = True, wait_s: float | None = None) -> _Taken | None:
+        """``key``'s chunk, held for one load: a host hit (one still being filled waited for
+        ``wait_s``, None: ``fetch_wait_s``), else (``lower``) a lower-tier read (promoted into the
+        host when ``promote``, else a temporary slot); None if no tier delivers it."""
+        wait = self.fetch_wait_s if wait_s is None else wait_s
+        entry = self.host.acquire(key, wait, settle=self._reap, count=False)
         if entry is not None:
             tier = entry.source if entry.fresh else "host"
             entry.fresh = False
             return _Taken(entry, "load", tier, True)
+        if not lower:
+            return None
         return self._fetch(key, keep_pin=True, temp_ok=not self.promote)
 
     def _fetch(self, key: bytes, *, keep_pin: bool, temp_ok: bool, fresh: bool = False) -> _Taken | None:
@@ -629,17 +655,18 @@ class KVStore:
         self._count("promoted")
         return _Taken(entry, "load", tier.name)
 
-    def _prefetch_keys(self, keys: list[bytes], ahead: bool = False) -> int:
+    def _prefetch_keys(self, keys: list[bytes], ahead: bool = False, fresh: bool = False) -> int:
         """Walk ``keys`` from the first, promoting lower-tier chunks into the host; returns the
-        tokens of the prefix the host then holds or is filling. ``ahead``: a load's read-ahead.
-        Never raises."""
+        tokens of the prefix the host then holds or is filling. ``ahead``: a load's read-ahead;
+        it and ``fresh`` mark each chunk read so that the load that takes it next counts it as
+        its tier's hit, not the host's. Never raises."""
         n = 0
         try:
             for key in keys:
                 if self.host.contains(key):
                     n += 1
                     continue
-                if self._fetch(key, keep_pin=False, temp_ok=False, fresh=ahead) is None:
+                if self._fetch(key, keep_pin=False, temp_ok=False, fresh=ahead or fresh) is None:
                     break
                 n += 1
         except Exception:  # a prefetch is a hint: a bug here must not reach the serving loop

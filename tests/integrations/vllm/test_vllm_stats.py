@@ -13,9 +13,18 @@ pytestmark = pytest.mark.vllm
 TOKENS = list(range(1, 101))  # 100 tokens: 3 full chunks of 32
 
 
-def test_hits_misses_and_errors_reach_vllms_stats_and_prometheus(tmp_path):
-    from prometheus_client import REGISTRY
+@pytest.fixture(scope="module")
+def prom(tmp_path_factory):
+    """kvtier's Prometheus metrics through vLLM's own `KVConnectorProm`, made once: they register
+    in the process's one registry, as in vLLM."""
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
+
+    cfg, _, _ = make_scheduler(tmp_path_factory.mktemp("prom"), {"chunk_tokens": 32, "host_bytes": 1 << 22})
+    return KVConnectorProm(cfg, ["model_name", "engine"], {0: ["tiny", "0"], 1: ["tiny", "1"]})
+
+
+def test_hits_misses_and_errors_reach_vllms_stats_and_prometheus(tmp_path, prom):
+    from prometheus_client import REGISTRY
 
     from kvtier.integrations.vllm import KVTierConnector
 
@@ -61,7 +70,6 @@ def test_hits_misses_and_errors_reach_vllms_stats_and_prometheus(tmp_path):
     agg.reset()
     assert agg.is_empty()
 
-    prom = KVConnectorProm(cfg, ["model_name", "engine"], {0: ["tiny", "0"]})
     prom.observe(data, 0)
     labels = {"model_name": "tiny", "engine": "0"}
     got = REGISTRY.get_sample_value
@@ -70,3 +78,33 @@ def test_hits_misses_and_errors_reach_vllms_stats_and_prometheus(tmp_path):
     assert got("vllm:kvtier_errors_total", {**labels, "op": "save"}) == red["save_errors"]
     assert got("vllm:kvtier_bytes_total", {**labels, "op": "load"}) == data["load_bytes"]
     w.conn.shutdown()
+
+
+def test_each_requests_choice_and_first_token_reach_vllms_log_line_and_prometheus(prom):
+    from prometheus_client import REGISTRY
+
+    from kvtier.integrations.vllm import KVTierConnector
+
+    worker = KVTierConnector.build_kv_connector_stats({"hit_chunks_disk": 8, "deadline_cuts": 1})
+    first = KVTierConnector.build_kv_connector_stats(
+        {"first_tokens": [["load", "disk", 40.0, 52.0], ["recompute", "host", 900.0, 880.0]]}
+    )
+    later = KVTierConnector.build_kv_connector_stats({"first_tokens": [["load", "host", 20.0, 30.0]]})
+    agg = worker.aggregate(first).aggregate(later)  # as vLLM sums the workers' and the scheduler's
+    red = agg.reduce()
+    assert red["choice_load"] == 2 and red["choice_recompute"] == 1 and red["deadline_cuts"] == 1
+    assert red["first_token_ms_planned_load"] == 30.0 and red["first_token_ms_load"] == 41.0
+    assert red["first_token_ms_recompute"] == 880.0
+    assert "first_tokens" not in red  # the per-request list stays in data, for Prometheus
+
+    prom.observe(dict(agg.data), 1)
+    labels = {"model_name": "tiny", "engine": "1"}
+    got = REGISTRY.get_sample_value
+    assert got("vllm:kvtier_choices_total", {**labels, "choice": "load", "tier": "disk"}) == 1
+    assert got("vllm:kvtier_choices_total", {**labels, "choice": "load", "tier": "host"}) == 1
+    measured = {**labels, "choice": "load", "kind": "measured"}
+    assert got("vllm:kvtier_first_token_seconds_count", measured) == 2
+    assert got("vllm:kvtier_first_token_seconds_sum", measured) == pytest.approx(0.082)
+    planned = {**labels, "choice": "recompute", "kind": "planned"}
+    assert got("vllm:kvtier_first_token_seconds_sum", planned) == pytest.approx(0.9)
+    assert got("vllm:kvtier_deadline_cuts_total", labels) == 1

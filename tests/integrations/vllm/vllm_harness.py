@@ -87,6 +87,8 @@ class Engine:
     extra: kv_connector_extra_config. num_blocks: vLLM's KV blocks (block 0 is its null block).
     policy: kv_load_failure_policy. async_scheduling: `AsyncScheduler` and a batch queue of two.
     tiers(rank): a rank's lower tiers (None: what the settings build). device(rank): its SimDevice.
+    step_s_per_token: the stand-in's forward also takes this long per token scheduled (a model
+    whose prefill costs time, as the planner's choice needs; 0: as fast as the stand-in runs).
     """
 
     def __init__(
@@ -102,6 +104,7 @@ class Engine:
         tiers=None,
         device=None,
         full_graph: bool = False,
+        step_s_per_token: float = 0.0,
         **config,
     ) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
@@ -126,6 +129,7 @@ class Engine:
         self.graphs = [_capture(rk) for rk in self.ranks] if full_graph else None
         self.aggregator = KVOutputAggregator(tp_size)
         self.async_ = async_scheduling
+        self.step_s_per_token = step_s_per_token
         self.queue: deque = deque()
         self.requests: dict[str, object] = {}
         self.prompts: dict[str, list[int]] = {}
@@ -139,6 +143,7 @@ class Engine:
         # (step, req id) whose reads need not be true: its load failed there (and, async, the step
         # already scheduled after it); vLLM drops their output and recomputes
         self.failed_loads: set[tuple[int, str]] = set()
+        self.logged: dict = {}  # the connector's stats vLLM's scheduler hands its loggers, summed
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -215,13 +220,13 @@ class Engine:
         """Every block any rank reported as not loaded, over every step."""
         return set().union(*(kv.invalid_block_ids for _, kv in self.history if kv is not None))
 
-    def counts(self) -> dict[str, int]:
-        """The workers' stats (vLLM's kv_connector_stats) summed over every step."""
-        out: dict[str, int] = {}
+    def counts(self) -> dict:
+        """The workers' stats (vLLM's kv_connector_stats) summed over every step (lists joined)."""
+        out: dict = {}
         for _, kv in self.history:
             if kv is not None and kv.kv_connector_stats is not None:
                 for k, v in kv.kv_connector_stats.data.items():
-                    out[k] = out.get(k, 0) + v
+                    out[k] = out.get(k, [] if isinstance(v, list) else 0) + v
         return out
 
     def violations(self, rid: str | None = None) -> list[str]:
@@ -267,6 +272,7 @@ class Engine:
             if so.has_sync_kv_loads:
                 rk.conn.start_load_kv(None)
         sampled = self._forward(so)
+        time.sleep(so.total_num_scheduled_tokens * self.step_s_per_token)  # the model's own time
         outputs = []
         for rk in self.ranks:
             c = rk.conn
@@ -331,6 +337,9 @@ class Engine:
     def _update(self, so, out) -> None:
         got = self.sched.update_from_output(so, out)
         for eco in got.values():
+            stats = eco.scheduler_stats.kv_connector_stats if eco.scheduler_stats else None
+            for k, v in (stats or {}).items():  # the workers' and the scheduler side's, as logged
+                self.logged[k] = self.logged.get(k, [] if isinstance(v, list) else 0) + v
             for o in eco.outputs:
                 self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:

@@ -45,12 +45,18 @@ head_size 128, bf16, 16-token blocks; 8K and 32K tokens, 32 and 128 chunks of 16
 
 - decode_beside <mode> <order> <batch>: a graphed decode batch beside arrivals and departures
   (`vllm_decode.py`; orders LBHNC and BLHNC).
+- choice <tier> <n>, option recompute|load|split <tier> <n>: the connector's choice per request
+  against each option measured in the same run (params.vs_best), per tier (host, disk, redis,
+  slow, stalled; $KVTIER_VLLM_TIERS) and prefix (2K, 8K, 32K); step_beside_read <tier> <n>: a
+  decode step while a waiting request's prefix is read from the tier (params.slowdown_pct)
+  (`vllm_choice.py`; in BLHNC where measured).
 
 $KVTIER_VLLM_ORDERS (comma-separated, e.g. "LBHNC,BLHNC") measures only those orders, and
 $KVTIER_VLLM_ROWS only those row families: transfers (save, load, vllm_batch, load_whole),
 kernels (gather_d2d / scatter_d2d), ttft (ttft_hit, ttft_recompute, ttft_hit_whole), full_graph,
 beside_save (forward_beside_save), failover (redis_killed_mid_load, load_failed_mid_request),
-decode (decode_beside; on a CPU only when named).
+decode (decode_beside; on a CPU only when named), choice (choice, option), beside_read
+(step_beside_read).
 
 On a CPU (`--quick`): a tiny shape on `SimDevice` (the forward rows: a tiny Llama of that KV
 shape), timed on the host clock; the batched copy is skipped.
@@ -66,6 +72,7 @@ import torch
 
 from kvtier import layout
 from kvtier.bench.suite import Context, GiB, register
+from kvtier.bench.suites.vllm_choice import choice_rows
 from kvtier.bench.suites.vllm_decode import ORDERS as DECODE_ORDERS
 from kvtier.bench.suites.vllm_decode import Memory as DecodeMemory
 from kvtier.bench.suites.vllm_decode import decode_rows
@@ -77,18 +84,39 @@ TINY = dict(L=2, H=2, D=16, N=16, dtype=torch.bfloat16)
 IDLE_REPS = 200
 FAILOVER_TOKENS = 1280  # the failed-load row's least prompt: 5 chunks of 16 blocks
 # $KVTIER_VLLM_ROWS: the row families a run measures (module docstring)
-ROW_FAMILIES = ("transfers", "kernels", "ttft", "full_graph", "beside_save", "failover", "decode")
-FORWARD_ROWS = {"ttft", "full_graph", "beside_save", "failover"}  # the Llama forward's rows
+ROW_FAMILIES = (
+    "transfers",
+    "kernels",
+    "ttft",
+    "full_graph",
+    "beside_save",
+    "failover",
+    "decode",
+    "choice",
+    "beside_read",
+)
+FORWARD_ROWS = {"ttft", "full_graph", "beside_save", "failover", "choice", "beside_read"}  # the Llama's
+CHOICE_ORDER = "BLHNC"  # the choice rows' layout (what ``kv_layout: auto`` asks for), if measured
 REPLAY_ROWS = {"transfers", "kernels", "ttft", "full_graph", "beside_save"}
 HOST_SLACK_CHUNKS = 4  # host pool room past one request's chunks: a timed save never finds it full
 
 
 class Replay:
     """One worker over a vLLM 0.33 cache in `order`, holding `blocks` blocks (two requests);
-    tiers: its store's lower tiers (default none: the host alone); layerwise: the connector's
-    setting (True, its default: layer-major loads; False: whole-job DMA loads)."""
+    tiers: its store's lower tiers (default none: the host alone; None: what the settings
+    build); layerwise: the connector's setting (True, its default: layer-major loads; False:
+    whole-job DMA loads); extra: more of the connector's settings (`VllmSettings`)."""
 
-    def __init__(self, ctx: Context, order: str, shape: dict, tokens: int, tiers=(), layerwise: bool = True):
+    def __init__(
+        self,
+        ctx: Context,
+        order: str,
+        shape: dict,
+        tokens: int,
+        tiers=(),
+        layerwise: bool = True,
+        extra: dict | None = None,
+    ):
         from kvtier.integrations.vllm.settings import VllmSettings
         from kvtier.integrations.vllm.worker import WorkerSide
 
@@ -114,13 +142,15 @@ class Replay:
             host_bytes=(self.chunks + HOST_SLACK_CHUNKS) * per_chunk * 8 // 7 + (64 << 20),
             staging_bytes=min(256 << 20, max(2 * per_chunk, 1 << 20)),
             layerwise=layerwise,
+            **(extra or {}),
         )
         dev = None
         if not ctx.on_gpu:
             from kvtier.device import SimDevice
 
             dev = SimDevice()
-        self.ws = WorkerSide(s, "replay", order=order, block_size=N, tiers=list(tiers), device=dev)
+        tiers = None if tiers is None else list(tiers)
+        self.ws = WorkerSide(s, "replay", order=order, block_size=N, tiers=tiers, device=dev)
         self.ws.register({name: self.cache[i] for i, name in enumerate(self.names)})
         self.dev, self.kv = self.ws.dev, self.ws.kv
         self.ids = [i.to_bytes(32, "little") for i in range(self.chunks)]  # stand-ins for block hashes
@@ -388,6 +418,10 @@ def vllm(ctx: Context):
                 yield from failed_load_row(ctx, fwd, Replay, order, shape, max(tokens, FAILOVER_TOKENS))
             if ctx.on_gpu:
                 torch.cuda.empty_cache()
+    if want & {"choice", "beside_read"} and fwd is not None:
+        asked = orders_asked(os.environ.get("KVTIER_VLLM_ORDERS"))
+        order = CHOICE_ORDER if CHOICE_ORDER in asked else asked[0]
+        yield from choice_rows(ctx, fwd, Replay, order, shape, want)
     del fwd
     if ctx.on_gpu:
         torch.cuda.empty_cache()  # the model's memory goes back before the decode batch's cache

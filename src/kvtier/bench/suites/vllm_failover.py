@@ -22,9 +22,10 @@ connector's hooks, and what vLLM computes and kvtier stores after it.
   redis_killed_mid_load <order> <n>
       The request's blocks hold the prompt's own KV (the model's forward over it); a step saves
       its chunks (write-through: the host and a redis-server started here on a loopback port),
-      the host is emptied, and a load step reads them back from Redis. After a third of the
-      chunks have been read the server is killed (SIGKILL, from inside the tier's read, so the
-      point is the same every run): the rest fail. What vLLM does with
+      the host is emptied, and a background load (as the scheduler sends a hit only Redis holds)
+      reads them back from Redis, the engine stepping until it is received. After a third of
+      the chunks have been read the server is killed (SIGKILL, from inside the tier's read, so
+      the point is the same every run): the rest fail. What vLLM does with
       kv_load_failure_policy="recompute" follows: the tokens from the first block the worker
       reported (get_block_ids_with_load_errors) on are prefilled over the blocks that did load.
       correct: the blocks reported are exactly those after the loaded ones, the loaded ones equal
@@ -36,8 +37,8 @@ connector's hooks, and what vLLM computes and kvtier stores after it.
       the top logits lie closer than that rounding: the first token of each is reported, not
       required equal. Params: chunks, chunks_loaded, error_blocks, expected_error_blocks,
       load_errors (the worker's count), first_token, healthy_token, recompute_token,
-      logits_max_abs_diff (against the whole prompt's recompute). Time: the load step's host time
-      (the hooks, the reads, the failures).
+      logits_max_abs_diff (against the whole prompt's recompute). Time: from the load's step to
+      the step that reported it received (the reads, the failures, the copies).
 
   (redis_killed_mid_load is skipped without a redis-server binary on PATH or redis-py.)
 """
@@ -133,9 +134,8 @@ def killed_row(ctx: Context, fwd, replay, order: str, shape: dict, tokens: int):
         killer.left = max(1, r.chunks // 3)  # the server dies as the load's next read starts
         before = r.counts["load_errors"]
         t0 = time.perf_counter()
-        r.step(r.meta(load=True))
+        errors = _background_load(r, ("redis",) * r.chunks)
         spent = time.perf_counter() - t0
-        errors = r.last_errors  # get_block_ids_with_load_errors, as the step asked for it
         r.sync()  # the copies of what did load have landed before the blocks are compared
         per = nb // r.chunks
         good = nb - len(errors)
@@ -180,6 +180,26 @@ def killed_row(ctx: Context, fwd, replay, order: str, shape: dict, tokens: int):
             logits_max_abs_diff=diff,
             direction="load",
         )
+
+
+def _background_load(r, tiers: tuple[str, ...]) -> set[int]:
+    """`r`'s request loaded as the scheduler sends a hit a lower tier holds (in the background:
+    read into the host on a reader thread, then copied), the engine stepping until the worker
+    reports it received; the blocks it reported not loaded (get_block_ids_with_load_errors)."""
+    from kvtier.integrations.vllm.metadata import ChunkRun, KVTierMetadata
+
+    run = ChunkRun("load", r.ids, r.dst[: r.blocks], background=True, tiers=tiers)
+    meta, errors = KVTierMetadata(loads=[run]), set()
+    while True:
+        r.ws.start_load(meta)
+        r.ws.save(meta)
+        _, received = r.ws.finished(set())  # get_finished
+        errors |= r.ws.load_errors()
+        r.counts.update(r.ws.stats())
+        if received and "load" in received:
+            return errors
+        time.sleep(0.001)  # an idle engine step: the reader and the loader run meanwhile
+        meta = KVTierMetadata()
 
 
 def failed_load_row(ctx: Context, fwd, replay, order: str, shape: dict, tokens: int):

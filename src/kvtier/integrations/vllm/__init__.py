@@ -4,6 +4,10 @@
     SchedulerSide     lookup / alloc / metadata / finish, no tensors (`scheduler.py`)
     WorkerSide        loads, saves, preemptions through kvtier's store (`worker.py`)
     Holdings          what a worker's host and disk hold, as changes for the scheduler (`holdings.py`)
+    Chooser           per request: load, load the first chunks, or recompute, with kvtier's planner
+                      and this engine's measured speeds (`choice.py`, `step_times.py`)
+    BackgroundLoads   a worker's asynchronous loads: lower tiers read on reader threads, cut at the
+                      plan's deadline (`background.py`); TierProbe: tiers down until they answer
     VllmSettings      ``kv_connector_extra_config``, checked (`settings.py`)
 
 See README.md beside this file for the ``vllm serve`` line and what each setting costs.

@@ -61,7 +61,16 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 from kvtier.store.redis_tier import RedisTier
 
                 redis = RedisTier(url=s.redis_url, cluster=s.redis_cluster)
-            self.scheduler_side = SchedulerSide(s, block_size, hash_bs, tp_size, redis=redis)
+            self.scheduler_side = SchedulerSide(
+                s,
+                block_size,
+                hash_bs,
+                tp_size,
+                redis=redis,
+                spec=_model_spec(mc) if not self.idle else None,
+                step_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+                kv_dtype=_kv_dtype(cc, mc),
+            )
         else:
             from .worker import WorkerSide
 
@@ -161,9 +170,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker_side.report()
 
     def get_kv_connector_stats(self):
-        if self.worker_side is None:
+        if self.idle:
             return None
-        data = self.worker_side.stats()
+        side = self.worker_side if self.worker_side is not None else self.scheduler_side
+        data = side.stats()  # the workers' transfers; the scheduler's choices and first tokens
         return self.build_kv_connector_stats(data) if data else None
 
     def shutdown(self) -> None:
@@ -229,6 +239,32 @@ def _check_outermost(connector, where: str) -> None:
             f"not inside {outer}: vLLM would capture its FULL CUDA graphs without kvtier's layer waits; "
             "set full_graphs to false there (vLLM then uses PIECEWISE graphs)"
         )
+
+
+def _model_spec(model_config):
+    """The planner's `ModelSpec` of vLLM's model config; None (every held chunk is loaded,
+    unplanned) where the planner cannot read it."""
+    try:
+        from kvtier.hfconfig import from_hf_dict
+
+        return from_hf_dict(
+            model_config.hf_config.to_dict(), "vLLM's model config", key=str(model_config.model)
+        )
+    except Exception as exc:  # a model the planner cannot read is served all the same
+        log.warning("kvtier: the planner cannot read this model's config (%s): every held chunk loads", exc)
+        return None
+
+
+def _kv_dtype(cache_config, model_config) -> str:
+    """The KV cache's dtype as the planner names it."""
+    want = str(getattr(cache_config, "cache_dtype", "auto"))
+    if want.startswith("fp8"):
+        return "fp8"
+    if want == "auto":
+        want = str(getattr(model_config, "dtype", "bfloat16")).removeprefix("torch.")
+    return {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}.get(
+        want, "bf16"
+    )
 
 
 def _check_failure_policy(kv_transfer_config) -> None:

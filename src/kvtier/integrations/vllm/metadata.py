@@ -1,10 +1,11 @@
 """What the scheduler side sends the workers each step, and what the workers send back.
 
-    KVTierMetadata        scheduler -> workers: loads, saves, prefetches, preempted requests,
-                          finished requests to release once their saves completed
+    KVTierMetadata        scheduler -> workers: loads, saves, preempted requests, finished
+                          requests to release once their saves completed, the step's number
     KVTierWorkerMetadata  workers -> scheduler: the tier keys each rank's local tiers now hold or
-                          lost, each load's outcome per rank, finished prefetches, the key fields
-                          (merged over ranks by ``aggregate``)
+                          lost, each load's outcome per rank, tiers down / up again, the rates
+                          their loads measured, the step reported, the key fields (merged over
+                          ranks by ``aggregate``)
 
 Plain data (lists, bytes, ints): vLLM serialises both between processes. Without vLLM (the
 `vllm` bench suite replaying the worker's hooks) the classes stand on plain bases.
@@ -35,7 +36,10 @@ class ChunkRun:
     local prefix cache ends inside the chunk): ``block_ids`` starts at that chunk's block
     ``skip``; ``tag``, the number the workers report the load's outcome under; ``background``,
     an asynchronous load (vLLM's ``load_kv_async``): the request waits out of the batch until the
-    workers report it received, so no forward waits for it."""
+    workers report it received, so no forward waits for it; ``tiers``, per chunk of ``ids``, the
+    tier the scheduler found it in ("host" or a lower tier's name; empty: the host); ``budget_s``,
+    how long a background load's lower-tier reads may run from the step that sends it (the
+    plan's deadline; None: the ``prefetch_timeout_s`` setting)."""
 
     req_id: str
     ids: list[bytes]
@@ -43,46 +47,76 @@ class ChunkRun:
     skip: int = 0
     tag: int = 0
     background: bool = False
+    tiers: tuple[str, ...] = ()
+    budget_s: float | None = None
 
 
 @dataclass
 class KVTierMetadata(KVConnectorMetadata):
     loads: list[ChunkRun] = field(default_factory=list)
     saves: list[ChunkRun] = field(default_factory=list)
-    prefetches: list[ChunkRun] = field(default_factory=list)  # block_ids empty: into the host only
     preempted: set[str] = field(default_factory=set)
     release: set[str] = field(default_factory=set)  # finished, no save to come: report once saved
+    step: int = 0  # the scheduler's number of this step (0: none), reported back by the workers
 
 
 @dataclass
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """held / lost: tier keys (each names one rank's chunk) that a rank's local tiers (host,
-    disk) now hold / no longer hold; loaded / failed: load tag -> bit mask of the ranks whose
-    load delivered every block / not; prefetched: req id -> mask of the ranks whose prefetch
-    finished; extra: (model, kv_dtype, layout, tp_size, salt) of the ranks' keys, once.
-    ``aggregate`` merges two ranks' reports."""
+    """held / lost: tier keys (each names one rank's chunk) that a rank's host now holds / that no
+    local tier of it holds any more; below: tier key -> the name of the rank's lower local tier
+    (its disk) that holds it while the host does not; loaded / failed: load tag -> bit mask of
+    the ranks whose load delivered every block / not; down / up: lower tiers a rank found down or
+    stalled / answering again; rates: tier -> (GB/s, fixed s) its loads measured ("host": their
+    copies into the GPU); step: the scheduler's number of the step reported (0: none);
+    chunk_bytes: one rank's bytes of a chunk and extra: (model, kv_dtype, layout, tp_size, salt)
+    of the ranks' keys, once. ``aggregate`` merges two ranks' reports."""
 
     held: set[bytes] = field(default_factory=set)
     lost: set[bytes] = field(default_factory=set)
     loaded: dict[int, int] = field(default_factory=dict)
     failed: dict[int, int] = field(default_factory=dict)
-    prefetched: dict[str, int] = field(default_factory=dict)
     extra: tuple | None = None
+    below: dict[bytes, str] = field(default_factory=dict)
+    down: set[str] = field(default_factory=set)
+    up: set[str] = field(default_factory=set)
+    rates: dict[str, tuple[float, float]] = field(default_factory=dict)
+    step: int = 0
+    chunk_bytes: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KVTierWorkerMetadata):
             return self
+        rates = dict(self.rates)
+        for tier, (gbps, fixed) in other.rates.items():  # the slowest rank's: every rank must land
+            mine = rates.get(tier)
+            rates[tier] = (gbps, fixed) if mine is None else (min(mine[0], gbps), max(mine[1], fixed))
         return KVTierWorkerMetadata(
             self.held | other.held,
             self.lost | other.lost,
             _or(self.loaded, other.loaded),
             _or(self.failed, other.failed),
-            _or(self.prefetched, other.prefetched),
             self.extra or other.extra,
+            self.below | other.below,
+            self.down | other.down,
+            self.up | other.up,
+            rates,
+            max(self.step, other.step),
+            max(self.chunk_bytes, other.chunk_bytes),
         )
 
     def is_empty(self) -> bool:
-        return not (self.held or self.lost or self.loaded or self.failed or self.prefetched or self.extra)
+        return not (
+            self.held
+            or self.lost
+            or self.loaded
+            or self.failed
+            or self.extra
+            or self.below
+            or self.down
+            or self.up
+            or self.rates
+            or self.step
+        )
 
 
 def _or(a: dict, b: dict) -> dict:

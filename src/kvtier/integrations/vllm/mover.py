@@ -1,7 +1,8 @@
 """Mover: the worker's transfers submitted off vLLM's forward thread, in the order they were asked.
 
     mover.submit(fn) -> int    queue ``fn`` (a save or a background load: the store's walk, pins,
-                               slots and engine calls); returns its number at once
+                               slots and engine calls); returns its number at once; from any
+                               thread (a reader hands its load's copies over)
     mover.wait(n, timeout)     block until task ``n`` (and every one before it) has been submitted:
                                its copies are queued on the device, not done
     mover.close()              run what is queued, then stop
@@ -30,7 +31,8 @@ class Mover:
     def __init__(self, name: str = "kvtier-mover") -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._cv = threading.Condition()
-        self._asked = 0  # tasks submitted so far (the forward thread's count)
+        self._asked = 0  # tasks submitted so far
+        self._submit_lock = threading.Lock()  # numbers and queue order agree across submitters
         self._ran = 0  # tasks run so far (the mover thread's count)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -38,11 +40,12 @@ class Mover:
 
     def submit(self, fn: Callable[[], object]) -> int:
         """Queue ``fn``; its number, for `wait`."""
-        if self._closed:
-            raise RuntimeError("Mover is closed")
-        self._asked += 1
-        self._queue.put((self._asked, fn))
-        return self._asked
+        with self._submit_lock:
+            if self._closed:
+                raise RuntimeError("Mover is closed")
+            self._asked += 1
+            self._queue.put((self._asked, fn))
+            return self._asked
 
     def wait(self, n: int, timeout: float | None = None) -> bool:
         """Block until tasks 1..n have run; False on timeout."""
@@ -61,10 +64,11 @@ class Mover:
 
     def close(self, timeout: float | None = None) -> None:
         """Run every queued task, then stop the thread."""
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
+        with self._submit_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)
         self._thread.join(timeout)
 
     def _run(self) -> None:

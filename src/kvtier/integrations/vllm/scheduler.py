@@ -2,28 +2,44 @@
 
 It decides; the workers move. Per request it names the chunks by vLLM's block hashes
 (`chunk_ids`) and each rank's copy of a chunk by its tier key (`chunk_keys`, from the key fields
-the workers report once), and answers vLLM from what the workers say their local tiers hold:
+the workers report once), and answers vLLM from what the workers say their tiers hold:
 
-    lookup(request, num_computed)      -> (tokens, background) | (None, False): the held chunks
+    lookup(request, num_computed)      -> (tokens, background) | (None, False): the tokens to load
                                           past vLLM's own hit, from the block it ends at (inside a
-                                          chunk too); None ("ask again") while a shared tier's
-                                          chunks are read into the hosts, or before the workers'
-                                          first report when a disk or shared tier may hold some;
-                                          background: loaded while the request waits out of the
-                                          batch (``load_async``: by default while others run)
+                                          chunk too), as the request's `Choice` says (`choice.py`:
+                                          load every held chunk, the first ones, or none); None
+                                          ("ask again") only before the workers' first report when
+                                          a disk or shared tier may hold some; background: loaded
+                                          while the request waits out of the batch (always when a
+                                          chunk needs a lower tier's read; a hit the host holds as
+                                          ``load_async`` says: by default while others run)
     after_alloc(request, blocks, n)       a hit becomes a load into the blocks vLLM allocated
-    build_meta(scheduler_output)          loads, saves, prefetches, preempted and released
-                                          requests -> `KVTierMetadata`
-    update(connector_output)              the workers' reports: keys held / lost, load outcomes
+    build_meta(scheduler_output)          loads, saves, preempted and released requests, the
+                                          step's number -> `KVTierMetadata`
+    update(connector_output)              the workers' reports: keys held / lost, load outcomes,
+                                          tiers down / up, read and copy rates, the step's number
     finished(request)                     True while a save of it may still read its blocks
+    choice(rid) / absent                  a request's latest choice; the lower tiers planned
+                                          as absent now
+    stats()                               per request with a hit: its choice, its first token
+                                          planned and measured (vLLM's logged metrics, Prometheus)
 
-The index holds the tier keys the workers' local tiers (host, disk) hold: a key arrives when a
-save landed, a load or prefetch brought the chunk into the host, or, at start, for every chunk a
-rank's disk holds; it leaves when no local tier of that rank holds it (an eviction from the host
-or the disk, a load that found nothing). A chunk is held when every rank's key is in the index
-(a rank alone cannot load a prefix). It stays a hint (an eviction can race a grant): the worker
-then reports the blocks it did not load, and vLLM (kv_load_failure_policy="recompute")
+The index holds the tier keys the workers' local tiers (host, disk) hold, each with the tier that
+holds it (the host, else the worker's disk): a key arrives when a save landed, a load brought
+the chunk into the host, or, at start, for every chunk a rank's disk holds; it moves to the disk
+when the host drops it and the disk holds it, and leaves when no local tier of that rank holds it.
+A chunk is held when every rank's key is in the index (a rank alone cannot load a prefix), in
+the slowest of their tiers; past the chunks the workers hold, the shared tier (Redis) is asked.
+A tier a worker found down or stalled is planned as absent (its chunks end the hit) until a
+worker reports it answers again. The index stays a hint (an eviction can race a grant): the
+worker then reports the blocks it did not load, and vLLM (kv_load_failure_policy="recompute")
 recomputes them.
+
+The choice per request uses this engine's own figures: its forward time per step, fitted from
+the steps vLLM runs (`StepTimes`: each step's metadata is built here and its report comes back
+here, with the step's number), the read rate each tier delivered to the workers' loads and the
+rate of their copies into the GPU (reported by the workers). A load from a lower tier carries a
+deadline from its plan (`ChunkRun.budget_s`): the workers abandon its reads past it.
 
 Saves, and loads that fail, for any TP size: a chunk is saved only if every block before it held
 valid KV when it was computed. In the step a request loads, every rank computes the tokens past
@@ -55,7 +71,9 @@ from dataclasses import dataclass, field
 
 from kvtier.store.keys import KeyExtra
 
+from .choice import HOST, Choice, Chooser
 from .chunk_ids import chunk_ids, chunk_keys
+from .first_tokens import FirstTokens
 from .metadata import ChunkRun, KVTierMetadata, KVTierWorkerMetadata
 from .settings import VllmSettings
 
@@ -79,10 +97,21 @@ class SchedulerSide:
     """settings: `VllmSettings`. block_size / hash_block_size: vLLM's (tokens per block, per
     block hash). tp_size: workers per engine that must all hold a chunk. redis: a `RedisTier`
     shared with other instances, asked for chunks this instance's workers do not hold (None: no
-    such lookup)."""
+    such lookup). spec: the model's `ModelSpec` for the planner (None: every held chunk is
+    loaded, unplanned). step_tokens: vLLM's ``max_num_batched_tokens``. kv_dtype: the cache's
+    dtype as the planner names it."""
 
     def __init__(
-        self, settings: VllmSettings, block_size: int, hash_block_size: int, tp_size: int, redis=None
+        self,
+        settings: VllmSettings,
+        block_size: int,
+        hash_block_size: int,
+        tp_size: int,
+        redis=None,
+        *,
+        spec=None,
+        step_tokens: int = 8192,
+        kv_dtype: str = "bf16",
     ):
         self.settings = settings
         self.chunk_tokens = ct = settings.chunk_tokens_for(block_size)
@@ -92,7 +121,7 @@ class SchedulerSide:
         self.blocks_per_chunk, self.hashes_per_chunk = ct // block_size, ct // hash_block_size
         self.all_ranks = (1 << tp_size) - 1
         self.tp_size, self.redis = tp_size, redis
-        self._held: OrderedDict[bytes, None] = OrderedDict()  # tier keys the ranks' local tiers hold
+        self._held: OrderedDict[bytes, str] = OrderedDict()  # tier key -> the local tier holding it
         self._extras: list[KeyExtra] | None = None  # per rank, once the workers reported theirs
         self._keys: dict[str, tuple[list[bytes], list[tuple[bytes, ...]]]] = {}  # rid -> (ids, keys)
         self._reqs: dict[str, _Req] = {}
@@ -106,9 +135,22 @@ class SchedulerSide:
         self._outcomes: dict[int, tuple[int, int]] = {}  # load tag -> (ranks ok, ranks failed)
         self._confirmed: set[str] = set()  # loads every rank completed: saves may be sent
         self._finishing: set[str] = set()  # finished, free delayed, not released yet
-        self._prefetching: dict[str, float] = {}  # req id -> deadline (0: settled)
-        self._prefetch_done: dict[str, int] = {}
-        self._prefetch_out: list[ChunkRun] = []
+        self.chooser = Chooser(
+            spec,
+            block_size,
+            self.chunk_tokens,
+            step_tokens,
+            kv_dtype=kv_dtype,
+            cap_s=settings.prefetch_timeout_s,
+            enabled=settings.choice == "auto",
+        )
+        if redis is not None:
+            self.chooser.kinds[redis.name] = "remote"
+        self._choices: dict[str, tuple[tuple, Choice]] = {}  # req id -> (what it was made of, choice)
+        self._shared: dict[str, tuple[int, int]] = {}  # req id -> (chunks held locally, then shared)
+        self._absent: set[str] = set()  # tiers a worker found down or stalled: planned without
+        self._step = 0  # the number of the latest step's metadata
+        self._firsts = FirstTokens()
 
     # -- vLLM's hooks --------------------------------------------------------------------------
 
@@ -124,26 +166,28 @@ class SchedulerSide:
             request.block_hashes, self.hashes_per_chunk, request.num_tokens - 1, self.hash_block_size
         )
         keys = self._keys_of(rid, ids)
-        n = self._held_prefix(keys)
-        if self.redis is not None and n < len(ids):
-            deadline = self._prefetching.get(rid)
-            if deadline is None:
-                more = self._shared_prefix(keys[n:])
-                if more:  # only a shared tier has them: into the hosts first, vLLM asks again
-                    self._prefetching[rid] = time.monotonic() + self.settings.prefetch_timeout_s
-                    self._prefetch_out.append(ChunkRun(rid, ids[: n + more], []))
-                    return None, False
-                self._prefetching[rid] = 0.0
-            elif (
-                deadline and self._prefetch_done.get(rid, 0) != self.all_ranks and time.monotonic() < deadline
-            ):
-                return None, False  # a lower tier is still being read
-            else:
-                self._prefetching[rid] = 0.0
-        self._hits[rid] = n
-        if num_computed % self.block_size or n * ct <= num_computed:
+        tiers = self._held_tiers(keys)
+        if self.redis is not None and self.redis.name not in self._absent and len(tiers) < len(ids):
+            local, shared = self._shared.get(rid, (-1, 0))
+            if local != len(tiers):  # asked once per request and local hit, not every step it waits
+                shared = self._shared_prefix(keys[len(tiers) :])
+                self._shared[rid] = (len(tiers), shared)
+            tiers += [self.redis.name] * shared
+        if num_computed % self.block_size or len(tiers) * ct <= num_computed:
+            self._hits[rid] = len(tiers)
             return 0, False  # a load starts on a block: never over a block vLLM computed or shares
-        background = self._in_background(rid)
+        in_step = not self._in_background(rid)
+        made_of = (tuple(tiers), num_computed, in_step)
+        got = self._choices.get(rid)
+        if got is None or got[0] != made_of:  # planned once per request and hit, not per step asked
+            got = self._choices[rid] = (made_of, self._choose(request, tiers, num_computed, in_step))
+        choice = got[1]
+        self._firsts.asked(rid, choice)
+        n = choice.chunks
+        self._hits[rid] = n
+        if n * ct <= num_computed:
+            return 0, False
+        background = not in_step or any(t != HOST for t in tiers[:n])  # a lower tier is never read in a step
         (self._background.add if background else self._background.discard)(rid)
         return n * ct - num_computed, background
 
@@ -161,8 +205,17 @@ class SchedulerSide:
         ids = chunk_ids(request.block_hashes, self.hashes_per_chunk, n * ct, self.hash_block_size)
         block_ids = list(blocks.get_block_ids()[0])
         background = rid in self._background
+        got = self._choices.get(rid)
+        tiers, budget = (got[0][0][first:n], got[1].budget_s) if got is not None else ((), None)
         st.load = ChunkRun(
-            rid, ids[first:n], block_ids[first * bpc + skip : n * bpc], skip, next(self._tags), background
+            rid,
+            ids[first:n],
+            block_ids[first * bpc + skip : n * bpc],
+            skip,
+            next(self._tags),
+            background,
+            tuple(tiers),
+            budget,
         )
         st.load_first, st.background = first, background
         st.saved = max(st.saved, n)  # held already (a failed load takes this back)
@@ -170,7 +223,9 @@ class SchedulerSide:
             self._to_send.append(rid)
 
     def build_meta(self, so) -> KVTierMetadata:
-        meta = KVTierMetadata(preempted=set(so.preempted_req_ids or ()))
+        self._step += 1
+        meta = KVTierMetadata(preempted=set(so.preempted_req_ids or ()), step=self._step)
+        self.chooser.steps.built(self._step, *_step_work(so))
         for rid in meta.preempted:
             self._preempted(rid)
         for rid in self._to_send:
@@ -207,35 +262,44 @@ class SchedulerSide:
             if st is None or st.loading is None:  # nothing of it held back: its last saves are sent
                 meta.release.add(rid)
                 self._forget(rid)
-        meta.prefetches, self._prefetch_out = self._prefetch_out, []
         return meta
 
     def update(self, connector_output) -> None:
         wm = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(wm, KVTierWorkerMetadata):
             return
+        if wm.step:  # the step's forward is over: its time, and the first tokens it made
+            self.chooser.steps.reported(wm.step)
+            self._firsts.reported(wm.step)
         if wm.extra is not None and self._extras is None:
             model, dtype, layout, tp_size, salt = wm.extra
             self._extras = [KeyExtra(model, dtype, layout, r, tp_size, salt) for r in range(tp_size)]
+        if wm.chunk_bytes:
+            self.chooser.chunk_bytes = wm.chunk_bytes
         for key in wm.lost:
             self._held.pop(key, None)
+        for key, tier in wm.below.items():
+            self._held[key] = tier
+            self.chooser.kinds[tier] = "disk"
         for key in wm.held:
-            self._held[key] = None
+            self._held[key] = HOST
             self._held.move_to_end(key)
         while len(self._held) > self.settings.index_entries:
             self._held.popitem(last=False)
+        self.chooser.rates |= wm.rates
+        if wm.down or wm.up:
+            self._absent = (self._absent | wm.down) - (wm.up - wm.down)
+            log.info("kvtier: tiers planned as absent: %s", sorted(self._absent) or "none")
         for tag, mask in wm.loaded.items():
             self._outcome(tag, mask, 0)
         for tag, mask in wm.failed.items():
             self._outcome(tag, 0, mask)
-        for rid, mask in wm.prefetched.items():
-            if rid in self._prefetching:
-                self._prefetch_done[rid] = self._prefetch_done.get(rid, 0) | mask
 
     def finished(self, request) -> bool:
         rid = request.request_id
-        for d in (self._hits, self._asked, self._keys, self._prefetching, self._prefetch_done):
+        for d in (self._hits, self._asked, self._keys, self._choices, self._shared):
             d.pop(rid, None)
+        self._firsts.forget(rid)
         st = self._reqs.get(rid)
         if st is None:
             return False
@@ -252,7 +316,33 @@ class SchedulerSide:
         self._finishing.add(rid)  # freed once released and every worker's saves read them
         return True
 
+    def choice(self, rid: str) -> Choice | None:
+        """The choice the latest lookup of request ``rid`` made (None: none, or it finished)."""
+        got = self._choices.get(rid)
+        return None if got is None else got[1]
+
+    @property
+    def absent(self) -> frozenset[str]:
+        """The lower tiers planned as absent now: a worker found each down or stalled, and none
+        has reported it answering again since."""
+        return frozenset(self._absent)
+
+    def stats(self) -> dict:
+        """What the scheduler side adds to vLLM's connector stats since the last call:
+        ``first_tokens``, per request with a hit whose first token came, [choice, tier, planned
+        ms (None: not planned), measured ms]; empty when none came."""
+        done = self._firsts.take()
+        return {"first_tokens": done} if done else {}
+
     # -- internals -----------------------------------------------------------------------------
+
+    def _choose(self, request, tiers: list[str], computed: int, in_step: bool) -> Choice:
+        prompt = getattr(request, "num_prompt_tokens", request.num_tokens)
+        try:
+            return self.chooser.choose(tiers, computed, prompt, in_step)
+        except Exception as exc:  # a plan that cannot be made must not stop vLLM's scheduler
+            log.warning("kvtier: no plan for %s (%s): every held chunk is loaded", request.request_id, exc)
+            return Choice("held", len(tiers), HOST, None, None, self.settings.prefetch_timeout_s, str(exc))
 
     def _scheduled(self, meta: KVTierMetadata, st: _Req, computed_after: int) -> None:
         """A request the step computes ``computed_after`` tokens of: its load, and its saves unless
@@ -260,6 +350,8 @@ class SchedulerSide:
         rid = st.request.request_id
         if st.load is not None:
             self._send_load(meta, st)
+        if st.computed < _prompt(st.request) <= computed_after:  # this step makes its first token
+            self._firsts.scheduled(rid, meta.step)
         st.computed = computed_after
         if st.loading is None:
             self._add_save(meta, rid, st)
@@ -334,13 +426,20 @@ class SchedulerSide:
             self._keys[rid] = (known, keys)
         return keys[: len(ids)]
 
-    def _held_prefix(self, keys: list[tuple[bytes, ...]]) -> int:
-        held, n = self._held, 0
+    def _held_tiers(self, keys: list[tuple[bytes, ...]]) -> list[str]:
+        """The tier of each chunk of ``keys`` the workers hold, from the first: the host where
+        every rank's host holds it, else a rank's lower tier; up to the first chunk some rank
+        lacks, or holds only in a tier planned as absent."""
+        held, absent, out = self._held, self._absent, []
         for ranks in keys:
-            if not all(k in held for k in ranks):
+            where = [held.get(k) for k in ranks]
+            if None in where:
                 break
-            n += 1
-        return n
+            tier = next((t for t in where if t != HOST), HOST)
+            if tier in absent:
+                break
+            out.append(tier)
+        return out
 
     def _shared_prefix(self, keys: list[tuple[bytes, ...]]) -> int:
         """How many of the chunks of ``keys`` (from the first) the shared tier holds for every rank."""
@@ -355,3 +454,19 @@ class SchedulerSide:
             log.warning("kvtier: shared-tier lookup failed: %s", exc)
             return 0
         return n
+
+
+def _prompt(request) -> int:
+    return getattr(request, "num_prompt_tokens", request.num_tokens)
+
+
+def _step_work(so) -> tuple[int, float]:
+    """(tokens scheduled, attention's pairs: sum of n * (computed + n / 2) per request) of a step."""
+    tokens, work, sched = 0, 0.0, so.num_scheduled_tokens
+    computed = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
+    cached = so.scheduled_cached_reqs
+    computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+    for rid, n in sched.items():
+        tokens += n
+        work += n * (computed.get(rid, 0) + n / 2)
+    return tokens, work

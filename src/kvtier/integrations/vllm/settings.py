@@ -19,6 +19,7 @@ KV_LAYOUTS = ("auto", "any", *VLLM_ORDERS)
 # keeps the two equal.
 ENGINE_PATHS = ("auto", "staged", "kernel", "batch")
 LOAD_ASYNC = ("auto", "always", "never")
+CHOICES = ("auto", "load")
 EXTRA = "kv_connector_extra_config"
 
 
@@ -55,13 +56,21 @@ class VllmSettings:
         wait on a per-layer "landed" flag (`kvtier.engine.flags`), captured into the graph once; a
         step with loads re-arms the flags before the forward. Off by default until a real vLLM
         run confirms it; without ``layerwise`` the graphs are full anyway (nothing changes).
-    load_async: when a hit is loaded in the background, the request waiting out of the batch until
-        its blocks landed (vLLM's asynchronous load), rather than in the step that computes it:
-        "auto" (while other requests run: their steps then never wait for the load, and the load
-        takes the whole-job DMA path, holding no SM beside them; with nothing else running, in the
-        step, layer by layer, for the lowest first token), "always", or "never".
-    prefetch_timeout_s: how long a request waits ("ask again") for a lower tier's read
-        before it is scheduled with what the host holds.
+    load_async: when a hit the host holds whole is loaded in the background, the request waiting
+        out of the batch until its blocks landed (vLLM's asynchronous load), rather than in the
+        step that computes it: "auto" (while other requests run: their steps then never wait for
+        the load, and the load takes the whole-job DMA path, holding no SM beside them; with
+        nothing else running, in the step, layer by layer, for the lowest first token), "always",
+        or "never". A hit that needs a lower tier's read (disk, Redis) always loads in the
+        background: a step never waits for a lower tier.
+    choice: "auto": per request, kvtier's planner chooses to load the hit, to load its first
+        chunks and let vLLM prefill the rest, or to recompute it, whichever gives the earlier first
+        token by this engine's own measured rates (its prefill per step, each tier's delivered
+        read rate); "load": every held chunk is loaded (the reads still end at
+        ``prefetch_timeout_s``).
+    prefetch_timeout_s: the longest a lower tier's read may keep a request waiting (the plan's
+        deadline is never later), and, with a disk or Redis, the longest a request waits after a
+        start for the workers' first report of what their tiers hold.
     gil_switch_interval_s: the Python switch interval the worker lowers the process's to at start
         (`sys.setswitchinterval`; never raised): the longest vLLM's forward thread waits to get the
         interpreter back from kvtier's saver and loader threads (Python's own default: 5 ms). 0
@@ -90,6 +99,7 @@ class VllmSettings:
     layerwise: bool = True
     full_graphs: bool = False
     load_async: str = "auto"
+    choice: str = "auto"
     prefetch_timeout_s: float = 2.0
     gil_switch_interval_s: float = 0.0005
     index_entries: int = 1 << 20
@@ -115,6 +125,7 @@ class VllmSettings:
             ("kv_layout", KV_LAYOUTS),
             ("engine_path", ENGINE_PATHS),
             ("load_async", LOAD_ASYNC),
+            ("choice", CHOICES),
         ):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"{name(key)}: one of {allowed}, got {getattr(self, key)!r}")

@@ -6,11 +6,13 @@ Per step, in vLLM's call order (`KVTierMetadata` bound first):
                                blocks (vLLM may hand them to another request), and only for those:
                                requests' saves run on SAVE_LANES copy streams, each request's on
                                one no other request's save is queued on while one is idle
-    start_load(meta)           prefetches start; each load in the step: lower-tier reads, then the
-                               copies on the copy stream, one event per layer (from the block
-                               vLLM's own hit ends at); each background load: an event recorded,
-                               the rest handed to the loader thread (whole-job DMA); what no tier
-                               delivered is reported as load errors (vLLM recomputes those
+    start_load(meta)           each load in the step: the copies of what the host holds (never a
+                               lower tier's read) on the copy stream, one event per layer (from
+                               the block vLLM's own hit ends at); each background load: an event
+                               recorded, the rest handed over (`BackgroundLoads`: a lower tier's
+                               chunks read into the host on a reader thread, cut at the plan's
+                               deadline, then whole-job DMA copies on the loader thread); what
+                               did not arrive is reported as load errors (vLLM recomputes those
                                blocks), and each load's outcome to the scheduler. Flag waits
                                (``full_graphs``): a step with loads in it re-arms the per-layer
                                flags first, its loads join the step, the step is sealed after them
@@ -26,7 +28,9 @@ Per step, in vLLM's call order (`KVTierMetadata` bound first):
                                background loads whose copies landed)
     report() / stats()         for the scheduler: the tier keys this rank's local tiers (host,
                                disk) now hold or no longer hold (every eviction, and at start
-                               what the disk holds), load outcomes; counters for vLLM's stats
+                               what the disk holds), load outcomes, lower tiers down or answering
+                               again (`TierProbe`), the read and copy rates its loads measured,
+                               the step it ran; counters for vLLM's stats
 
 Every tier failure is a miss (fewer tokens loaded, a save skipped), never an exception into
 vLLM's forward. Block ids are vLLM's; chunk i of a run covers ``block_ids[i*bpc:(i+1)*bpc]``.
@@ -47,17 +51,20 @@ import threading
 from collections import Counter, deque
 from functools import partial
 
+from .background import BackgroundLoads
 from .hash_store import HashKeyedStore
 from .holdings import Holdings
 from .metadata import ChunkRun, KVTierMetadata, KVTierWorkerMetadata
 from .mover import Mover
 from .settings import VllmSettings
+from .tier_probe import TierProbe
 
 log = logging.getLogger(__name__)
 # Copy streams the saves spread over. A stream runs in order, so a save's event completes only
 # after every save queued before it there: with one stream, a preemption's wait for one request's
 # saves would wait for every request's.
 SAVE_LANES = 4
+COPY_RATES = 16  # the latest host-only loads the copy rate reported to the planner is taken over
 
 
 class WorkerSide:
@@ -84,32 +91,34 @@ class WorkerSide:
         self._layer_index: dict[str, int] = {}
         self._loads: list = []  # (LoadHandle, ChunkRun, ready event) loaded in a step, not landed yet
         self._saves: dict[str, list] = {}  # req id -> [(SaveHandle, ChunkRun, ready event)], submitted
-        # What the saver and loader threads and the forward thread share: _saves, _queued,
-        # _background, _errors, _loaded, _failed, _counts, _busy and the holdings' changes.
+        # What the saver, loader and reader threads and the forward thread share: _saves, _queued,
+        # _errors, _loaded, _failed, _counts, _busy, _copies and the holdings' changes.
         self._lock = threading.Lock()
         self._queued: Counter = Counter()  # req id -> its saves handed over, not submitted yet
         self._last_save: dict[str, int] = {}  # req id -> the saver's number of its last save
-        # req id -> (LoadHandle or None, run, ready event) once submitted; None while handed over
-        self._background: dict[str, tuple | None] = {}
+        self._background: BackgroundLoads | None = None  # made at register
+        self._probe: TierProbe | None = None
         self._received: set[str] = set()  # background loads landed, not reported to vLLM yet
         self._saver: Mover | None = None
         self._loader: Mover | None = None
         self._busy: dict[str, float] = {}  # op -> device time (s) the latest transfer counted ended
         self._released: set[str] = set()  # finished requests reported once their saves are done
-        self._prefetches: list = []  # (req id, ChunkRun, Future)
         self._errors: set[int] = set()
         self._holdings = Holdings()  # what the host and disk hold, for the scheduler's index
         self._loaded: dict[int, int] = {}  # load tag -> this rank's bit: every block delivered
         self._failed: dict[int, int] = {}
-        self._prefetched: dict[str, int] = {}
         self._extra_sent = False
+        self._copies: deque[tuple[float, float]] = deque(maxlen=COPY_RATES)  # (bytes, s) host loads
+        self._rates_sent: dict[str, tuple[float, float]] = {}
+        self._rates_due = False  # a load settled since the last report: the rates may have moved
+        self._step = 0  # the scheduler's number of the step this worker runs
         self._counts: Counter = Counter()
         self._owned: list = []  # what register_kv_caches made, closed in reverse at shutdown
         self._lanes: list = []  # the save streams, made at register
         self._lane_last: list = []  # per lane, the last save handle put on it
         self._lane_order: deque[int] = deque()  # lanes, least recently used first
         self.flags = None  # the engine's LayerFlags with flag waits (``full_graphs``), made at register
-        self._step = None  # the flags' step armed by this step's start_load, until its forward ended
+        self._armed = None  # the flags' step armed by this step's start_load, until its forward ended
         self._on_cuda = False
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -176,6 +185,15 @@ class WorkerSide:
             sys.setswitchinterval(wanted)
         self._saver = Mover(f"kvtier-saver-tp{self.tp_rank}")
         self._loader = Mover(f"kvtier-loader-tp{self.tp_rank}")
+        self._probe = TierProbe(self.store.tiers, self.store.fmt.nbytes)
+        self._background = BackgroundLoads(
+            self.store,
+            self._loader,
+            self._probe,
+            self._load,
+            cap_s=self.settings.prefetch_timeout_s,
+            name=f"kvtier-reader-tp{self.tp_rank}",
+        )
 
     def _make_tiers(self) -> list:
         s, tiers = self.settings, []
@@ -221,20 +239,14 @@ class WorkerSide:
         if self.store is None:
             return
         self._settle()
-        for run in meta.prefetches:
-            try:
-                self._prefetches.append((run.req_id, run, self.store.prefetch(run.ids)))
-            except Exception as exc:  # a prefetch is a hint: its failure is a later miss
-                log.warning("kvtier: prefetch failed: %s", exc)
-                self._prefetched[run.req_id] = 1 << self.tp_rank
-        self._step = None
+        self._armed = None
         if not meta.loads:
             return
         compute, step = self.dev.current_stream(), None
         if self.flags is not None and not all(run.background for run in meta.loads):
             # Re-armed on the compute stream before the forward: no "landed" of an earlier step can
             # pass this step's waits. Its event follows vLLM's zeroing of new blocks too.
-            self._step = step = self.flags.arm(compute)
+            self._armed = step = self.flags.arm(compute)
             zeroed = step.armed
         else:
             # vLLM zeroes new blocks on the compute stream before the forward: a load must land after.
@@ -242,11 +254,9 @@ class WorkerSide:
         try:
             for run in meta.loads:
                 if run.background:
-                    with self._lock:
-                        self._background[run.req_id] = None  # handed over: received once submitted and landed
-                    self._loader.submit(partial(self._load, run, zeroed, True))
+                    self._background.start(run, zeroed)  # received once read, copied and landed
                 else:
-                    self._load(run, zeroed, False, step)
+                    self._load(run, zeroed, step=step)
         finally:
             if step is not None:
                 step.seal()  # each flag set once its layer of every load landed or failed: no wait hangs
@@ -256,38 +266,55 @@ class WorkerSide:
                 for layer in range(self.kv.num_layers):
                     h.wait_layer(layer, stream)  # the forward must not read a layer before it landed
 
-    def _load(self, run: ChunkRun, zeroed, background: bool, step=None) -> None:
-        """One load (on the loader thread when ``background``): its outcome, errors and counts.
-        ``step``: the flags' step its copies join (flag waits, a load in the step)."""
+    def _load(self, run: ChunkRun, zeroed, chunks: int | None = None, cut: bool = False, step=None):
+        """One load of the run's first ``chunks`` chunks (None: a load in the step, every chunk;
+        else a background load's, on the loader thread) from what the host holds: its outcome,
+        errors and counts; its handle (None: nothing submitted). cut: its deadline ended its reads.
+        step: the flags' step its copies join (flag waits, a load in the step)."""
+        background = chunks is not None
+        ids = run.ids if chunks is None else run.ids[:chunks]
         bpc, got, h, missing = self.store.fmt.blocks, 0, None, None
         try:
-            self.store.engine.compute_write(run.block_ids, zeroed)  # the copy waits for the zeroing
-            path, per_layer = self.load_path(background), not background
-            h = self.store.load(
-                run.ids, run.block_ids, first_block=run.skip, path=path, per_layer=per_layer, flags=step
-            )
-            got = len(h.jobs)  # chunks delivered (a job each), the first one from block run.skip on
-        except Exception as exc:  # a failing tier is a miss: vLLM recomputes what did not arrive
+            if ids:
+                self.store.engine.compute_write(run.block_ids, zeroed)  # the copy waits for the zeroing
+                path, per_layer = self.load_path(background), not background
+                # The step's thread waits for no tier, nor for a chunk still being filled (a read
+                # stalled in its tier may never fill it): what the host holds ready, or a miss.
+                wait = None if background else 0.0
+                h = self.store.load(
+                    ids,
+                    run.block_ids,
+                    first_block=run.skip,
+                    path=path,
+                    per_layer=per_layer,
+                    lower=False,
+                    fetch_wait_s=wait,
+                    flags=step,
+                )
+                got = len(h.jobs)  # chunks delivered (a job each), the first one from block run.skip on
+        except Exception as exc:  # a failing load is a miss: vLLM recomputes what did not arrive
             log.warning("kvtier: load of %s failed: %s", run.req_id, exc)
             self._count(load_errors=1)
         if got < len(run.ids):
             missing = self.store.keys(run.ids[got : got + 1])[0]
         mask = 1 << self.tp_rank
         with self._lock:
+            self._counts["deadline_cuts"] += int(cut)
             if h is not None:
                 self._counts.update(f"hit_chunks_{t}" for t in h.tiers)
-            if background:
-                self._background[run.req_id] = (h, run, zeroed)
-            elif h is not None:
-                self._loads.append((h, run, zeroed))
+                if any(t != "host" for t in h.tiers):  # read into the host for this load: held there now
+                    self._holdings.held(self.store.keys(ids[:got]))
+                if not background:
+                    self._loads.append((h, run, zeroed))
             if missing is None:
                 self._loaded[run.tag] = mask
-                return
+                return h
             # The scheduler holds its saves back until every rank's outcome is in (`SchedulerSide`).
             self._failed[run.tag] = mask
-            self._holdings.lost(missing)  # no tier delivered it
+            self._holdings.gone([missing])  # not in the host: a lower tier may still hold it
             self._counts["miss_chunks"] += len(run.ids) - got
             self._errors.update(run.block_ids[max(0, got * bpc - run.skip) :])
+        return h
 
     def load_path(self, background: bool = False) -> str | None:
         """Layerwise: the engine's layer-major path ("kernel": one launch per layer over every
@@ -322,7 +349,7 @@ class WorkerSide:
         slowdown_pct_branch), but the fork must be joined inside the capture (torch refuses a
         graph with an unjoined stream), which holds only if vLLM calls every layer's hook once per
         forward on one stream; vLLM's micro-batching runs two forwards in one capture."""
-        if self._step is None and not self.capturing():
+        if self._armed is None and not self.capturing():
             return
         layer = self._layer_index.get(layer_name)
         if layer is not None:
@@ -334,7 +361,8 @@ class WorkerSide:
         return self._on_cuda and self.torch.cuda.is_current_stream_capturing()
 
     def save(self, meta: KVTierMetadata) -> None:
-        self._step = None  # the step's forward is enqueued, its flag waits with it
+        self._armed = None  # the step's forward is enqueued, its flag waits with it
+        self._step = meta.step  # reported back: the scheduler times the step by it
         self._released |= meta.release  # vLLM frees their blocks once we report them
         if self.store is None or not meta.saves:
             return
@@ -388,12 +416,25 @@ class WorkerSide:
             return None
         self._settle()
         with self._lock:
-            held, lost = self._holdings.take(self.store.host)
-            wm = KVTierWorkerMetadata(held, lost, self._loaded, self._failed, self._prefetched)
-            self._loaded, self._failed, self._prefetched = {}, {}, {}
+            held, below, lost = self._holdings.take(self.store.host)
+            wm = KVTierWorkerMetadata(held, lost, self._loaded, self._failed, below=below, step=self._step)
+            self._loaded, self._failed = {}, {}
+            copies = list(self._copies)
+        wm.down, wm.up = self._probe.take()
+        if self._rates_due:  # fitted only after loads: an idle step pays nothing for it
+            self._rates_due = False
+            rates = {}
+            for tier in self.store.read_rate.snapshot():  # each lower tier its loads read from so far
+                if (fit := self.store.read_rate.fit(tier)) is not None:
+                    rates[tier] = fit
+            if copies:
+                rates["host"] = (sum(b for b, _ in copies) / sum(t for _, t in copies) / 1e9, 0.0)
+            if rates != self._rates_sent:
+                wm.rates = self._rates_sent = rates
         if not self._extra_sent:
             x = self.store.extra
             wm.extra, self._extra_sent = (x.model, x.kv_dtype, x.layout, x.tp_size, x.salt), True
+            wm.chunk_bytes = self.store.fmt.nbytes
         return None if wm.is_empty() else wm
 
     def stats(self) -> dict:
@@ -402,6 +443,10 @@ class WorkerSide:
         return out
 
     def shutdown(self) -> None:
+        if self._background is not None:
+            self._background.close()
+        if self._probe is not None:
+            self._probe.close()
         for mover in (self._saver, self._loader):
             if mover is not None:
                 mover.close()  # what was handed over is submitted before the store closes
@@ -430,57 +475,47 @@ class WorkerSide:
         return lane
 
     def _settle(self) -> None:
-        """Completed loads, saves and prefetches: counted, reported, their requests released; the
-        background loads landed (or delivering nothing) noted for `finished`."""
+        """Completed loads and saves: counted, reported, their requests released; the background
+        loads landed (or delivering nothing) noted for `finished`; reads past their deadline cut."""
         if self.store is None:
             return
-        mask, tokens = 1 << self.tp_rank, self.store.fmt.tokens
+        tokens = self.store.fmt.tokens
         keep = []
         for h, run, ready in self._loads:
             if h.done():  # event queries: the copies landed, the slots' pins drop
-                self._account("load", h, ready)
+                self._account("load", h, ready, copies=True)
             else:
                 keep.append((h, run, ready))
         self._loads = keep
+        landed = self._background.poll()
         with self._lock:
             saves = {rid: list(v) for rid, v in self._saves.items()}
-            background = [(rid, v) for rid, v in self._background.items() if v is not None]
         done_saves = [(rid, x) for rid, v in saves.items() for x in v if x[0].done()]  # landed: not a submit
-        received = {rid for rid, (h, _, _) in background if h is None or h.done()}
         with self._lock:
             for rid, x in done_saves:
                 self._saves[rid].remove(x)
                 if not self._saves[rid]:
                     del self._saves[rid]
-            self._received |= received
-            for rid, (h, _, ready) in background:
-                if rid in received:
-                    del self._background[rid]
-                    if h is not None:
-                        self._account("load", h, ready)
+            for ld in landed:
+                self._received.add(ld.run.req_id)
+                if ld.handle is not None:  # a load that read first: no copy rate from its time
+                    read = any(t != "host" for t in ld.run.tiers)
+                    self._account("load", ld.handle, ld.zeroed, copies=not read)
             for _, (h, run, ready) in done_saves:
                 self._account("save", h, ready)
-                if h.tokens:
-                    self._holdings.held(self.store.keys(run.ids[: h.tokens // tokens]))
-        pending = []
-        for rid, run, fut in self._prefetches:
-            if not fut.done():
-                pending.append((rid, run, fut))
-                continue
-            got = fut.result() // tokens if fut.exception() is None else 0
-            if got:
-                with self._lock:
-                    self._holdings.held(self.store.keys(run.ids[:got]))
-            self._prefetched[rid] = mask
-        self._prefetches = pending
+                if h.tokens:  # those the host holds ready (a chunk skipped as held may only be pending)
+                    keys = self.store.keys(run.ids[: h.tokens // tokens])
+                    self._holdings.held([k for k in keys if self.store.host.contains(k, pending=False)])
 
-    def _account(self, op: str, h, ready) -> None:
+    def _account(self, op: str, h, ready, copies: bool = False) -> None:
         """A transfer that completed: bytes, count, and its device time from ``ready`` (the event
-        that made its data ready) to its last copy, overlapping transfers counted once."""
+        that made its data ready) to its last copy, overlapping transfers counted once. copies: a
+        load of the host's chunks alone, whose time is its copies' (the planner's copy rate)."""
         jobs = h.jobs
         nbytes = (h.saved if op == "save" else len(jobs)) * self.store.fmt.nbytes
         self._counts[f"{op}_bytes"] += nbytes
         self._counts[f"{op}s"] += 1
+        self._rates_due |= op == "load"
         if not jobs:
             return
         try:
@@ -490,6 +525,8 @@ class WorkerSide:
         last = self._busy.get(op, float("-inf"))  # the end of the latest transfer counted
         self._counts[f"{op}_busy_s"] += max(0.0, end - max(start, last))
         self._busy[op] = max(last, end)
+        if copies and end > start:
+            self._copies.append((nbytes, end - start))
 
     def _count(self, **counts: int) -> None:
         with self._lock:
