@@ -153,6 +153,9 @@ def test_a_slow_tier_is_cut_at_the_plans_deadline_and_the_request_goes_on_with_w
         kinds = [(f[0], f[1]) for f in _firsts(e)]
         assert kinds == [("load", "disk"), ("load", "disk")]
         assert all(f[2] is not None and f[3] > 0 for f in _firsts(e))  # planned and measured
+        # Cut in the middle of a chunk that was coming, only slowly: the disk stays planned with,
+        # at the rate it now delivers (a stalled read is what plans a tier absent).
+        assert e.sched.connector.scheduler_side.absent == set()
     finally:
         e.close()
 

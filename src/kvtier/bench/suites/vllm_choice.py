@@ -280,14 +280,29 @@ class Cell:
         self._runs += 1
         return f"{what}{self._runs}"
 
+    def _known(self, rid: str):
+        """The request, known to the scheduler side with no hit granted: the chunks its prefill
+        computes are saved as the connector saves every request's (the choice's runs pay that
+        too)."""
+        from kvtier.bench.suites.vllm_engine_step import Blocks, Request
+
+        req = Request(rid, self.ids, self.N)
+        self.sched.after_alloc(req, Blocks(self.r.dst[: self.r.blocks]), 0)
+        return req
+
     def recompute_once(self) -> float:
+        req = self._known(self._rid("recompute"))
         t0 = time.perf_counter()
-        int(self.prefill(self._rid("recompute"), self.r.dst[: self.r.blocks], 0)[0].argmax())
-        return time.perf_counter() - t0
+        int(self.prefill(req.request_id, self.r.dst[: self.r.blocks], 0)[0].argmax())
+        dt = time.perf_counter() - t0
+        self.sched.finished(req)
+        return dt
 
     def load_once(self, chunks: int, budget_s: float | None = None) -> tuple[float, dict]:
         """The first ``chunks`` chunks loaded in the background, vLLM prefilling the rest."""
-        r, rid = self.r, self._rid("load")
+        r = self.r
+        req = self._known(self._rid("load"))
+        rid = req.request_id
         t0 = time.perf_counter()
         meta = self.sched.build_meta(_empty())
         meta.loads.append(self._run(rid, chunks, budget_s))
@@ -295,6 +310,7 @@ class Cell:
         int(self.prefill(rid, r.dst[: r.blocks], landed)[0].argmax())
         dt = time.perf_counter() - t0
         self._check(landed)
+        self.sched.finished(req)
         return dt, {"landed": landed}
 
     def choice_once(self) -> tuple[float, dict]:

@@ -12,9 +12,12 @@ the loader thread copies what the host holds into the request's blocks.
 A run's reads have a deadline, ``run.budget_s`` after `start` (the plan's; ``cap_s`` where the
 run gives none). A read still running then is cut (by the reader at its next chunk, or by `poll`
 while the reader waits in a tier): the copies of the chunks read before it go on, the rest of
-the run is reported failed (vLLM recomputes it), and the tier being read is reported to the
-`TierProbe` (planned absent until it answers). A reader cut in the middle of a read may stay
-blocked in its tier; what it reads afterwards lands in the host only, for later hits.
+the run is reported failed (vLLM recomputes it). A tier that merely answers too slowly for
+the plan is not reported (its measured rate plans the next loads); one whose read in flight at
+the deadline has stalled (it has run STALL_FACTOR times this load's mean chunk read, and at least
+STALL_MIN_S) is reported to the `TierProbe` (planned absent until it answers). A reader cut in
+the middle of a read may stay blocked in its tier; what it reads afterwards lands in the host
+only, for later hits.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from .metadata import ChunkRun
 
 log = logging.getLogger(__name__)
 READERS = 8  # runs read from lower tiers at once (each on its own thread, chunk after chunk)
+STALL_MIN_S = 0.25  # a chunk read in flight at least this long at the deadline may have stalled
+STALL_FACTOR = 4.0  # ... and at least this many times this load's mean chunk read
 HOST = "host"
 
 
@@ -46,6 +51,13 @@ class Load:
     state: str = "reading"
     cut: bool = False
     handle: object = None
+    reading_since: float = 0.0  # when the chunk being read was asked of its tier
+    read_s: float = 0.0  # the reads of the chunks read so far, in all
+
+    def stalled(self, now: float) -> bool:
+        """Whether the chunk being read has stalled in its tier, not merely come slowly."""
+        mean = self.read_s / self.read if self.read else 0.0
+        return now - self.reading_since >= max(STALL_MIN_S, STALL_FACTOR * mean)
 
 
 class BackgroundLoads:
@@ -66,7 +78,8 @@ class BackgroundLoads:
 
     def start(self, run: ChunkRun, zeroed) -> None:
         budget = self.cap_s if run.budget_s is None else min(run.budget_s, self.cap_s)
-        ld = Load(run, zeroed, time.monotonic() + budget)
+        now = time.monotonic()
+        ld = Load(run, zeroed, now + budget, reading_since=now)
         with self._lock:
             self._loads[run.req_id] = ld
         if any(t != HOST for t in run.tiers):
@@ -81,8 +94,10 @@ class BackgroundLoads:
             loads = list(self._loads.values())
         for ld in loads:
             if ld.state == "reading" and now >= ld.deadline:
-                i = ld.read  # the chunk being read: its tier does not answer in time
-                if self._hand_over(ld, cut=True) and i < len(ld.run.ids) and _tier(ld.run, i) != HOST:
+                i, stalled = ld.read, ld.stalled(now)  # the chunk being read: not in time
+                if not self._hand_over(ld, cut=True) or i >= len(ld.run.ids) or _tier(ld.run, i) == HOST:
+                    continue
+                if stalled:  # a tier that stops answering: planned absent until its probe reads
                     self._probe.failed(_tier(ld.run, i), self._store.keys(ld.run.ids[i : i + 1])[0])
         done = [ld for ld in loads if ld.state == "copied" and (ld.handle is None or ld.handle.done())]
         with self._lock:
@@ -108,9 +123,11 @@ class BackgroundLoads:
             self._reading += 1
         try:
             for i, cid in enumerate(run.ids):
-                if time.monotonic() >= ld.deadline:
+                t0 = time.monotonic()
+                if t0 >= ld.deadline:
                     cut = True  # between two reads: the tier answers, only too slowly for this load
                     break
+                ld.reading_since = t0
                 if not self._store.fetch([cid]):  # no tier delivered it: the tier is down, or lost it
                     if _tier(run, i) != HOST:
                         self._probe.failed(_tier(run, i), self._store.keys([cid])[0])
@@ -118,7 +135,7 @@ class BackgroundLoads:
                 with self._lock:
                     if ld.state != "reading":
                         return  # cut meanwhile: the chunks read before went to be copied then
-                    ld.read = i + 1
+                    ld.read, ld.read_s = i + 1, ld.read_s + time.monotonic() - t0
         except Exception:  # a bug in a read must cost a recompute, never the load's report
             log.exception("kvtier: background read of %s failed", run.req_id)
         finally:
