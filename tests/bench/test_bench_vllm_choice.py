@@ -60,3 +60,38 @@ def test_the_tiers_asked_are_checked_by_name():
     with pytest.raises(ValueError, match="KVTIER_VLLM_TIERS"):
         tiers_asked("tape")
     assert rows_asked("choice,beside_read") == {"choice", "beside_read"}
+
+
+def test_a_run_starts_with_no_chunk_of_the_prefix_in_the_host_of_a_lower_tiers_cell(monkeypatch):
+    """A recompute saves its chunks as the connector does; before the next run they are all out of
+    the host (their pushes to the slow tier finished first: a push pins its entry), so the next
+    load reads the tier's copy, the one the rows check against (on a GPU a recompute's KV is bf16
+    apart from it). The writer thread is made to lag, as it may behind a GPU's copies."""
+    import time
+    from contextlib import ExitStack
+
+    from kvtier.store.writer import Writer
+
+    landed = Writer._landed
+
+    def late(self, push):
+        time.sleep(0.05)
+        return landed(self, push)
+
+    monkeypatch.setattr(Writer, "_landed", late)
+
+    from kvtier.bench.suite import Context
+    from kvtier.bench.suites.vllm import TINY, Replay
+    from kvtier.bench.suites.vllm_choice import Cell
+    from kvtier.bench.suites.vllm_rows import Forward
+
+    ctx = Context("cpu", quick=True)
+    ctx.suite = "vllm"
+    fwd = Forward(ctx, TINY)
+    with ExitStack() as stack:
+        cell = Cell.make(ctx, fwd, Replay, "BLHNC", TINY, "slow", 512, stack)
+        cell.recompute_once()
+        cell.clean()
+        store = cell.r.ws.store
+        assert not any(store.host.contains(k) for k in store.keys(cell.names))
+        assert cell.load_once(cell.hit_chunks)[1]["landed"] == cell.hit_chunks * cell.ct and cell.exact

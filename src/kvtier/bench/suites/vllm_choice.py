@@ -262,12 +262,16 @@ class Cell:
 
     def clean(self) -> None:
         """Before a run: the host holds the prefix's chunks (host tier) or none, and the scheduler
-        knows it; nothing in flight (but reads stalled in their tier); the disk's files out of
-        the page cache."""
+        knows it; nothing in flight (but reads stalled in their tier), no push either; the disk's
+        files out of the page cache."""
         r = self.r
         r.sync()
         self.step(self.sched.build_meta(_empty()))  # landed loads and saves are settled, released
         if self.tier != "host":
+            # The last run's chunks pushed down first: a push pins its host entry, and a chunk the
+            # host kept would be loaded from there (that run's recompute, bf16 apart from A's) and
+            # its push would still be writing beside the next run.
+            r.ws.store.flush(600)
             r.ws.store.evict()
             if self.tier == "disk":
                 _drop_page_cache(Path(r.ws.settings.disk_path))
