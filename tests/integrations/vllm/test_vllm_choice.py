@@ -144,7 +144,8 @@ def test_a_slow_tier_is_cut_at_the_plans_deadline_and_the_request_goes_on_with_w
         waited = time.monotonic() - t0
         _, held = _first_scheduled(e, "b2")
         assert 0 < held < CHUNKS * CT and held % CT == 0  # the chunks that landed by the deadline
-        assert waited < CHUNKS * SLOW - 2 * SLOW  # long before the whole read would have landed
+        assert waited < CHUNKS * SLOW  # scheduled before the whole read could have landed (a loaded box
+        # slows the steps the deadline is planned from: the cut itself is what `held` shows)
         ((_, run),) = _load_runs(e, "b2")
         assert len(run.ids) == CHUNKS and run.budget_s < CHUNKS * SLOW  # planned: the whole hit, in time
         e.settle()
