@@ -74,6 +74,7 @@ from kvtier.store.keys import KeyExtra
 from .choice import HOST, Choice, Chooser
 from .chunk_ids import chunk_ids, chunk_keys
 from .first_tokens import FirstTokens
+from .groups import GroupPlan
 from .metadata import ChunkRun, KVTierMetadata, KVTierWorkerMetadata
 from .settings import VllmSettings
 
@@ -83,10 +84,11 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Req:
     request: object
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     computed: int = 0  # tokens whose KV the scheduled steps computed (as of the last one)
+    before: int = 0  # tokens computed before the last step that scheduled it
     saved: int = 0  # chunks [0, saved) held already or sent to be saved
-    load: ChunkRun | None = None  # to send with the next metadata
+    load: list[ChunkRun] = field(default_factory=list)  # to send with the next metadata (a run per group)
     loading: int | None = None  # tag of the load whose outcome is not in yet: saves held back
     load_first: int = 0  # that load's first chunk: a failure re-saves from there
     background: bool = False  # that load is asynchronous: vLLM waits for it, not a forward
@@ -99,7 +101,12 @@ class SchedulerSide:
     shared with other instances, asked for chunks this instance's workers do not hold (None: no
     such lookup). spec: the model's `ModelSpec` for the planner (None: every held chunk is
     loaded, unplanned). step_tokens: vLLM's ``max_num_batched_tokens``. kv_dtype: the cache's
-    dtype as the planner names it."""
+    dtype as the planner names it. plan: a hybrid model's `GroupPlan` (None: one KV cache group,
+    block_size its block size; where the workers report several kinds of layer in vLLM's one
+    group, DeepSeek-V3.2's, their plan is taken from their first report, and with
+    ``await_groups`` no save is sent before it); with one, every load is a background load (vLLM 0.33 takes a
+    hybrid model's failed loads only as failed asynchronous receipts, recomputed whole), and no
+    shared tier is asked (its hits come from the workers' host and disk)."""
 
     def __init__(
         self,
@@ -112,6 +119,8 @@ class SchedulerSide:
         spec=None,
         step_tokens: int = 8192,
         kv_dtype: str = "bf16",
+        plan: GroupPlan | None = None,
+        await_groups: bool = False,
     ):
         self.settings = settings
         self.chunk_tokens = ct = settings.chunk_tokens_for(block_size)
@@ -123,6 +132,9 @@ class SchedulerSide:
         self.tp_size, self.redis = tp_size, redis
         self._held: OrderedDict[bytes, str] = OrderedDict()  # tier key -> the local tier holding it
         self._extras: list[KeyExtra] | None = None  # per rank, once the workers reported theirs
+        self.plan, self._await_groups = plan, await_groups
+        self._group_extras: list[list[KeyExtra]] = []  # per group, per rank (a hybrid model)
+        self._fresh: set[int] = set()  # blocks vLLM allocated for loads since the last metadata
         self._keys: dict[str, tuple[list[bytes], list[tuple[bytes, ...]]]] = {}  # rid -> (ids, keys)
         self._reqs: dict[str, _Req] = {}
         self._hits: dict[str, int] = {}  # req id -> chunks of its last lookup's hit
@@ -166,8 +178,9 @@ class SchedulerSide:
             request.block_hashes, self.hashes_per_chunk, request.num_tokens - 1, self.hash_block_size
         )
         keys = self._keys_of(rid, ids)
-        tiers = self._held_tiers(keys)
-        if self.redis is not None and self.redis.name not in self._absent and len(tiers) < len(ids):
+        tiers = self.plan.tiers(keys, self._where) if self.plan is not None else self._held_tiers(keys)
+        redis = self.redis if self.plan is None else None  # a hybrid model: the workers' tiers only
+        if redis is not None and redis.name not in self._absent and len(tiers) < len(ids):
             local, shared = self._shared.get(rid, (-1, 0))
             if local != len(tiers):  # asked once per request and local hit, not every step it waits
                 shared = self._shared_prefix(keys[len(tiers) :])
@@ -176,7 +189,7 @@ class SchedulerSide:
         if num_computed % self.block_size or len(tiers) * ct <= num_computed:
             self._hits[rid] = len(tiers)
             return 0, False  # a load starts on a block: never over a block vLLM computed or shares
-        in_step = not self._in_background(rid)
+        in_step = self.plan is None and not self._in_background(rid)
         made_of = (tuple(tiers), num_computed, in_step)
         got = self._choices.get(rid)
         if got is None or got[0] != made_of:  # planned once per request and hit, not per step asked
@@ -184,6 +197,8 @@ class SchedulerSide:
         choice = got[1]
         self._firsts.asked(rid, choice)
         n = choice.chunks
+        if self.plan is not None and n:  # a hybrid hit holds its window units only at its end: all or none
+            n = len(tiers)
         self._hits[rid] = n
         if n * ct <= num_computed:
             return 0, False
@@ -203,20 +218,34 @@ class SchedulerSide:
         first, within = divmod(n * ct - num_external_tokens, ct)  # where vLLM's own hit ends
         skip = within // self.block_size
         ids = chunk_ids(request.block_hashes, self.hashes_per_chunk, n * ct, self.hash_block_size)
-        block_ids = list(blocks.get_block_ids()[0])
         background = rid in self._background
         got = self._choices.get(rid)
-        tiers, budget = (got[0][0][first:n], got[1].budget_s) if got is not None else ((), None)
-        st.load = ChunkRun(
-            rid,
-            ids[first:n],
-            block_ids[first * bpc + skip : n * bpc],
-            skip,
-            next(self._tags),
-            background,
-            tuple(tiers),
-            budget,
-        )
+        tiers, budget = (got[0][0][:n], got[1].budget_s) if got is not None else ((), None)
+        tag = next(self._tags)
+        if self.plan is None:
+            block_ids = list(blocks.get_block_ids()[0])
+            st.load = [
+                ChunkRun(
+                    rid,
+                    ids[first:n],
+                    block_ids[first * bpc + skip : n * bpc],
+                    skip,
+                    tag,
+                    background,
+                    tuple(tiers[first:n]),
+                    budget,
+                )
+            ]
+        else:
+            table = blocks.get_block_ids()
+            self._fresh.update(b for g in table for b in g)
+
+            def make(g, c0, run_ids, bids, skip):
+                return ChunkRun(rid, run_ids, bids, skip, tag, True, tuple(tiers[c0:n]), budget, group=g)
+
+            st.load = self.plan.loads(ids, table, n * ct - num_external_tokens, n, make)
+            for run in st.load:
+                run.parts = len(st.load)
         st.load_first, st.background = first, background
         st.saved = max(st.saved, n)  # held already (a failed load takes this back)
         if background:  # vLLM does not schedule it until it is received: sent with the next metadata
@@ -230,17 +259,18 @@ class SchedulerSide:
             self._preempted(rid)
         for rid in self._to_send:
             st = self._reqs.get(rid)
-            if st is not None and st.load is not None:
+            if st is not None and st.load:
                 self._send_load(meta, st)
         self._to_send.clear()
         self._running = set(so.num_scheduled_tokens)
+        if self.plan is not None and self.plan.windowed:
+            meta.fresh = self._fresh_blocks(so)
         for new in so.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is not None:
-                st.block_ids = list(new.block_ids[0])
-                self._scheduled(
-                    meta, st, new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0)
-                )
+                st.block_ids = [list(g) for g in new.block_ids]
+                n = so.num_scheduled_tokens.get(new.req_id, 0)
+                self._scheduled(meta, st, new.num_computed_tokens, new.num_computed_tokens + n)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             st = self._reqs.get(rid)
@@ -248,10 +278,14 @@ class SchedulerSide:
                 continue
             nb = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:  # after a preemption: every block is new
-                st.block_ids = list(nb[0]) if nb else []
+                st.block_ids = [list(g) for g in nb] if nb else []
             elif nb:
-                st.block_ids.extend(nb[0])
-            self._scheduled(meta, st, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0))
+                if not st.block_ids:
+                    st.block_ids = [[] for _ in nb]
+                for have, more in zip(st.block_ids, nb, strict=True):
+                    have.extend(more)
+            done = cached.num_computed_tokens[i]
+            self._scheduled(meta, st, done, done + so.num_scheduled_tokens.get(rid, 0))
         for rid in self._confirmed:  # their loads completed on every rank: what was held back goes
             st = self._reqs.get(rid)
             if st is not None and st.loading is None and st.block_ids:
@@ -274,6 +308,12 @@ class SchedulerSide:
         if wm.extra is not None and self._extras is None:
             model, dtype, layout, tp_size, salt = wm.extra
             self._extras = [KeyExtra(model, dtype, layout, r, tp_size, salt) for r in range(tp_size)]
+            self._group_extras = [
+                [KeyExtra(model, dtype, layout, r, tp_size, salt) for r in range(tp_size)]
+                for model, dtype, layout, tp_size, salt in wm.extras
+            ]
+            if wm.groups and self.plan is None:  # kinds of layer in one group: the workers know them
+                self.plan = GroupPlan(list(wm.groups), self.chunk_tokens)
         if wm.chunk_bytes:
             self.chooser.chunk_bytes = wm.chunk_bytes
         for key in wm.lost:
@@ -303,7 +343,7 @@ class SchedulerSide:
         st = self._reqs.get(rid)
         if st is None:
             return False
-        st.load = None  # never sent: the request is done
+        st.load = []  # never sent: the request is done
         self._background.discard(rid)
         self._running.discard(rid)
         if st.background and st.loading is not None and not st.any_save:
@@ -344,23 +384,24 @@ class SchedulerSide:
             log.warning("kvtier: no plan for %s (%s): every held chunk is loaded", request.request_id, exc)
             return Choice("held", len(tiers), HOST, None, None, self.settings.prefetch_timeout_s, str(exc))
 
-    def _scheduled(self, meta: KVTierMetadata, st: _Req, computed_after: int) -> None:
-        """A request the step computes ``computed_after`` tokens of: its load, and its saves unless
-        a load of it is unconfirmed (they are held back until it is)."""
+    def _scheduled(self, meta: KVTierMetadata, st: _Req, before: int, computed_after: int) -> None:
+        """A request the step computes tokens [before, computed_after) of: its load, and its saves
+        unless a load of it is unconfirmed (they are held back until it is)."""
         rid = st.request.request_id
-        if st.load is not None:
+        if st.load:
             self._send_load(meta, st)
         if st.computed < _prompt(st.request) <= computed_after:  # this step makes its first token
             self._firsts.scheduled(rid, meta.step)
-        st.computed = computed_after
+        st.computed, st.before = computed_after, before
         if st.loading is None:
             self._add_save(meta, rid, st)
 
     def _send_load(self, meta: KVTierMetadata, st: _Req) -> None:
         """The request's load, into this step's metadata; its saves wait for its outcome."""
-        meta.loads.append(st.load)
-        st.loading, self._tag_req[st.load.tag] = st.load.tag, st.request.request_id
-        st.load = None
+        meta.loads.extend(st.load)
+        tag = st.load[0].tag
+        st.loading, self._tag_req[tag] = tag, st.request.request_id
+        st.load = []
 
     def _in_background(self, rid: str) -> bool:
         """Whether a hit of ``rid`` loads in the background (`VllmSettings.load_async`)."""
@@ -369,11 +410,23 @@ class SchedulerSide:
 
     def _add_save(self, meta: KVTierMetadata, rid: str, st: _Req) -> None:
         """The full chunks computed so far and not saved yet: saved after this step's forward."""
+        if self._await_groups and self._extras is None:
+            return  # the workers' kinds of layer are not known yet: sent once they are
         ids = chunk_ids(st.request.block_hashes, self.hashes_per_chunk, st.computed, self.hash_block_size)
-        bpc = self.blocks_per_chunk
-        n = min(len(ids), len(st.block_ids) // bpc)
+        if self.plan is not None:
+
+            def make(g, run_ids, bids):
+                return ChunkRun(rid, run_ids, bids, group=g)
+
+            n, runs = self.plan.saves(ids, st.block_ids, st.saved, st.before, make)
+            if n > st.saved:
+                meta.saves.extend(runs)
+                st.saved, st.any_save = n, st.any_save or bool(runs)
+            return
+        bpc, table = self.blocks_per_chunk, st.block_ids[0] if st.block_ids else []
+        n = min(len(ids), len(table) // bpc)
         if n > st.saved:
-            meta.saves.append(ChunkRun(rid, ids[st.saved : n], st.block_ids[st.saved * bpc : n * bpc]))
+            meta.saves.append(ChunkRun(rid, ids[st.saved : n], table[st.saved * bpc : n * bpc]))
             st.saved, st.any_save = n, True
 
     def _outcome(self, tag: int, ok: int, failed: int) -> None:
@@ -390,7 +443,9 @@ class SchedulerSide:
         if st is None or st.loading != tag:
             return  # preempted or finished meanwhile: nothing was held back for it
         st.loading = None
-        if have[1]:  # vLLM recomputes from the first block some rank did not load
+        if have[1] and self.plan is not None:  # vLLM recomputes the request whole, in new blocks
+            st.block_ids, st.saved, st.computed = [], 0, 0
+        elif have[1]:  # vLLM recomputes from the first block some rank did not load
             st.saved = min(st.saved, st.load_first)
         else:
             self._confirmed.add(rid)
@@ -398,7 +453,7 @@ class SchedulerSide:
     def _preempted(self, rid: str) -> None:
         st = self._reqs.get(rid)
         if st is not None:  # vLLM freed its blocks: nothing held back may read them
-            st.block_ids, st.load, st.loading, st.computed = [], None, None, 0
+            st.block_ids, st.load, st.loading, st.computed = [], [], None, 0
             st.saved = 0  # on resume its chunks are recomputed or loaded; saving held ones is skipped
         self._confirmed.discard(rid)
 
@@ -420,9 +475,16 @@ class SchedulerSide:
         if known != ids[: len(known)]:  # not a prefix of the chunks named before: start again
             known, keys = [], []
         if len(ids) > len(known):
-            new = ids[len(known) :]
-            per_rank = [chunk_keys(new, x, self.settings.hash_name) for x in self._extras]
-            known, keys = known + new, keys + list(zip(*per_rank, strict=True))
+            new, h = ids[len(known) :], self.settings.hash_name
+            if self.plan is None:
+                per_rank = [chunk_keys(new, x, h) for x in self._extras]
+                more = list(zip(*per_rank, strict=True))
+            else:  # chunk -> group -> rank
+                per_group = [
+                    list(zip(*[chunk_keys(new, x, h) for x in g], strict=True)) for g in self._group_extras
+                ]
+                more = list(zip(*per_group, strict=True))
+            known, keys = known + new, keys + more
             self._keys[rid] = (known, keys)
         return keys[: len(ids)]
 
@@ -440,6 +502,25 @@ class SchedulerSide:
                 break
             out.append(tier)
         return out
+
+    def _where(self, key: bytes) -> str | None:
+        """The local tier holding ``key``, None where none does or it is planned absent."""
+        tier = self._held.get(key)
+        return None if tier is None or tier in self._absent else tier
+
+    def _fresh_blocks(self, so) -> set[int]:
+        """Every block id vLLM handed out for this step (any group; vLLM's null block 0 aside)."""
+        fresh, self._fresh = self._fresh, set()
+        for new in so.scheduled_new_reqs:
+            for g in new.block_ids:
+                fresh.update(g)
+        for nb in so.scheduled_cached_reqs.new_block_ids:
+            for g in nb or ():
+                fresh.update(g)
+        for copy in so.kv_cache_block_copies or ():
+            fresh.add(getattr(copy, "dst_block_id", None) or copy[1])
+        fresh.discard(0)
+        return fresh
 
     def _shared_prefix(self, keys: list[tuple[bytes, ...]]) -> int:
         """How many of the chunks of ``keys`` (from the first) the shared tier holds for every rank."""
