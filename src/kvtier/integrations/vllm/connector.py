@@ -14,6 +14,12 @@ needs ``kv_load_failure_policy="recompute"``: vLLM 0.33's default is "fail", und
 such hit would end its request with FINISHED_ERROR, and a cache cannot promise that every hit
 it grants is still there when the load runs. The connector refuses to start under "fail" (in
 both roles, with a message naming the setting).
+
+Hybrid models keep vLLM's hybrid allocator on (`SupportsHMA`): each KV cache group is planned
+on its own (`groups.py`: what a chunk keeps and a hit needs per group), every load runs in the
+background and a failed one is a failed receipt (vLLM 0.33 takes no failed block ids from a
+model with several groups). A group of a kind not served (Mamba or linear-attention state)
+leaves the connector idle.
 """
 
 from __future__ import annotations

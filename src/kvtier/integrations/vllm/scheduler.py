@@ -57,6 +57,13 @@ request waits out of the batch (WAITING_FOR_REMOTE_KVS) until every worker repor
 so no step of the requests running waits for it. Its outcome reaches ``update`` no later than the
 report that it was received, so its saves, once vLLM schedules it, need no holding back.
 
+A hybrid model (`GroupPlan`): the index holds each group's keys; a hit is the longest prefix
+every group holds (a window group: the window before its end), each load is one run per group
+(one tag), always in the background, a failure taking the request back whole (vLLM recomputes it
+after asking again); saves are one run per group, a window group's only where vLLM has not freed
+its blocks; and each step's metadata names the blocks vLLM handed out (`KVTierMetadata.fresh`),
+for the workers to wait for saves still reading them.
+
 A finished request whose free vLLM delayed is released (`KVTierMetadata.release`) once nothing of
 it is held back here; each worker reports it finished once its saves have read the blocks.
 """

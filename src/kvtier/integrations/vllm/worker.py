@@ -32,6 +32,12 @@ Per step, in vLLM's call order (`KVTierMetadata` bound first):
                                again (`TierProbe`), the read and copy rates its loads measured,
                                the step it ran; counters for vLLM's stats
 
+A hybrid model: one store per KV cache group (`groups.Group`, its keys carrying the group) over
+that group's layers, sharing the tiers; each run names its group. A load's outcome and its
+receipt are reported once every group's run settled; a failure is a failed receipt
+(`failed_receipts`), never failed block ids. handle_preemptions also waits for the saves still
+reading a window group's blocks that vLLM hands out again in the step (``meta.fresh``).
+
 Every tier failure is a miss (fewer tokens loaded, a save skipped), never an exception into
 vLLM's forward. Block ids are vLLM's; chunk i of a run covers ``block_ids[i*bpc:(i+1)*bpc]``.
 
