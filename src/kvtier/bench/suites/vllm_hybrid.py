@@ -128,7 +128,9 @@ class HybridRig:
         self.chunks = n // ct
         block_bytes = sum(x.element_size() * x[0, 0].numel() * x.shape[0] for x in self.caches)
         per_chunk = block_bytes * (ct // BLOCK)  # every group's blocks of a chunk (an upper bound)
-        s = VllmSettings(chunk_tokens=ct, host_bytes=(self.chunks + 8) * per_chunk, layerwise=False)
+        # Twice the chunks' bytes: each group's share of the pool holds every chunk it saves (a
+        # host tier keeps an eighth of its pool free), so the hit finds every one.
+        s = VllmSettings(chunk_tokens=ct, host_bytes=2 * (self.chunks + 8) * per_chunk, layerwise=False)
         self.ws = WorkerSide(
             s, f"hybrid-{name}", order="LBHNC", block_size=BLOCK, groups=self.groups, tiers=[]
         )
