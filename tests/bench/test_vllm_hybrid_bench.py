@@ -46,4 +46,5 @@ def test_the_row_sees_a_window_the_host_lost():
 def test_the_vllm_suite_runs_the_hybrid_family_when_named():
     from kvtier.bench.suites.vllm import rows_asked
 
-    assert "hybrid" in rows_asked(None, on_gpu=False) and rows_asked("hybrid") == {"hybrid"}
+    assert "hybrid" in rows_asked(None, on_gpu=True) and "hybrid" not in rows_asked(None, on_gpu=False)
+    assert rows_asked("hybrid", on_gpu=False) == {"hybrid"}

@@ -59,7 +59,7 @@ $KVTIER_VLLM_ROWS only those row families: transfers (save, load, vllm_batch, lo
 kernels (gather_d2d / scatter_d2d), ttft (ttft_hit, ttft_recompute, ttft_hit_whole), full_graph,
 beside_save (forward_beside_save), failover (redis_killed_mid_load, load_failed_mid_request),
 decode (decode_beside; on a CPU only when named), choice (choice, option), beside_read
-(step_beside_read), hybrid (ttft_hit hybrid).
+(step_beside_read), hybrid (ttft_hit hybrid; on a CPU only when named).
 
 On a CPU (`--quick`): a tiny shape on `SimDevice` (the forward rows: a tiny Llama of that KV
 shape), timed on the host clock; the batched copy is skipped.
@@ -480,9 +480,10 @@ def _replay_rows(ctx: Context, fwd, want: set[str], order: str, shape: dict, tok
 
 def rows_asked(value: str | None, on_gpu: bool = True) -> set[str]:
     """The row families $KVTIER_VLLM_ROWS names (comma-separated; unset or empty: every one, but
-    on a CPU the decode rows, whose batch of the tiny shape says nothing of a GPU's)."""
+    on a CPU the decode rows, whose batch of the tiny shape says nothing of a GPU's, and the
+    hybrid rows, whose tiny model says nothing of a hit's speed)."""
     if not value:
-        return set(ROW_FAMILIES) if on_gpu else set(ROW_FAMILIES) - {"decode"}
+        return set(ROW_FAMILIES) if on_gpu else set(ROW_FAMILIES) - {"decode", "hybrid"}
     asked = {x.strip().lower() for x in value.split(",") if x.strip()}
     bad = sorted(asked - set(ROW_FAMILIES))
     if bad:
