@@ -63,7 +63,8 @@ class _Rank:
 class HybridEngine(Engine):
     """vLLM's Scheduler over model ``name`` (`hybrid_models.MODELS`) with kvtier's connector, one
     rank and the stand-in. num_blocks: about as many blocks as vLLM's pool gets. max_model_len,
-    batched: vLLM's limits (a smaller ``batched`` prefills in chunks)."""
+    batched: vLLM's limits (a smaller ``batched`` prefills in chunks). async_scheduling: vLLM's
+    `AsyncScheduler` and a batch queue of two."""
 
     def __init__(
         self,
@@ -76,14 +77,17 @@ class HybridEngine(Engine):
         batched: int = 1024,
         tiers=None,
         device=None,
+        async_scheduling: bool = False,
     ) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
         self.cfg = hybrid_vllm_config(tmp, name, extra, max_model_len=max_model_len, batched=batched)
         self.kcc, sched_kcc, sched_bs, hash_bs = hybrid_kv_cache_config(self.cfg, num_blocks)
-        self.sched = Scheduler(
+        self.cfg.scheduler_config.async_scheduling = async_scheduling
+        self.sched = (AsyncScheduler if async_scheduling else Scheduler)(
             self.cfg,
             sched_kcc,
             StructuredOutputManager(self.cfg),
@@ -94,7 +98,7 @@ class HybridEngine(Engine):
         self.ranks = [_Rank(self.cfg, self.kcc, tiers=tiers, device=device)]
         self.model = HybridStandIn(self.kcc, self.ranks[0].views)
         self.graphs, self.aggregator = None, KVOutputAggregator(1)
-        self.async_, self.step_s_per_token = False, 0.0
+        self.async_, self.step_s_per_token = async_scheduling, 0.0
         self.queue: deque = deque()
         self.requests, self.prompts, self.samples, self.blocks = {}, {}, {}, {}
         self.outputs, self.finished, self.history = {}, {}, []

@@ -85,10 +85,13 @@ def test_a_state_model_leaves_the_connector_idle(tmp_path, caplog):
     ],
     ids=["gpt-oss-ct256", "gpt-oss-ct64", "gemma-3", "deepseek-v3.2"],
 )
-def test_a_hybrid_hit_loads_each_group_what_it_reads(tmp_path, name, ct, want):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_hybrid_hit_loads_each_group_what_it_reads(tmp_path, name, ct, want, async_scheduling):
     """want: per group (group, chunks loaded, tokens a stored chunk of that group covers)."""
     a = _prompt(1300 if "gemma" in name else 600)
-    e = HybridEngine(tmp_path, name, {"chunk_tokens": ct, **HOST}, **ARGS[name])
+    e = HybridEngine(
+        tmp_path, name, {"chunk_tokens": ct, **HOST}, async_scheduling=async_scheduling, **ARGS[name]
+    )
     try:
         e.add("a", a, max_tokens=3)
         e.settle()
@@ -124,10 +127,13 @@ def test_a_hit_ends_where_every_group_holds_its_window(tmp_path):
         e.close()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("name,group", [("gpt-oss-20b", 0), ("gpt-oss-20b", 1), ("deepseek-v3.2", 1)])
-def test_a_failed_load_of_any_group_recomputes_the_request(tmp_path, name, group):
+def test_a_failed_load_of_any_group_recomputes_the_request(tmp_path, name, group, async_scheduling):
     a = _prompt(300)
-    e = HybridEngine(tmp_path, name, {"chunk_tokens": 64, **HOST}, **ARGS[name])
+    e = HybridEngine(
+        tmp_path, name, {"chunk_tokens": 64, **HOST}, async_scheduling=async_scheduling, **ARGS[name]
+    )
     try:
         e.add("a", a)
         e.settle()
@@ -175,17 +181,24 @@ def test_preempted_hybrid_requests_read_only_true_kv(tmp_path):
         e.close()
 
 
-def test_window_blocks_handed_out_again_wait_for_their_saves(tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_window_blocks_handed_out_again_wait_for_their_saves(tmp_path, async_scheduling):
     """vLLM frees a window's blocks while its request runs and hands them to another: the step
     that does waits for the saves still reading them (the copies land late here)."""
     from kvtier.device import SimDevice
 
     dev = SimDevice(copy_delay=0.3)
     e = HybridEngine(
-        tmp_path, "gpt-oss-20b", {"chunk_tokens": 64, **HOST}, num_blocks=300, batched=256, device=dev
+        tmp_path,
+        "gpt-oss-20b",
+        {"chunk_tokens": 64, **HOST},
+        num_blocks=300,
+        batched=256,
+        device=dev,
+        async_scheduling=async_scheduling,
     )
     try:
-        give_back = _shrink(e, 70)  # a's freed window blocks come back to it at once
+        give_back = _shrink(e, 90)  # a's freed window blocks come back to it at once
         a = _prompt(600)
         e.add("a", a, max_tokens=2)  # prefilled 256 tokens a step: the window moves 16 blocks
         e.settle(timeout_s=120)

@@ -298,9 +298,14 @@ class SchedulerSide:
             if st is not None and st.loading is None and st.block_ids:
                 self._add_save(meta, rid, st)
         self._confirmed.clear()
+        awaiting = self._awaiting()
         for rid in list(self._finishing):
             st = self._reqs.get(rid)
+            if awaiting:
+                continue  # its saves wait for the workers' first report: its blocks stay held
             if st is None or st.loading is None:  # nothing of it held back: its last saves are sent
+                if self._await_groups and st is not None and st.block_ids:
+                    self._add_save(meta, rid, st)  # those held back until the workers' report
                 meta.release.add(rid)
                 self._forget(rid)
         return meta
@@ -356,7 +361,8 @@ class SchedulerSide:
         if st.background and st.loading is not None and not st.any_save:
             self._forget(rid)  # its load writes the blocks: vLLM itself frees them once received
             return False
-        pending = st.loading is not None or rid in self._confirmed
+        # await_groups: what the workers' first report held back is sent as it is released
+        pending = st.loading is not None or rid in self._confirmed or self._await_groups
         if not st.block_ids or not (pending or st.any_save):
             self._forget(rid)  # no save reads its blocks (a preempted request has none)
             return False
@@ -417,7 +423,7 @@ class SchedulerSide:
 
     def _add_save(self, meta: KVTierMetadata, rid: str, st: _Req) -> None:
         """The full chunks computed so far and not saved yet: saved after this step's forward."""
-        if self._await_groups and self._extras is None:
+        if self._awaiting():
             return  # the workers' kinds of layer are not known yet: sent once they are
         ids = chunk_ids(st.request.block_hashes, self.hashes_per_chunk, st.computed, self.hash_block_size)
         if self.plan is not None:
@@ -468,6 +474,10 @@ class SchedulerSide:
         self._reqs.pop(rid, None)
         self._finishing.discard(rid)
         self._confirmed.discard(rid)
+
+    def _awaiting(self) -> bool:
+        """Whether saves wait for the workers' first report (their kinds of layer, `await_groups`)."""
+        return self._await_groups and self._extras is None
 
     def _may_hold(self) -> bool:
         """Whether a tier may hold chunks before any worker reported (a disk, a shared tier)."""
