@@ -109,11 +109,11 @@ class SchedulerSide:
     such lookup). spec: the model's `ModelSpec` for the planner (None: every held chunk is
     loaded, unplanned). step_tokens: vLLM's ``max_num_batched_tokens``. kv_dtype: the cache's
     dtype as the planner names it. plan: a hybrid model's `GroupPlan` (None: one KV cache group,
-    block_size its block size; where the workers report several kinds of layer in vLLM's one
-    group, DeepSeek-V3.2's, their plan is taken from their first report, and with
-    ``await_groups`` no save is sent before it); with one, every load is a background load (vLLM 0.33 takes a
+    block_size its block size); with one, every load is a background load (vLLM 0.33 takes a
     hybrid model's failed loads only as failed asynchronous receipts, recomputed whole), and no
-    shared tier is asked (its hits come from the workers' host and disk)."""
+    shared tier is asked (its hits come from the workers' host and disk). Where the workers
+    report several kinds of layer in vLLM's one group (DeepSeek-V3.2's), their plan is taken
+    from their first report; with ``await_groups`` no save is sent before it."""
 
     def __init__(
         self,

@@ -196,7 +196,7 @@ class WorkerSide:
             warm_up(store.engine, range(1, store.kv.num_blocks), store.fmt.blocks, self._lanes)
         self._on_cuda = first.is_cuda
         if self.settings.flag_waits and self.groups is None:  # a hybrid model loads only in the background
-            self.flags = engine.layer_flags()
+            self.flags = self.store.engine.layer_flags()
             self._warm_up_flags(self.flags)
         wanted = self.settings.gil_switch_interval_s
         if wanted and sys.getswitchinterval() > wanted:
@@ -268,7 +268,7 @@ class WorkerSide:
                 elif not blocks.isdisjoint(meta.fresh):
                     waits.add(rid)
         stream = self.dev.current_stream()
-        for rid in waits:
+        for rid in waits:  # vLLM hands these blocks out again: no overwrite before the saves read them
             self.wait_saves(rid, stream)
 
     def wait_saves(self, req_id: str, stream) -> None:
