@@ -16,6 +16,8 @@ pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
 from hybrid_harness import HybridEngine, _views  # noqa: E402
 from hybrid_models import hybrid_kv_cache_config, hybrid_vllm_config  # noqa: E402
 
+from store_redis_fixtures import redis_server  # noqa: E402, F401 - a fixture
+
 pytestmark = pytest.mark.vllm
 HOST = {"host_bytes": 1 << 28}
 ARGS = {
@@ -259,3 +261,25 @@ def test_each_group_is_checked_against_its_strides(tmp_path):
             conn.register_kv_caches(views)
     finally:
         conn.shutdown()
+
+
+@pytest.mark.redis
+def test_another_instance_hits_a_hybrid_prefix_through_redis(tmp_path, redis_server):  # noqa: F811
+    """Instance B asks Redis for every group's chunks A wrote there, and loads them (read in
+    the background, each group's through its own store)."""
+    extra = {"chunk_tokens": 64, **HOST, "redis_url": redis_server.url, "prefetch_timeout_s": 20.0}
+    a = _prompt(300)
+    ea = HybridEngine(tmp_path, "gpt-oss-20b", extra, num_blocks=300)
+    eb = HybridEngine(tmp_path, "gpt-oss-20b", extra, num_blocks=300)
+    try:
+        ea.add("a", a)
+        ea.settle()
+        assert all(st.flush(10) for st in ea.ranks[0].ws.stores)  # write-through: in Redis
+        eb.settle()  # B's worker reports its key fields: its scheduler can ask Redis
+        eb.add("b", a)
+        eb.settle()
+        assert eb.run_loads("b") == [(0, 2), (1, 4)] and eb.counts().get("hit_chunks_redis", 0) == 6
+        assert not eb.violations() and eb.outputs["b"][0] == eb.first_token(a)
+    finally:
+        ea.close()
+        eb.close()

@@ -70,7 +70,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             hash_bs = getattr(kv_cache_config, "hash_block_size", None) or block_size
             redis = None
-            if s.redis_url and not self.idle and self.groups is None:
+            if s.redis_url and not self.idle:
                 from kvtier.store.redis_tier import RedisTier
 
                 redis = RedisTier(url=s.redis_url, cluster=s.redis_cluster)

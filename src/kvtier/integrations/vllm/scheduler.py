@@ -110,8 +110,8 @@ class SchedulerSide:
     loaded, unplanned). step_tokens: vLLM's ``max_num_batched_tokens``. kv_dtype: the cache's
     dtype as the planner names it. plan: a hybrid model's `GroupPlan` (None: one KV cache group,
     block_size its block size); with one, every load is a background load (vLLM 0.33 takes a
-    hybrid model's failed loads only as failed asynchronous receipts, recomputed whole), and no
-    shared tier is asked (its hits come from the workers' host and disk). Where the workers
+    hybrid model's failed loads only as failed asynchronous receipts, recomputed whole), and the
+    shared tier is asked for every group's keys at once. Where the workers
     report several kinds of layer in vLLM's one group (DeepSeek-V3.2's), their plan is taken
     from their first report; with ``await_groups`` no save is sent before it."""
 
@@ -167,6 +167,7 @@ class SchedulerSide:
             self.chooser.kinds[redis.name] = "remote"
         self._choices: dict[str, tuple[tuple, Choice]] = {}  # req id -> (what it was made of, choice)
         self._shared: dict[str, tuple[int, int]] = {}  # req id -> (chunks held locally, then shared)
+        self._shared_keys: dict[str, tuple[int, set[bytes]]] = {}  # hybrid: (local hit, keys shared)
         self._absent: set[str] = set()  # tiers a worker found down or stalled: planned without
         self._step = 0  # the number of the latest step's metadata
         self._firsts = FirstTokens()
@@ -185,9 +186,14 @@ class SchedulerSide:
             request.block_hashes, self.hashes_per_chunk, request.num_tokens - 1, self.hash_block_size
         )
         keys = self._keys_of(rid, ids)
-        tiers = self.plan.tiers(keys, self._where) if self.plan is not None else self._held_tiers(keys)
-        redis = self.redis if self.plan is None else None  # a hybrid model: the workers' tiers only
-        if redis is not None and redis.name not in self._absent and len(tiers) < len(ids):
+        redis = self.redis if self.redis is not None and self.redis.name not in self._absent else None
+        if self.plan is not None:
+            tiers = self.plan.tiers(keys, self._where)
+            if redis is not None and len(tiers) < len(ids):
+                tiers = self._hybrid_shared(rid, keys, tiers, redis.name)
+        else:
+            tiers = self._held_tiers(keys)
+        if self.plan is None and redis is not None and len(tiers) < len(ids):
             local, shared = self._shared.get(rid, (-1, 0))
             if local != len(tiers):  # asked once per request and local hit, not every step it waits
                 shared = self._shared_prefix(keys[len(tiers) :])
@@ -349,7 +355,7 @@ class SchedulerSide:
 
     def finished(self, request) -> bool:
         rid = request.request_id
-        for d in (self._hits, self._asked, self._keys, self._choices, self._shared):
+        for d in (self._hits, self._asked, self._keys, self._choices, self._shared, self._shared_keys):
             d.pop(rid, None)
         self._firsts.forget(rid)
         st = self._reqs.get(rid)
@@ -538,6 +544,24 @@ class SchedulerSide:
             fresh.add(getattr(copy, "dst_block_id", None) or copy[1])
         fresh.discard(0)
         return fresh
+
+    def _hybrid_shared(self, rid: str, keys, local: list[str], name: str) -> list[str]:
+        """A hybrid hit with the shared tier: the tier asked once per request and local hit, in
+        one round trip, which of the keys (every group's, every rank's) no local tier holds it
+        holds; the hit every group then holds, locally or there."""
+        got = self._shared_keys.get(rid)
+        if got is None or got[0] != len(local):
+            ask = [k for chunk in keys for group in chunk for k in group if self._where(k) is None]
+            try:
+                found = self.redis.contains_many(ask) if ask else []
+            except Exception as exc:  # a failing shared tier is a miss, never a scheduler crash
+                log.warning("kvtier: shared-tier lookup failed: %s", exc)
+                found = []
+            got = self._shared_keys[rid] = (len(local), {k for k, f in zip(ask, found, strict=False) if f})
+        shared = got[1]
+        if not shared:
+            return local
+        return self.plan.tiers(keys, lambda k: self._where(k) or (name if k in shared else None))
 
     def _shared_prefix(self, keys: list[tuple[bytes, ...]]) -> int:
         """How many of the chunks of ``keys`` (from the first) the shared tier holds for every rank."""
