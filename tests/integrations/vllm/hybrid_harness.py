@@ -1,19 +1,19 @@
 """kvtier's connector on a hybrid model through vLLM 0.33's real Scheduler: the KVCacheConfig
-vLLM builds from the model's own config.json (`hybrid_models.py`), one TP rank's worker hooks
+vLLM builds from the model's own config.json (`hybrid_models.py`), every TP rank's worker hooks
 over a CPU cache laid out as vLLM lays out its `kv_cache_tensors` (groups overlaying one buffer,
 block ids owned by one group at a time), and a stand-in forward per group whose attention reads
 are checked.
 
-    HybridEngine      `vllm_harness.Engine`'s stepping over a hybrid model (TP 1)
-    HybridStandIn     the stand-in model over every layer of every group
+    HybridEngine      `vllm_harness.Engine`'s stepping over a hybrid model
+    HybridStandIn     the stand-in model over every layer of every group, on every rank
 
-The stand-in, per layer l of group g and each position p a step computes, in order of p:
+The stand-in, per layer l of group g, rank r and each position p a step computes, in order of p:
 
-    reads     the KV of positions [lo(p), p) of layer l through the request's block table of
-              group g: lo = 0 in a full-attention group, p - W + 1 in a sliding window of W
-              tokens (what vLLM's attention reads; the blocks before it vLLM frees)
-    attn_p    the sum over those q of value(q) * (q + 1) (mod P)
-    value     mix(token_p, value of the layer below at p, attn_p, l, 0, p)
+    reads     the KV of positions [lo(p), p) of layer l on rank r through the request's block
+              table of group g: lo = 0 in a full-attention group, p - W + 1 in a sliding window
+              of W tokens (what vLLM's attention reads; the blocks before it vLLM frees)
+    attn_p    the sum over ranks and those q of value(q) * (q + 1) (mod P): TP's all-reduce
+    value     mix(token_p, the layer below's all-reduced value at p, attn_p, l, r, p)
 
 written into every byte of p's page slot as its three low bytes repeated (whatever the page's
 dtype: bf16 pages, MLA's latent, the DSA indexer's uint8 keys), so a position's KV depends on
@@ -33,9 +33,9 @@ POISON = 255  # every byte before anything wrote it: 0xFFFFFF is above every val
 
 
 class _Rank:
-    """The worker connector over one CPU buffer holding every group's layer views."""
+    """TP rank ``rank``'s worker connector over one CPU buffer holding every group's layer views."""
 
-    def __init__(self, cfg, kcc, *, tiers=None, device=None) -> None:
+    def __init__(self, cfg, kcc, rank: int = 0, *, tiers=None, device=None) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
         from kvtier.device import SimDevice
@@ -43,6 +43,7 @@ class _Rank:
 
         self.conn = KVTierConnector(cfg, KVConnectorRole.WORKER, kcc)
         ws = self.ws = self.conn.worker_side
+        ws.tp_rank = rank  # vLLM's process group names the rank; here we do
         if tiers is not None:
             ws._tiers = tiers
         self.dev = device or SimDevice()
@@ -61,8 +62,9 @@ class _Rank:
 
 
 class HybridEngine(Engine):
-    """vLLM's Scheduler over model ``name`` (`hybrid_models.MODELS`) with kvtier's connector, one
-    rank and the stand-in. num_blocks: about as many blocks as vLLM's pool gets. max_model_len,
+    """vLLM's Scheduler over model ``name`` (`hybrid_models.MODELS`) with kvtier's connector,
+    ``tp_size`` ranks (tiers(rank), device(rank): a rank's lower tiers, its SimDevice) and the
+    stand-in. num_blocks: about as many blocks as vLLM's pool gets. max_model_len,
     batched: vLLM's limits (a smaller ``batched`` prefills in chunks). async_scheduling: vLLM's
     `AsyncScheduler` and a batch queue of two."""
 
@@ -78,13 +80,16 @@ class HybridEngine(Engine):
         tiers=None,
         device=None,
         async_scheduling: bool = False,
+        tp_size: int = 1,
     ) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
-        self.cfg = hybrid_vllm_config(tmp, name, extra, max_model_len=max_model_len, batched=batched)
+        self.cfg = hybrid_vllm_config(
+            tmp, name, extra, max_model_len=max_model_len, batched=batched, tp_size=tp_size
+        )
         self.kcc, sched_kcc, sched_bs, hash_bs = hybrid_kv_cache_config(self.cfg, num_blocks)
         self.cfg.scheduler_config.async_scheduling = async_scheduling
         self.sched = (AsyncScheduler if async_scheduling else Scheduler)(
@@ -95,9 +100,18 @@ class HybridEngine(Engine):
             hash_block_size=hash_bs,
             log_stats=True,
         )
-        self.ranks = [_Rank(self.cfg, self.kcc, tiers=tiers, device=device)]
-        self.model = HybridStandIn(self.kcc, self.ranks[0].views)
-        self.graphs, self.aggregator = None, KVOutputAggregator(1)
+        self.ranks = [
+            _Rank(
+                self.cfg,
+                self.kcc,
+                r,
+                tiers=None if tiers is None else tiers(r),
+                device=None if device is None else device(r),
+            )
+            for r in range(tp_size)
+        ]
+        self.model = HybridStandIn(self.kcc, [rk.views for rk in self.ranks])
+        self.graphs, self.aggregator = None, KVOutputAggregator(tp_size)
         self.async_, self.step_s_per_token = async_scheduling, 0.0
         self.queue: deque = deque()
         self.requests, self.prompts, self.samples, self.blocks = {}, {}, {}, {}
@@ -105,7 +119,8 @@ class HybridEngine(Engine):
         self.steps, self.before_execute, self.failed_loads, self.logged = 0, None, set(), {}
 
     def first_token(self, tokens: list[int]) -> int:
-        return self.model.sample(self.model.truth("__reference__", tokens).values[-1])
+        t = self.model.truth("__reference__", tokens)
+        return self.model.sample([sum(r[-1] for r in t.values[-1]) % P])
 
     def run_loads(self, rid: str) -> list[tuple[int, int]]:
         """(group, chunks) of each load run the scheduler sent for ``rid``, in step order."""
@@ -125,12 +140,13 @@ class HybridEngine(Engine):
             start = _computed_of(so, rid)
             work.append((rid, self.tokens(rid, start + n), self.blocks[rid], start, n))
         below: dict = {}
-        rk = self.ranks[0]
         for li, name in enumerate(self.model.names):
-            rk.conn.wait_for_layer_load(name)
-            if not rk.dev.current_stream().record().synchronize(STALL_S):
-                rk.dev.close()
-                raise AssertionError(f"step {self.steps}: the forward blocked before layer {li}")
+            for r, rk in enumerate(self.ranks):
+                rk.conn.wait_for_layer_load(name)
+                if not rk.dev.current_stream().record().synchronize(STALL_S):
+                    for other in self.ranks:
+                        other.dev.close()  # every blocked stream released: the test fails, not hangs
+                    raise AssertionError(f"step {self.steps}: rank {r}'s forward blocked before layer {li}")
             if work:
                 self.model.layer(li, work, below)
         sampled = {}
@@ -155,35 +171,38 @@ class HybridEngine(Engine):
 
 
 class _Truth:
-    """The true values [layer][position] of one token sequence, extended as it grows."""
+    """The true values [layer][rank][position] of one token sequence, extended as it grows."""
 
-    def __init__(self, windows: list[int | None]) -> None:
-        self.windows = windows
+    def __init__(self, windows: list[int | None], ranks: int) -> None:
+        self.windows, self.ranks = windows, ranks
         self.tokens: list[int] = []
-        self.values: list[list[int]] = [[] for _ in windows]
-        self._sums: list[list[int]] = [[0] for _ in windows]  # prefix sums of value(q) * (q + 1)
+        self.values = [[[] for _ in range(ranks)] for _ in windows]
+        self._sums = [[[0] for _ in range(ranks)] for _ in windows]  # prefix sums of value(q) * (q + 1)
 
     def upto(self, tokens: list[int]) -> _Truth:
         if tokens[: len(self.tokens)] != self.tokens[: len(tokens)]:
-            self.__init__(self.windows)
+            self.__init__(self.windows, self.ranks)
         for p in range(len(self.tokens), len(tokens)):
             below = tokens[p]
             for li, w in enumerate(self.windows):
                 lo = 0 if w is None else max(0, p - w + 1)
-                attn = (self._sums[li][p] - self._sums[li][lo]) % P
-                v = mix(tokens[p], below, attn, li, 0, p)
-                self.values[li].append(v)
-                self._sums[li].append(self._sums[li][-1] + v * (p + 1))
-                below = v
+                sums = self._sums[li]
+                attn = sum(acc[p] - acc[lo] for acc in sums) % P
+                vals = [mix(tokens[p], below, attn, li, r, p) for r in range(self.ranks)]
+                for r, v in enumerate(vals):
+                    self.values[li][r].append(v)
+                    sums[r].append(sums[r][-1] + v * (p + 1))
+                below = sum(vals) % P
             self.tokens.append(tokens[p])
         return self
 
 
 class HybridStandIn:
-    """The model over every layer of ``kcc``'s groups (views: vLLM's per-layer views)."""
+    """The model over every layer of ``kcc``'s groups (views: per rank, vLLM's per-layer views)."""
 
-    def __init__(self, kcc, views: dict) -> None:
-        self.names: list[str] = sorted(views, key=_layer_order)
+    def __init__(self, kcc, views: list[dict]) -> None:
+        self.names: list[str] = sorted(views[0], key=_layer_order)
+        self.ranks = len(views)
         table_of = {}
         for gi, g in enumerate(kcc.kv_cache_groups):
             for name in g.layer_names:
@@ -191,9 +210,8 @@ class HybridStandIn:
                 table_of[name] = (gi, spec.block_size, getattr(spec, "sliding_window", None))
         self.layers = []
         for name in self.names:
-            x = views[name]
-            x = x.unsqueeze(1) if x.dim() == 3 else x  # MLA's [B, N, C] as [B, 1, N, C]
-            self.layers.append((*table_of[name], x.view(torch.uint8)))
+            xs = [v[name].unsqueeze(1) if v[name].dim() == 3 else v[name] for v in views]  # MLA: [B, 1, N, C]
+            self.layers.append((*table_of[name], [x.view(torch.uint8) for x in xs]))
         self.windows = [w for _, _, w, _ in self.layers]
         self.violations: list[Violation] = []
         self.reads = 0
@@ -203,7 +221,7 @@ class HybridStandIn:
     def truth(self, req_id: str, tokens: list[int]) -> _Truth:
         t = self._truth.get(req_id)
         if t is None:
-            t = self._truth[req_id] = _Truth(self.windows)
+            t = self._truth[req_id] = _Truth(self.windows, self.ranks)
         return t.upto(tokens)
 
     def forget(self, req_id: str) -> None:
@@ -213,31 +231,36 @@ class HybridStandIn:
         return top[-1] % 1000
 
     def layer(self, li: int, work, below: dict) -> None:
-        gi, bs, w, x8 = self.layers[li]
+        gi, bs, w, x8s = self.layers[li]
         for rid, tokens, blocks, start, n in work:
             truth = self.truth(rid, tokens[: start + n])
             table = torch.tensor(blocks[gi], dtype=torch.long)
             lo0 = 0 if w is None else max(0, start - w + 1)
-            got = self._read(li, x8, table, bs, lo0, start, truth.values[li], rid)
-            sums = [0]
-            for q, v in zip(range(lo0, start), got, strict=True):
-                sums.append(sums[-1] + v * (q + 1))
+            sums = []  # per rank, prefix sums of value(q) * (q + 1) from lo0
+            for r, x8 in enumerate(x8s):
+                got = self._read(li, r, x8, table, bs, lo0, start, truth.values[li][r], rid)
+                acc = [0]
+                for q, v in zip(range(lo0, start), got, strict=True):
+                    acc.append(acc[-1] + v * (q + 1))
+                sums.append(acc)
             vals_below = below.get(rid) or tokens[start : start + n]
-            out = []
+            out, mine = [], [[] for _ in x8s]
             for i, p in enumerate(range(start, start + n)):
                 lo = 0 if w is None else max(0, p - w + 1)
-                attn = (sums[p - lo0] - sums[lo - lo0]) % P
-                v = mix(tokens[p], vals_below[i], attn, li, 0, p)
-                out.append(v)
-                sums.append(sums[-1] + v * (p + 1))
+                attn = sum(acc[p - lo0] - acc[lo - lo0] for acc in sums) % P
+                vals = [mix(tokens[p], vals_below[i], attn, li, r, p) for r in range(self.ranks)]
+                for r, v in enumerate(vals):
+                    mine[r].append(v)
+                    sums[r].append(sums[r][-1] + v * (p + 1))
+                out.append(sum(vals) % P)
             pos = torch.arange(start, start + n)
-            x8[table[pos // bs], :, pos % bs, :] = _pattern(out, x8.shape[1] * x8.shape[3]).view(
-                n, *x8.shape[1::2]
-            )
-            self._read(li, x8, table, bs, start, start + n, truth.values[li], rid)  # the writes landed
+            for r, x8 in enumerate(x8s):
+                pattern = _pattern(mine[r], x8.shape[1] * x8.shape[3]).view(n, *x8.shape[1::2])
+                x8[table[pos // bs], :, pos % bs, :] = pattern
+                self._read(li, r, x8, table, bs, start, start + n, truth.values[li][r], rid)  # landed
             below[rid] = out
 
-    def _read(self, li, x8, table, bs, lo, hi, want, rid) -> list[int]:
+    def _read(self, li, r, x8, table, bs, lo, hi, want, rid) -> list[int]:
         """Positions [lo, hi) of layer ``li`` as attention reads them: checked against ``want``,
         their values (decoded from what was read) returned."""
         if hi <= lo:
@@ -247,7 +270,7 @@ class HybridStandIn:
         bad = (got != _pattern(want[lo:hi], got.shape[1])).any(1)
         self.reads += hi - lo
         if bool(bad.any()):
-            self.violations.append(Violation(self.step_no, rid, 0, li, pos[bad][:8].tolist()))
+            self.violations.append(Violation(self.step_no, rid, r, li, pos[bad][:8].tolist()))
         g = got[:, :3].long()
         return (g[:, 0] + (g[:, 1] << 8) + (g[:, 2] << 16)).tolist()
 

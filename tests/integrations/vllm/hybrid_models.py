@@ -30,8 +30,17 @@ MODELS = {
 BLOCK = 16
 
 
-def hybrid_vllm_config(tmp: Path, name: str, extra: dict, *, max_model_len: int = 2048, batched: int = 2048):
-    from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+def hybrid_vllm_config(
+    tmp: Path, name: str, extra: dict, *, max_model_len: int = 2048, batched: int = 2048, tp_size: int = 1
+):
+    from vllm.config import (
+        CacheConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
 
     folder = tmp / MODELS[name]
     if not folder.exists():
@@ -56,6 +65,7 @@ def hybrid_vllm_config(tmp: Path, name: str, extra: dict, *, max_model_len: int 
             is_encoder_decoder=False,
             disable_hybrid_kv_cache_manager=False,
         ),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KVTierConnector",
             kv_connector_module_path="kvtier.integrations.vllm",
@@ -72,18 +82,21 @@ def hybrid_vllm_config(tmp: Path, name: str, extra: dict, *, max_model_len: int 
 def layer_specs(cfg) -> dict:
     """Each attention layer's KVCacheSpec as vLLM 0.33's model code makes it (`Attention`'s,
     `MLAAttention`'s, the DSA indexer cache's and the gated delta net's `get_kv_cache_spec`),
-    for the architecture of ``cfg``'s config.json, at TP 1, KV cache dtype "auto"."""
+    for the architecture of ``cfg``'s config.json, at its TP size (each rank its share of the KV
+    heads; MLA's latent and the indexer's keys on every rank), KV cache dtype "auto"."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
     hf = cfg.model_config.hf_text_config
     arch = cfg.model_config.architectures[0]
     bs, dtype = cfg.cache_config.block_size, torch.bfloat16
+    tp = cfg.parallel_config.tensor_parallel_size
     specs: dict = {}
     if arch in ("GptOssForCausalLM", "Gemma3ForCausalLM"):
         head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         prefix = "model.layers"
         for i, kind in enumerate(hf.layer_types):
-            common = dict(block_size=bs, num_kv_heads=hf.num_key_value_heads, head_size=head, dtype=dtype)
+            kv_heads = max(1, hf.num_key_value_heads // tp)
+            common = dict(block_size=bs, num_kv_heads=kv_heads, head_size=head, dtype=dtype)
             name = f"{prefix}.{i}.self_attn.attn"
             if kind == "sliding_attention":
                 specs[name] = SlidingWindowSpec(sliding_window=hf.sliding_window, **common)
@@ -120,7 +133,10 @@ def layer_specs(cfg) -> dict:
         for i, kind in enumerate(hf.layer_types):
             if kind == "full_attention":
                 specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(
-                    block_size=bs, num_kv_heads=hf.num_key_value_heads, head_size=hf.head_dim, dtype=dtype
+                    block_size=bs,
+                    num_kv_heads=max(1, hf.num_key_value_heads // tp),
+                    head_size=hf.head_dim,
+                    dtype=dtype,
                 )
             else:
                 specs[f"model.layers.{i}.linear_attn"] = MambaSpec(

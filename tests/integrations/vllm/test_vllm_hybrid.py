@@ -283,3 +283,32 @@ def test_another_instance_hits_a_hybrid_prefix_through_redis(tmp_path, redis_ser
     finally:
         ea.close()
         eb.close()
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "deepseek-v3.2"])
+def test_at_tp2_a_hit_needs_every_rank_and_one_rank_failing_takes_it_back(tmp_path, name):
+    a = _prompt(300)
+    e = HybridEngine(tmp_path, name, {"chunk_tokens": 64, **HOST}, tp_size=2, **ARGS[name])
+    try:
+        e.add("a", a)
+        e.settle()
+        e.sched.reset_prefix_cache()
+        e.add("b", a, max_tokens=3)
+        e.settle()
+        assert max(n for _, n in e.run_loads("b")) == 4 and e.scheduled("b")[0] == 300 - 256
+        assert not e.violations() and e.outputs["b"][0] == e.first_token(a)
+        store = e.ranks[1].ws.stores[1]  # rank 1's full-attention group (DeepSeek: its indexer)
+
+        def lose(so):  # the grant races an eviction on one rank only
+            if so.kv_connector_metadata.loads and e.before_execute is lose:
+                store.host.evict(store.keys([_chunk_id(a, 3)]))
+                e.before_execute = None
+
+        e.sched.reset_prefix_cache()
+        e.before_execute = lose
+        e.add("c", a, max_tokens=3)
+        e.settle()
+        assert e.failed_receipts() == {"c"} and max(n for _, n in e.run_loads("c")[-2:]) == 3
+        assert not e.violations() and e.outputs["c"][0] == e.first_token(a)
+    finally:
+        e.close()
