@@ -196,7 +196,7 @@ def test_window_blocks_handed_out_again_wait_for_their_saves(tmp_path, async_sch
         {"chunk_tokens": 64, **HOST},
         num_blocks=300,
         batched=256,
-        device=dev,
+        device=lambda r: dev,
         async_scheduling=async_scheduling,
     )
     try:
