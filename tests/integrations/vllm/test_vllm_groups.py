@@ -71,3 +71,21 @@ def test_saves_skip_window_units_vllm_freed_or_nulled():
     )
     n, runs = plan.saves(ids, blocks, 0, 4 * 64, make)  # 256 computed: blocks below 8 may be freed
     assert runs[0] == (0, ids[2:], list(range(108, 120)))
+
+
+def test_groups_of_other_block_sizes_cut_the_same_chunks():
+    """vLLM may give a window group larger blocks than the full one (its kernel's): a chunk is
+    then fewer of its blocks, the window counted in them."""
+    win = Group(0, WINDOW, 32, ("swa",), "SlidingWindowSpec", window=128)  # 4 blocks of 32
+    plan = GroupPlan([win, FULL_G], 128)  # 4 blocks of 32, 8 of 16 a chunk
+    assert plan.bpcs == [4, 8] and win.need == 4 and win.unit(4) == 4
+
+    def make(g, c0, ids, bids, skip):
+        return (g, c0, len(ids), bids, skip)
+
+    ids = [f"id{c}".encode() for c in range(3)]
+    blocks = [[0] * 8 + [108, 109, 110, 111], list(range(200, 224))]
+    runs = plan.loads(ids, blocks, 0, 3, make)
+    assert runs == [(0, 2, 1, [108, 109, 110, 111], 0), (1, 0, 3, list(range(200, 224)), 0)]
+    runs = plan.loads(ids, blocks, 96, 3, make)  # vLLM's own cache: 3 blocks of 32, 6 of 16
+    assert runs == [(0, 2, 1, [108, 109, 110, 111], 0), (1, 0, 3, list(range(206, 224)), 6)]
