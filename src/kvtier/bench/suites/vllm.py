@@ -45,6 +45,9 @@ head_size 128, bf16, 16-token blocks; 8K and 32K tokens, 32 and 128 chunks of 16
 
 - decode_beside <mode> <order> <batch>: a graphed decode batch beside arrivals and departures
   (`vllm_decode.py`; orders LBHNC and BLHNC).
+- ttft_hit hybrid <model> <n>: a hit's first token on a sliding-window model (a small random
+  Gemma 3: five sliding-window layers to one full) with one store per KV cache group, against
+  recomputing it (params.speedup; 8K and 32K tokens) (`vllm_hybrid.py`).
 - choice <tier> <n>, option recompute|load|split <tier> <n>: the connector's choice per request
   against each option measured in the same run (params.vs_best), per tier (host, disk, redis,
   slow, stalled; $KVTIER_VLLM_TIERS) and prefix (2K, 8K, 32K); step_beside_read <tier> <n>: a
@@ -56,7 +59,7 @@ $KVTIER_VLLM_ROWS only those row families: transfers (save, load, vllm_batch, lo
 kernels (gather_d2d / scatter_d2d), ttft (ttft_hit, ttft_recompute, ttft_hit_whole), full_graph,
 beside_save (forward_beside_save), failover (redis_killed_mid_load, load_failed_mid_request),
 decode (decode_beside; on a CPU only when named), choice (choice, option), beside_read
-(step_beside_read).
+(step_beside_read), hybrid (ttft_hit hybrid; on a CPU only when named).
 
 On a CPU (`--quick`): a tiny shape on `SimDevice` (the forward rows: a tiny Llama of that KV
 shape), timed on the host clock; the batched copy is skipped.
@@ -78,6 +81,7 @@ from kvtier.bench.suites.vllm_decode import Memory as DecodeMemory
 from kvtier.bench.suites.vllm_decode import decode_rows
 from kvtier.bench.suites.vllm_failover import failed_load_row, killed_row
 from kvtier.bench.suites.vllm_graphs import full_graph_rows
+from kvtier.bench.suites.vllm_hybrid import hybrid_rows
 
 LLAMA = dict(L=32, H=8, D=128, N=16, dtype=torch.bfloat16)  # Llama-3-8B's KV
 TINY = dict(L=2, H=2, D=16, N=16, dtype=torch.bfloat16)
@@ -94,6 +98,7 @@ ROW_FAMILIES = (
     "decode",
     "choice",
     "beside_read",
+    "hybrid",
 )
 FORWARD_ROWS = {"ttft", "full_graph", "beside_save", "failover", "choice", "beside_read"}  # the Llama's
 CHOICE_ORDER = "BLHNC"  # the choice rows' layout (what ``kv_layout: auto`` asks for), if measured
@@ -425,6 +430,8 @@ def vllm(ctx: Context):
     del fwd
     if ctx.on_gpu:
         torch.cuda.empty_cache()  # the model's memory goes back before the decode batch's cache
+    if "hybrid" in want:
+        yield from hybrid_rows(ctx)
     if "decode" in want:
         memory = DecodeMemory()  # one cache buffer for every order's decode batch
         for order in orders_asked(os.environ.get("KVTIER_VLLM_ORDERS")):
@@ -473,9 +480,10 @@ def _replay_rows(ctx: Context, fwd, want: set[str], order: str, shape: dict, tok
 
 def rows_asked(value: str | None, on_gpu: bool = True) -> set[str]:
     """The row families $KVTIER_VLLM_ROWS names (comma-separated; unset or empty: every one, but
-    on a CPU the decode rows, whose batch of the tiny shape says nothing of a GPU's)."""
+    on a CPU the decode rows, whose batch of the tiny shape says nothing of a GPU's, and the
+    hybrid rows, whose tiny model says nothing of a hit's speed)."""
     if not value:
-        return set(ROW_FAMILIES) if on_gpu else set(ROW_FAMILIES) - {"decode"}
+        return set(ROW_FAMILIES) if on_gpu else set(ROW_FAMILIES) - {"decode", "hybrid"}
     asked = {x.strip().lower() for x in value.split(",") if x.strip()}
     bad = sorted(asked - set(ROW_FAMILIES))
     if bad:

@@ -9,6 +9,8 @@
     BackgroundLoads   a worker's asynchronous loads: lower tiers read on reader threads, cut at the
                       plan's deadline (`background.py`); TierProbe: tiers down until they answer
     VllmSettings      ``kv_connector_extra_config``, checked (`settings.py`)
+    Group, GroupPlan  a hybrid model's KV cache groups: what each keeps of a chunk, what a hit
+                      needs of it, the loads and saves per group (`groups.py`)
 
 See README.md beside this file for the ``vllm serve`` line and what each setting costs.
 `KVTierConnector` is imported on first use: the worker side (`worker.py`) and its metadata import

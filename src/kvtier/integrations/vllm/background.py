@@ -61,17 +61,18 @@ class Load:
 
 
 class BackgroundLoads:
-    """store: the worker's `KVStore`. loader: the `Mover` whose thread copies (in the order vLLM
+    """stores: the worker's `KVStore`s, one per KV cache group (a run names its ``group``).
+    loader: the `Mover` whose thread copies (in the order vLLM
     asked). probe: the `TierProbe` told of a tier that failed a read. copy(run, zeroed, chunks,
     cut): the worker's load of the run's first ``chunks`` chunks from the host, with its
     outcome, errors and counts; returns its handle (None: nothing submitted). cap_s: a run's
     deadline when it names none. name: the reader threads' name."""
 
-    def __init__(self, store, loader, probe, copy, *, cap_s: float, name: str = "kvtier-reader") -> None:
-        self._store, self._loader, self._probe, self._copy_fn = store, loader, probe, copy
+    def __init__(self, stores, loader, probe, copy, *, cap_s: float, name: str = "kvtier-reader") -> None:
+        self._stores, self._loader, self._probe, self._copy_fn = stores, loader, probe, copy
         self.cap_s = cap_s
         self._lock = threading.Lock()
-        self._loads: dict[str, Load] = {}
+        self._loads: dict[tuple[str, int], Load] = {}  # (req id, group) -> its load
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix=name)
         self._reading = 0  # reader threads inside `_read`
         self._idle = threading.Condition(self._lock)
@@ -81,7 +82,7 @@ class BackgroundLoads:
         now = time.monotonic()
         ld = Load(run, zeroed, now + budget, reading_since=now)
         with self._lock:
-            self._loads[run.req_id] = ld
+            self._loads[run.req_id, run.group] = ld
         if any(t != HOST for t in run.tiers):
             self._readers.submit(self._read, ld)
         else:  # the host holds every chunk: nothing to read
@@ -98,11 +99,12 @@ class BackgroundLoads:
                 if not self._hand_over(ld, cut=True) or i >= len(ld.run.ids) or _tier(ld.run, i) == HOST:
                     continue
                 if stalled:  # a tier that stops answering: planned absent until its probe reads
-                    self._probe.failed(_tier(ld.run, i), self._store.keys(ld.run.ids[i : i + 1])[0])
+                    key = self._stores[ld.run.group].keys(ld.run.ids[i : i + 1])[0]
+                    self._probe.failed(_tier(ld.run, i), key)
         done = [ld for ld in loads if ld.state == "copied" and (ld.handle is None or ld.handle.done())]
         with self._lock:
             for ld in done:
-                del self._loads[ld.run.req_id]
+                del self._loads[ld.run.req_id, ld.run.group]
         return done
 
     def close(self, timeout_s: float = 30.0) -> bool:
@@ -118,7 +120,7 @@ class BackgroundLoads:
     def _read(self, ld: Load) -> None:
         """On a reader thread: the run's chunks into the host, in order, until one no tier
         delivers or the deadline; then the copies of those read."""
-        run, cut = ld.run, False
+        run, cut, store = ld.run, False, self._stores[ld.run.group]
         with self._lock:
             self._reading += 1
         try:
@@ -128,9 +130,9 @@ class BackgroundLoads:
                     cut = True  # between two reads: the tier answers, only too slowly for this load
                     break
                 ld.reading_since = t0
-                if not self._store.fetch([cid]):  # no tier delivered it: the tier is down, or lost it
+                if not store.fetch([cid]):  # no tier delivered it: the tier is down, or lost it
                     if _tier(run, i) != HOST:
-                        self._probe.failed(_tier(run, i), self._store.keys([cid])[0])
+                        self._probe.failed(_tier(run, i), store.keys([cid])[0])
                     break
                 with self._lock:
                     if ld.state != "reading":

@@ -14,19 +14,28 @@ needs ``kv_load_failure_policy="recompute"``: vLLM 0.33's default is "fail", und
 such hit would end its request with FINISHED_ERROR, and a cache cannot promise that every hit
 it grants is still there when the load runs. The connector refuses to start under "fail" (in
 both roles, with a message naming the setting).
+
+Hybrid models keep vLLM's hybrid allocator on (`SupportsHMA`): each KV cache group is planned
+on its own (`groups.py`: what a chunk keeps and a hit needs per group), every load runs in the
+background and a failed one is a failed receipt (vLLM 0.33 takes no failed block ids from a
+model with several groups). A group of a kind not served (Mamba or linear-attention state)
+leaves the connector idle.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
+from .groups import GroupPlan, groups_of
 from .metadata import KVTierMetadata
 from .scheduler import SchedulerSide
 from .settings import VllmSettings
@@ -36,9 +45,10 @@ BLOCK_FIRST = "BLHNC"  # what kv_layout "auto" asks for: [H, N, C] pages, every 
 
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
-    """vLLM's ``(vllm_config, role, kv_cache_config)``. Only a model with one KV cache group
-    (every layer full attention) is served; with several groups the connector stays idle (no
-    hits, no saves) and says so once."""
+    """vLLM's ``(vllm_config, role, kv_cache_config)``. A model with several KV cache groups
+    (vLLM's hybrid allocator) is served per group (`groups.py`: full attention, MLA and its DSA
+    indexer, sliding window); one with a group of another kind (Mamba or linear-attention state)
+    leaves the connector idle (no hits, no saves), said once in the log."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -46,10 +56,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.settings = s = VllmSettings.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
         block_size = cc.block_size
-        groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or [None])
-        self.idle = groups != 1
+        groups, refused = groups_of(kv_cache_config)
+        self.groups = groups if len(groups) > 1 else None  # None: one group, served as ever
+        self.idle = refused is not None
         if self.idle:
-            log.warning("kvtier: %d KV cache groups (hybrid model): the connector stays idle", groups)
+            log.warning("kvtier: the connector stays idle for this model: %s", refused)
+        elif self.groups is not None:
+            block_size = math.lcm(*(g.block_size for g in groups))  # vLLM's scheduler block size
         model = s.model or f"{mc.model}@{getattr(mc, 'revision', None) or 'main'}"
         tp_size = pc.tensor_parallel_size
         self.scheduler_side: SchedulerSide | None = None
@@ -70,13 +83,21 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 spec=_model_spec(mc) if not self.idle else None,
                 step_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
                 kv_dtype=_kv_dtype(cc, mc),
+                plan=GroupPlan(groups, s.chunk_tokens_for(block_size)) if self.groups else None,
+                await_groups=_may_hold_kinds(kv_cache_config),
             )
         else:
             from .worker import WorkerSide
 
             order = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(cc, "kv_cache_layout", None)
             self.worker_side = WorkerSide(
-                s, model, tp_rank=_tp_rank(), tp_size=tp_size, order=order, block_size=block_size
+                s,
+                model,
+                tp_rank=_tp_rank(),
+                tp_size=tp_size,
+                order=order,
+                block_size=block_size,
+                groups=self.groups,
             )
 
     # -- properties and class hooks ------------------------------------------------------------
@@ -166,6 +187,15 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.load_errors()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """vLLM's get_finished, and the background loads that failed (several KV cache groups:
+        vLLM 0.33 refuses failed block ids then, and recomputes such a request whole)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self.worker_side.failed_receipts() if self.worker_side is not None else set()
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()), finished_recving=set(recving or ()), failed_recving=failed
+        )
+
     def build_connector_worker_meta(self):
         return self.worker_side.report()
 
@@ -208,7 +238,16 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler_side.finished(request), None  # True: freed once its saves read them
 
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's call for a SupportsHMA connector, once per request with every group's blocks;
+        True holds them all until each worker's saves read them."""
         return self.request_finished(request, list(block_ids[0]) if block_ids else [])
+
+
+def _may_hold_kinds(kv_cache_config) -> bool:
+    """Whether vLLM's one group may hold several kinds of layer the workers see and the scheduler
+    does not (an MLA group leading a DSA indexer: vLLM gives its scheduler one spec of them)."""
+    found = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    return len(found) == 1 and bool(getattr(found[0].kv_cache_spec, "is_index_group_leader", False))
 
 
 def _accepted_layouts(vllm_config) -> list[str]:

@@ -39,7 +39,9 @@ class ChunkRun:
     workers report it received, so no forward waits for it; ``tiers``, per chunk of ``ids``, the
     tier the scheduler found it in ("host" or a lower tier's name; empty: the host); ``budget_s``,
     how long a background load's lower-tier reads may run from the step that sends it (the
-    plan's deadline; None: the ``prefetch_timeout_s`` setting)."""
+    plan's deadline; None: the ``prefetch_timeout_s`` setting). Several KV cache groups:
+    ``group``, the group whose blocks these are (``ids`` name each chunk's unit there,
+    `groups.Group`); ``parts``, the runs of one load (one per group, sharing its ``tag``)."""
 
     req_id: str
     ids: list[bytes]
@@ -49,6 +51,8 @@ class ChunkRun:
     background: bool = False
     tiers: tuple[str, ...] = ()
     budget_s: float | None = None
+    group: int = 0
+    parts: int = 1
 
 
 @dataclass
@@ -58,6 +62,9 @@ class KVTierMetadata(KVConnectorMetadata):
     preempted: set[str] = field(default_factory=set)
     release: set[str] = field(default_factory=set)  # finished, no save to come: report once saved
     step: int = 0  # the scheduler's number of this step (0: none), reported back by the workers
+    # Block ids vLLM handed out in this step (every group; only with a sliding-window group, whose
+    # blocks vLLM frees while the request runs): pending saves reading any of them are waited for.
+    fresh: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -69,7 +76,11 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     stalled / answering again; rates: tier -> (GB/s, fixed s) its loads measured ("host": their
     copies into the GPU); step: the scheduler's number of the step reported (0: none);
     chunk_bytes: one rank's bytes of a chunk and extra: (model, kv_dtype, layout, tp_size, salt)
-    of the ranks' keys, once. ``aggregate`` merges two ranks' reports."""
+    of the ranks' keys, once; extras / groups: with several KV cache groups (or kinds of layer in
+    one), those fields per group (the layout carries the group) and the `groups.Group`s, once: the
+    scheduler's own config may show one group where the workers' holds several kinds of layer
+    (vLLM hands its scheduler one spec of a `UniformTypeKVCacheSpecs`). ``aggregate`` merges two
+    ranks' reports."""
 
     held: set[bytes] = field(default_factory=set)
     lost: set[bytes] = field(default_factory=set)
@@ -82,6 +93,8 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     rates: dict[str, tuple[float, float]] = field(default_factory=dict)
     step: int = 0
     chunk_bytes: int = 0
+    extras: tuple = ()
+    groups: tuple = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KVTierWorkerMetadata):
@@ -102,6 +115,8 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
             rates,
             max(self.step, other.step),
             max(self.chunk_bytes, other.chunk_bytes),
+            self.extras or other.extras,
+            self.groups or other.groups,
         )
 
     def is_empty(self) -> bool:

@@ -57,6 +57,13 @@ request waits out of the batch (WAITING_FOR_REMOTE_KVS) until every worker repor
 so no step of the requests running waits for it. Its outcome reaches ``update`` no later than the
 report that it was received, so its saves, once vLLM schedules it, need no holding back.
 
+A hybrid model (`GroupPlan`): the index holds each group's keys; a hit is the longest prefix
+every group holds (a window group: the window before its end), each load is one run per group
+(one tag), always in the background, a failure taking the request back whole (vLLM recomputes it
+after asking again); saves are one run per group, a window group's only where vLLM has not freed
+its blocks; and each step's metadata names the blocks vLLM handed out (`KVTierMetadata.fresh`),
+for the workers to wait for saves still reading them.
+
 A finished request whose free vLLM delayed is released (`KVTierMetadata.release`) once nothing of
 it is held back here; each worker reports it finished once its saves have read the blocks.
 """
@@ -74,6 +81,7 @@ from kvtier.store.keys import KeyExtra
 from .choice import HOST, Choice, Chooser
 from .chunk_ids import chunk_ids, chunk_keys
 from .first_tokens import FirstTokens
+from .groups import GroupPlan
 from .metadata import ChunkRun, KVTierMetadata, KVTierWorkerMetadata
 from .settings import VllmSettings
 
@@ -83,10 +91,11 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Req:
     request: object
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     computed: int = 0  # tokens whose KV the scheduled steps computed (as of the last one)
+    before: int = 0  # tokens computed before the last step that scheduled it
     saved: int = 0  # chunks [0, saved) held already or sent to be saved
-    load: ChunkRun | None = None  # to send with the next metadata
+    load: list[ChunkRun] = field(default_factory=list)  # to send with the next metadata (a run per group)
     loading: int | None = None  # tag of the load whose outcome is not in yet: saves held back
     load_first: int = 0  # that load's first chunk: a failure re-saves from there
     background: bool = False  # that load is asynchronous: vLLM waits for it, not a forward
@@ -99,7 +108,12 @@ class SchedulerSide:
     shared with other instances, asked for chunks this instance's workers do not hold (None: no
     such lookup). spec: the model's `ModelSpec` for the planner (None: every held chunk is
     loaded, unplanned). step_tokens: vLLM's ``max_num_batched_tokens``. kv_dtype: the cache's
-    dtype as the planner names it."""
+    dtype as the planner names it. plan: a hybrid model's `GroupPlan` (None: one KV cache group,
+    block_size its block size); with one, every load is a background load (vLLM 0.33 takes a
+    hybrid model's failed loads only as failed asynchronous receipts, recomputed whole), and the
+    shared tier is asked for every group's keys at once. Where the workers
+    report several kinds of layer in vLLM's one group (DeepSeek-V3.2's), their plan is taken
+    from their first report; with ``await_groups`` no save is sent before it."""
 
     def __init__(
         self,
@@ -112,6 +126,8 @@ class SchedulerSide:
         spec=None,
         step_tokens: int = 8192,
         kv_dtype: str = "bf16",
+        plan: GroupPlan | None = None,
+        await_groups: bool = False,
     ):
         self.settings = settings
         self.chunk_tokens = ct = settings.chunk_tokens_for(block_size)
@@ -123,6 +139,9 @@ class SchedulerSide:
         self.tp_size, self.redis = tp_size, redis
         self._held: OrderedDict[bytes, str] = OrderedDict()  # tier key -> the local tier holding it
         self._extras: list[KeyExtra] | None = None  # per rank, once the workers reported theirs
+        self.plan, self._await_groups = plan, await_groups
+        self._group_extras: list[list[KeyExtra]] = []  # per group, per rank (a hybrid model)
+        self._fresh: set[int] = set()  # blocks vLLM allocated for loads since the last metadata
         self._keys: dict[str, tuple[list[bytes], list[tuple[bytes, ...]]]] = {}  # rid -> (ids, keys)
         self._reqs: dict[str, _Req] = {}
         self._hits: dict[str, int] = {}  # req id -> chunks of its last lookup's hit
@@ -148,6 +167,7 @@ class SchedulerSide:
             self.chooser.kinds[redis.name] = "remote"
         self._choices: dict[str, tuple[tuple, Choice]] = {}  # req id -> (what it was made of, choice)
         self._shared: dict[str, tuple[int, int]] = {}  # req id -> (chunks held locally, then shared)
+        self._shared_keys: dict[str, tuple[int, set[bytes]]] = {}  # hybrid: (local hit, keys shared)
         self._absent: set[str] = set()  # tiers a worker found down or stalled: planned without
         self._step = 0  # the number of the latest step's metadata
         self._firsts = FirstTokens()
@@ -166,8 +186,14 @@ class SchedulerSide:
             request.block_hashes, self.hashes_per_chunk, request.num_tokens - 1, self.hash_block_size
         )
         keys = self._keys_of(rid, ids)
-        tiers = self._held_tiers(keys)
-        if self.redis is not None and self.redis.name not in self._absent and len(tiers) < len(ids):
+        redis = self.redis if self.redis is not None and self.redis.name not in self._absent else None
+        if self.plan is not None:
+            tiers = self.plan.tiers(keys, self._where)
+            if redis is not None and len(tiers) < len(ids):
+                tiers = self._hybrid_shared(rid, keys, tiers, redis.name)
+        else:
+            tiers = self._held_tiers(keys)
+        if self.plan is None and redis is not None and len(tiers) < len(ids):
             local, shared = self._shared.get(rid, (-1, 0))
             if local != len(tiers):  # asked once per request and local hit, not every step it waits
                 shared = self._shared_prefix(keys[len(tiers) :])
@@ -176,7 +202,7 @@ class SchedulerSide:
         if num_computed % self.block_size or len(tiers) * ct <= num_computed:
             self._hits[rid] = len(tiers)
             return 0, False  # a load starts on a block: never over a block vLLM computed or shares
-        in_step = not self._in_background(rid)
+        in_step = self.plan is None and not self._in_background(rid)
         made_of = (tuple(tiers), num_computed, in_step)
         got = self._choices.get(rid)
         if got is None or got[0] != made_of:  # planned once per request and hit, not per step asked
@@ -184,6 +210,8 @@ class SchedulerSide:
         choice = got[1]
         self._firsts.asked(rid, choice)
         n = choice.chunks
+        if self.plan is not None and n:  # a hybrid hit holds its window units only at its end: all or none
+            n = len(tiers)
         self._hits[rid] = n
         if n * ct <= num_computed:
             return 0, False
@@ -203,20 +231,34 @@ class SchedulerSide:
         first, within = divmod(n * ct - num_external_tokens, ct)  # where vLLM's own hit ends
         skip = within // self.block_size
         ids = chunk_ids(request.block_hashes, self.hashes_per_chunk, n * ct, self.hash_block_size)
-        block_ids = list(blocks.get_block_ids()[0])
         background = rid in self._background
         got = self._choices.get(rid)
-        tiers, budget = (got[0][0][first:n], got[1].budget_s) if got is not None else ((), None)
-        st.load = ChunkRun(
-            rid,
-            ids[first:n],
-            block_ids[first * bpc + skip : n * bpc],
-            skip,
-            next(self._tags),
-            background,
-            tuple(tiers),
-            budget,
-        )
+        tiers, budget = (got[0][0][:n], got[1].budget_s) if got is not None else ((), None)
+        tag = next(self._tags)
+        if self.plan is None:
+            block_ids = list(blocks.get_block_ids()[0])
+            st.load = [
+                ChunkRun(
+                    rid,
+                    ids[first:n],
+                    block_ids[first * bpc + skip : n * bpc],
+                    skip,
+                    tag,
+                    background,
+                    tuple(tiers[first:n]),
+                    budget,
+                )
+            ]
+        else:
+            table = blocks.get_block_ids()
+            self._fresh.update(b for g in table for b in g)
+
+            def make(g, c0, run_ids, bids, skip):
+                return ChunkRun(rid, run_ids, bids, skip, tag, True, tuple(tiers[c0:n]), budget, group=g)
+
+            st.load = self.plan.loads(ids, table, n * ct - num_external_tokens, n, make)
+            for run in st.load:
+                run.parts = len(st.load)
         st.load_first, st.background = first, background
         st.saved = max(st.saved, n)  # held already (a failed load takes this back)
         if background:  # vLLM does not schedule it until it is received: sent with the next metadata
@@ -230,17 +272,18 @@ class SchedulerSide:
             self._preempted(rid)
         for rid in self._to_send:
             st = self._reqs.get(rid)
-            if st is not None and st.load is not None:
+            if st is not None and st.load:
                 self._send_load(meta, st)
         self._to_send.clear()
         self._running = set(so.num_scheduled_tokens)
+        if self.plan is not None and self.plan.windowed:
+            meta.fresh = self._fresh_blocks(so)
         for new in so.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is not None:
-                st.block_ids = list(new.block_ids[0])
-                self._scheduled(
-                    meta, st, new.num_computed_tokens + so.num_scheduled_tokens.get(new.req_id, 0)
-                )
+                st.block_ids = [list(g) for g in new.block_ids]
+                n = so.num_scheduled_tokens.get(new.req_id, 0)
+                self._scheduled(meta, st, new.num_computed_tokens, new.num_computed_tokens + n)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             st = self._reqs.get(rid)
@@ -248,18 +291,27 @@ class SchedulerSide:
                 continue
             nb = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:  # after a preemption: every block is new
-                st.block_ids = list(nb[0]) if nb else []
+                st.block_ids = [list(g) for g in nb] if nb else []
             elif nb:
-                st.block_ids.extend(nb[0])
-            self._scheduled(meta, st, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0))
+                if not st.block_ids:
+                    st.block_ids = [[] for _ in nb]
+                for have, more in zip(st.block_ids, nb, strict=True):
+                    have.extend(more)
+            done = cached.num_computed_tokens[i]
+            self._scheduled(meta, st, done, done + so.num_scheduled_tokens.get(rid, 0))
         for rid in self._confirmed:  # their loads completed on every rank: what was held back goes
             st = self._reqs.get(rid)
             if st is not None and st.loading is None and st.block_ids:
                 self._add_save(meta, rid, st)
         self._confirmed.clear()
+        awaiting = self._awaiting()
         for rid in list(self._finishing):
             st = self._reqs.get(rid)
+            if awaiting:
+                continue  # its saves wait for the workers' first report: its blocks stay held
             if st is None or st.loading is None:  # nothing of it held back: its last saves are sent
+                if self._await_groups and st is not None and st.block_ids:
+                    self._add_save(meta, rid, st)  # those held back until the workers' report
                 meta.release.add(rid)
                 self._forget(rid)
         return meta
@@ -274,6 +326,12 @@ class SchedulerSide:
         if wm.extra is not None and self._extras is None:
             model, dtype, layout, tp_size, salt = wm.extra
             self._extras = [KeyExtra(model, dtype, layout, r, tp_size, salt) for r in range(tp_size)]
+            self._group_extras = [
+                [KeyExtra(model, dtype, layout, r, tp_size, salt) for r in range(tp_size)]
+                for model, dtype, layout, tp_size, salt in wm.extras
+            ]
+            if wm.groups and self.plan is None:  # kinds of layer in one group: the workers know them
+                self.plan = GroupPlan(list(wm.groups), self.chunk_tokens)
         if wm.chunk_bytes:
             self.chooser.chunk_bytes = wm.chunk_bytes
         for key in wm.lost:
@@ -297,19 +355,20 @@ class SchedulerSide:
 
     def finished(self, request) -> bool:
         rid = request.request_id
-        for d in (self._hits, self._asked, self._keys, self._choices, self._shared):
+        for d in (self._hits, self._asked, self._keys, self._choices, self._shared, self._shared_keys):
             d.pop(rid, None)
         self._firsts.forget(rid)
         st = self._reqs.get(rid)
         if st is None:
             return False
-        st.load = None  # never sent: the request is done
+        st.load = []  # never sent: the request is done
         self._background.discard(rid)
         self._running.discard(rid)
         if st.background and st.loading is not None and not st.any_save:
             self._forget(rid)  # its load writes the blocks: vLLM itself frees them once received
             return False
-        pending = st.loading is not None or rid in self._confirmed
+        # await_groups: what the workers' first report held back is sent as it is released
+        pending = st.loading is not None or rid in self._confirmed or self._await_groups
         if not st.block_ids or not (pending or st.any_save):
             self._forget(rid)  # no save reads its blocks (a preempted request has none)
             return False
@@ -344,23 +403,24 @@ class SchedulerSide:
             log.warning("kvtier: no plan for %s (%s): every held chunk is loaded", request.request_id, exc)
             return Choice("held", len(tiers), HOST, None, None, self.settings.prefetch_timeout_s, str(exc))
 
-    def _scheduled(self, meta: KVTierMetadata, st: _Req, computed_after: int) -> None:
-        """A request the step computes ``computed_after`` tokens of: its load, and its saves unless
-        a load of it is unconfirmed (they are held back until it is)."""
+    def _scheduled(self, meta: KVTierMetadata, st: _Req, before: int, computed_after: int) -> None:
+        """A request the step computes tokens [before, computed_after) of: its load, and its saves
+        unless a load of it is unconfirmed (they are held back until it is)."""
         rid = st.request.request_id
-        if st.load is not None:
+        if st.load:
             self._send_load(meta, st)
         if st.computed < _prompt(st.request) <= computed_after:  # this step makes its first token
             self._firsts.scheduled(rid, meta.step)
-        st.computed = computed_after
+        st.computed, st.before = computed_after, before
         if st.loading is None:
             self._add_save(meta, rid, st)
 
     def _send_load(self, meta: KVTierMetadata, st: _Req) -> None:
         """The request's load, into this step's metadata; its saves wait for its outcome."""
-        meta.loads.append(st.load)
-        st.loading, self._tag_req[st.load.tag] = st.load.tag, st.request.request_id
-        st.load = None
+        meta.loads.extend(st.load)
+        tag = st.load[0].tag
+        st.loading, self._tag_req[tag] = tag, st.request.request_id
+        st.load = []
 
     def _in_background(self, rid: str) -> bool:
         """Whether a hit of ``rid`` loads in the background (`VllmSettings.load_async`)."""
@@ -369,11 +429,23 @@ class SchedulerSide:
 
     def _add_save(self, meta: KVTierMetadata, rid: str, st: _Req) -> None:
         """The full chunks computed so far and not saved yet: saved after this step's forward."""
+        if self._awaiting():
+            return  # the workers' kinds of layer are not known yet: sent once they are
         ids = chunk_ids(st.request.block_hashes, self.hashes_per_chunk, st.computed, self.hash_block_size)
-        bpc = self.blocks_per_chunk
-        n = min(len(ids), len(st.block_ids) // bpc)
+        if self.plan is not None:
+
+            def make(g, run_ids, bids):
+                return ChunkRun(rid, run_ids, bids, group=g)
+
+            n, runs = self.plan.saves(ids, st.block_ids, st.saved, st.before, make)
+            if n > st.saved:
+                meta.saves.extend(runs)
+                st.saved, st.any_save = n, st.any_save or bool(runs)
+            return
+        bpc, table = self.blocks_per_chunk, st.block_ids[0] if st.block_ids else []
+        n = min(len(ids), len(table) // bpc)
         if n > st.saved:
-            meta.saves.append(ChunkRun(rid, ids[st.saved : n], st.block_ids[st.saved * bpc : n * bpc]))
+            meta.saves.append(ChunkRun(rid, ids[st.saved : n], table[st.saved * bpc : n * bpc]))
             st.saved, st.any_save = n, True
 
     def _outcome(self, tag: int, ok: int, failed: int) -> None:
@@ -390,7 +462,9 @@ class SchedulerSide:
         if st is None or st.loading != tag:
             return  # preempted or finished meanwhile: nothing was held back for it
         st.loading = None
-        if have[1]:  # vLLM recomputes from the first block some rank did not load
+        if have[1] and self.plan is not None:  # vLLM recomputes the request whole, in new blocks
+            st.block_ids, st.saved, st.computed = [], 0, 0
+        elif have[1]:  # vLLM recomputes from the first block some rank did not load
             st.saved = min(st.saved, st.load_first)
         else:
             self._confirmed.add(rid)
@@ -398,7 +472,7 @@ class SchedulerSide:
     def _preempted(self, rid: str) -> None:
         st = self._reqs.get(rid)
         if st is not None:  # vLLM freed its blocks: nothing held back may read them
-            st.block_ids, st.load, st.loading, st.computed = [], None, None, 0
+            st.block_ids, st.load, st.loading, st.computed = [], [], None, 0
             st.saved = 0  # on resume its chunks are recomputed or loaded; saving held ones is skipped
         self._confirmed.discard(rid)
 
@@ -406,6 +480,10 @@ class SchedulerSide:
         self._reqs.pop(rid, None)
         self._finishing.discard(rid)
         self._confirmed.discard(rid)
+
+    def _awaiting(self) -> bool:
+        """Whether saves wait for the workers' first report (their kinds of layer, `await_groups`)."""
+        return self._await_groups and self._extras is None
 
     def _may_hold(self) -> bool:
         """Whether a tier may hold chunks before any worker reported (a disk, a shared tier)."""
@@ -420,9 +498,16 @@ class SchedulerSide:
         if known != ids[: len(known)]:  # not a prefix of the chunks named before: start again
             known, keys = [], []
         if len(ids) > len(known):
-            new = ids[len(known) :]
-            per_rank = [chunk_keys(new, x, self.settings.hash_name) for x in self._extras]
-            known, keys = known + new, keys + list(zip(*per_rank, strict=True))
+            new, h = ids[len(known) :], self.settings.hash_name
+            if self.plan is None:
+                per_rank = [chunk_keys(new, x, h) for x in self._extras]
+                more = list(zip(*per_rank, strict=True))
+            else:  # chunk -> group -> rank
+                per_group = [
+                    list(zip(*[chunk_keys(new, x, h) for x in g], strict=True)) for g in self._group_extras
+                ]
+                more = list(zip(*per_group, strict=True))
+            known, keys = known + new, keys + more
             self._keys[rid] = (known, keys)
         return keys[: len(ids)]
 
@@ -440,6 +525,43 @@ class SchedulerSide:
                 break
             out.append(tier)
         return out
+
+    def _where(self, key: bytes) -> str | None:
+        """The local tier holding ``key``, None where none does or it is planned absent."""
+        tier = self._held.get(key)
+        return None if tier is None or tier in self._absent else tier
+
+    def _fresh_blocks(self, so) -> set[int]:
+        """Every block id vLLM handed out for this step (any group; vLLM's null block 0 aside)."""
+        fresh, self._fresh = self._fresh, set()
+        for new in so.scheduled_new_reqs:
+            for g in new.block_ids:
+                fresh.update(g)
+        for nb in so.scheduled_cached_reqs.new_block_ids:
+            for g in nb or ():
+                fresh.update(g)
+        for copy in so.kv_cache_block_copies or ():
+            fresh.add(getattr(copy, "dst_block_id", None) or copy[1])
+        fresh.discard(0)
+        return fresh
+
+    def _hybrid_shared(self, rid: str, keys, local: list[str], name: str) -> list[str]:
+        """A hybrid hit with the shared tier: the tier asked once per request and local hit, in
+        one round trip, which of the keys (every group's, every rank's) no local tier holds it
+        holds; the hit every group then holds, locally or there."""
+        got = self._shared_keys.get(rid)
+        if got is None or got[0] != len(local):
+            ask = [k for chunk in keys for group in chunk for k in group if self._where(k) is None]
+            try:
+                found = self.redis.contains_many(ask) if ask else []
+            except Exception as exc:  # a failing shared tier is a miss, never a scheduler crash
+                log.warning("kvtier: shared-tier lookup failed: %s", exc)
+                found = []
+            got = self._shared_keys[rid] = (len(local), {k for k, f in zip(ask, found, strict=False) if f})
+        shared = got[1]
+        if not shared:
+            return local
+        return self.plan.tiers(keys, lambda k: self._where(k) or (name if k in shared else None))
 
     def _shared_prefix(self, keys: list[tuple[bytes, ...]]) -> int:
         """How many of the chunks of ``keys`` (from the first) the shared tier holds for every rank."""

@@ -32,6 +32,12 @@ Per step, in vLLM's call order (`KVTierMetadata` bound first):
                                again (`TierProbe`), the read and copy rates its loads measured,
                                the step it ran; counters for vLLM's stats
 
+A hybrid model: one store per KV cache group (`groups.Group`, its keys carrying the group) over
+that group's layers, sharing the tiers; each run names its group. A load's outcome and its
+receipt are reported once every group's run settled; a failure is a failed receipt
+(`failed_receipts`), never failed block ids. handle_preemptions also waits for the saves still
+reading a window group's blocks that vLLM hands out again in the step (``meta.fresh``).
+
 Every tier failure is a miss (fewer tokens loaded, a save skipped), never an exception into
 vLLM's forward. Block ids are vLLM's; chunk i of a run covers ``block_ids[i*bpc:(i+1)*bpc]``.
 
@@ -70,7 +76,10 @@ COPY_RATES = 16  # the latest host-only loads the copy rate reported to the plan
 class WorkerSide:
     """settings: `VllmSettings`. model: the identity keys are salted with. tp_rank / tp_size:
     this worker's rank (its keys are its own). order: vLLM's `KVCacheLayout` name of the cache.
-    tiers / device: override what ``settings`` would build (tests: a `MemoryTier`, `SimDevice`)."""
+    groups: a hybrid model's KV cache groups (`groups.Group`; None: one group): one store per
+    group over that group's layers, each keeping a chunk's unit of that group (block_size is then
+    the scheduler's, a multiple of each group's). tiers / device: override what ``settings``
+    would build (tests: a `MemoryTier`, `SimDevice`)."""
 
     def __init__(
         self,
@@ -81,13 +90,20 @@ class WorkerSide:
         tp_size: int = 1,
         order: str | None = None,
         block_size: int | None = None,
+        groups=None,
         tiers=None,
         device=None,
     ) -> None:
         self.settings, self.model, self.order = settings, model, order
         self.tp_rank, self.tp_size, self.block_size = tp_rank, tp_size, block_size
+        self.groups = groups
         self._tiers, self._device = tiers, device
-        self.store: HashKeyedStore | None = None
+        self.store: HashKeyedStore | None = None  # the first group's (the only one's) store
+        self.stores: list[HashKeyedStore] = []  # per KV cache group, in vLLM's order
+        self._parts: dict[int, tuple[int, bool]] = {}  # load tag -> (runs not settled, any failed)
+        self._landed: dict[int, int] = {}  # load tag -> its background runs landed so far
+        self._failed_recv: set[str] = set()  # background loads of a hybrid model that failed
+        self._window_saves: dict[str, set[int]] = {}  # req id -> blocks its window-group saves read
         self._layer_index: dict[str, int] = {}
         self._loads: list = []  # (LoadHandle, ChunkRun, ready event) loaded in a step, not landed yet
         self._saves: dict[str, list] = {}  # req id -> [(SaveHandle, ChunkRun, ready event)], submitted
@@ -134,9 +150,9 @@ class WorkerSide:
 
         names = list(kv_caches)
         self._layer_index = {name: i for i, name in enumerate(names)}
-        kv = layout.vllm_paged(kv_caches, self.order or "LBHNC")
-        ct = self.settings.chunk_tokens_for(self.block_size or kv.block_size)
-        self.settings.check_host_bytes(kv.chunk_nbytes(ct // kv.block_size))  # before anything is allocated
+        parts = self._parts_of(kv_caches, layout)
+        sizes = [kv.chunk_nbytes(tokens // kv.block_size) for kv, tokens, _ in parts]
+        self.settings.check_host_bytes(sum(sizes))  # before anything is allocated
         first = next(iter(kv_caches.values()))
         dev = self._device
         if dev is None:
@@ -144,38 +160,43 @@ class WorkerSide:
 
             dev = CudaDevice(first.device.index or 0) if first.is_cuda else SimDevice()
             self._owned.append(dev)
-        pool = PinnedPool(dev, self.settings.host_bytes)
-        engine = TransferEngine(
-            dev,
-            kv,
-            pool,
-            config=EngineConfig(path=self.settings.engine_path, staging_bytes=self.settings.staging_bytes),
-        )
-        self._owned += [pool, engine]
-        tiers = self._tiers if self._tiers is not None else self._make_tiers()
+        tiers = self._tiers if self._tiers is not None else self._make_tiers()  # shared by the groups
         s = self.settings
-        cfg = StoreConfig(
-            chunk_tokens=s.chunk_tokens_for(self.block_size or kv.block_size),
-            write_policy=s.write_policy,
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
-            salt=s.salt.encode(),
-            hash_name=s.hash_name,
-            auth_keys=s.auth_keys,
-        )
-        # Every chunk the host drops is noted (a deque append, under the host's lock); `report` tells
-        # the scheduler of those no local tier holds any more.
-        self.store = HashKeyedStore(engine, self.model, tiers=tiers, config=cfg, on_evict=self._holdings.gone)
+        for (kv, tokens, group), size in zip(parts, sizes, strict=True):
+            # Each group's pinned pool: the host bytes shared in proportion to its chunk's bytes.
+            pool = PinnedPool(dev, s.host_bytes * size // sum(sizes))
+            engine = TransferEngine(
+                dev, kv, pool, config=EngineConfig(path=s.engine_path, staging_bytes=s.staging_bytes)
+            )
+            self._owned += [pool, engine]
+            cfg = StoreConfig(
+                chunk_tokens=tokens,
+                write_policy=s.write_policy,
+                tp_rank=self.tp_rank,
+                tp_size=self.tp_size,
+                salt=s.salt.encode(),
+                hash_name=s.hash_name,
+                auth_keys=s.auth_keys,
+            )
+            # Every chunk a host drops is noted (a deque append, under the host's lock); `report`
+            # tells the scheduler of those no local tier holds any more.
+            label = None if group is None else group.label
+            store = HashKeyedStore(
+                engine, self.model, tiers=tiers, config=cfg, on_evict=self._holdings.gone, group=label
+            )
+            self.stores.append(store)
+        self.store, kv = self.stores[0], self.stores[0].kv
         self.dev, self.kv, self.torch = dev, kv, torch
         self._lanes = [dev.new_stream(f"kvtier-save-{i}") for i in range(SAVE_LANES)]  # made at start
         self._lane_last = [None] * SAVE_LANES
         self._lane_order = deque(range(SAVE_LANES))
         # Every copy path's first use now, at start, on blocks no request holds yet (vLLM's block 0
         # is its null block): kernel compiles, the staged path's graphs, the batched copy, each lane.
-        warm_up(engine, range(1, engine.kv.num_blocks), self.store.fmt.blocks, self._lanes)
+        for store in self.stores:
+            warm_up(store.engine, range(1, store.kv.num_blocks), store.fmt.blocks, self._lanes)
         self._on_cuda = first.is_cuda
-        if self.settings.flag_waits:
-            self.flags = engine.layer_flags()
+        if self.settings.flag_waits and self.groups is None:  # a hybrid model loads only in the background
+            self.flags = self.store.engine.layer_flags()
             self._warm_up_flags(self.flags)
         wanted = self.settings.gil_switch_interval_s
         if wanted and sys.getswitchinterval() > wanted:
@@ -187,13 +208,31 @@ class WorkerSide:
         self._loader = Mover(f"kvtier-loader-tp{self.tp_rank}")
         self._probe = TierProbe(self.store.tiers, self.store.fmt.nbytes)
         self._background = BackgroundLoads(
-            self.store,
+            self.stores,
             self._loader,
             self._probe,
             self._load,
             cap_s=self.settings.prefetch_timeout_s,
             name=f"kvtier-reader-tp{self.tp_rank}",
         )
+
+    def _parts_of(self, kv_caches: dict, layout) -> list:
+        """(paged KV, tokens of a store's chunk, group) per store: the whole cache (one group), or
+        each group's layers, checked against their strides, keeping that group's unit per chunk."""
+        order = self.order or "LBHNC"
+        if self.groups is None:
+            kv = layout.vllm_paged(kv_caches, order)
+            return [(kv, self.settings.chunk_tokens_for(self.block_size or kv.block_size), None)]
+        ct, parts = self.settings.chunk_tokens_for(self.block_size), []
+        for g in self.groups:
+            kv = layout.vllm_paged({n: kv_caches[n] for n in g.layers}, order)
+            if kv.block_size != g.block_size:
+                raise ValueError(
+                    f"kv_caches: group {g.index}'s views hold {kv.block_size} tokens per block, "
+                    f"its spec says {g.block_size}"
+                )
+            parts.append((kv, g.unit(ct // g.block_size) * g.block_size, g))
+        return parts
 
     def _make_tiers(self) -> list:
         s, tiers = self.settings, []
@@ -217,10 +256,19 @@ class WorkerSide:
     # -- per step -------------------------------------------------------------------------------
 
     def handle_preemptions(self, meta: KVTierMetadata) -> None:
-        if self.store is None or not meta.preempted:
+        if self.store is None or not (meta.preempted or meta.fresh):
             return  # the common step: no device stream looked up
+        waits = set(meta.preempted)
+        if meta.fresh and self._window_saves:
+            with self._lock:
+                busy = set(self._saves) | set(self._queued)
+            for rid, blocks in list(self._window_saves.items()):
+                if rid not in busy:
+                    del self._window_saves[rid]  # its saves read their blocks: nothing to wait for
+                elif not blocks.isdisjoint(meta.fresh):
+                    waits.add(rid)
         stream = self.dev.current_stream()
-        for rid in meta.preempted:
+        for rid in waits:  # vLLM hands these blocks out again: no overwrite before the saves read them
             self.wait_saves(rid, stream)
 
     def wait_saves(self, req_id: str, stream) -> None:
@@ -273,15 +321,18 @@ class WorkerSide:
         step: the flags' step its copies join (flag waits, a load in the step)."""
         background = chunks is not None
         ids = run.ids if chunks is None else run.ids[:chunks]
-        bpc, got, h, missing = self.store.fmt.blocks, 0, None, None
+        store = self.stores[run.group]
+        bpc, got, h, missing = store.fmt.blocks, 0, None, None
         try:
+            if ids and self.groups is not None and 0 in run.block_ids:
+                raise ValueError(f"group {run.group}: vLLM's null block among the blocks to fill")
             if ids:
-                self.store.engine.compute_write(run.block_ids, zeroed)  # the copy waits for the zeroing
+                store.engine.compute_write(run.block_ids, zeroed)  # the copy waits for the zeroing
                 path, per_layer = self.load_path(background), not background
                 # The step's thread waits for no tier, nor for a chunk still being filled (a read
                 # stalled in its tier may never fill it): what the host holds ready, or a miss.
                 wait = None if background else 0.0
-                h = self.store.load(
+                h = store.load(
                     ids,
                     run.block_ids,
                     first_block=run.skip,
@@ -296,25 +347,38 @@ class WorkerSide:
             log.warning("kvtier: load of %s failed: %s", run.req_id, exc)
             self._count(load_errors=1)
         if got < len(run.ids):
-            missing = self.store.keys(run.ids[got : got + 1])[0]
-        mask = 1 << self.tp_rank
+            missing = store.keys(run.ids[got : got + 1])[0]
         with self._lock:
             self._counts["deadline_cuts"] += int(cut)
             if h is not None:
                 self._counts.update(f"hit_chunks_{t}" for t in h.tiers)
                 if any(t != "host" for t in h.tiers):  # read into the host for this load: held there now
-                    self._holdings.held(self.store.keys(ids[:got]))
+                    self._holdings.held(store.keys(ids[:got]))
                 if not background:
                     self._loads.append((h, run, zeroed))
+            self._outcome(run, missing is None)
             if missing is None:
-                self._loaded[run.tag] = mask
                 return h
-            # The scheduler holds its saves back until every rank's outcome is in (`SchedulerSide`).
-            self._failed[run.tag] = mask
             self._holdings.gone([missing])  # not in the host: a lower tier may still hold it
             self._counts["miss_chunks"] += len(run.ids) - got
-            self._errors.update(run.block_ids[max(0, got * bpc - run.skip) :])
+            if self.groups is None:
+                self._errors.update(run.block_ids[max(0, got * bpc - run.skip) :])
+            else:  # vLLM 0.33 takes no failed blocks with several groups: the request is recomputed
+                self._failed_recv.add(run.req_id)
         return h
+
+    def _outcome(self, run: ChunkRun, ok: bool) -> None:
+        """This rank's outcome of ``run`` (under the lock): the load's, once each of its runs (one
+        per group) settled. The scheduler holds saves back until every rank's is in."""
+        if run.parts > 1:
+            left, bad = self._parts.get(run.tag, (run.parts, False))
+            left, bad = left - 1, bad or not ok
+            if left:
+                self._parts[run.tag] = (left, bad)
+                return
+            del self._parts[run.tag]
+            ok = not bad
+        (self._loaded if ok else self._failed)[run.tag] = 1 << self.tp_rank
 
     def load_path(self, background: bool = False) -> str | None:
         """Layerwise: the engine's layer-major path ("kernel": one launch per layer over every
@@ -368,6 +432,10 @@ class WorkerSide:
             return
         after = self.dev.current_stream().record()  # the forward wrote the KV before this event
         for run in meta.saves:
+            if self.groups is not None and self.groups[run.group].need:
+                # vLLM frees a window's blocks while the request runs: a step handing them out
+                # again waits for this save first (handle_preemptions).
+                self._window_saves.setdefault(run.req_id, set()).update(run.block_ids)
             with self._lock:
                 self._queued[run.req_id] += 1  # its blocks stay the request's: not released before submitted
             self._last_save[run.req_id] = self._saver.submit(partial(self._save, run, after))
@@ -376,7 +444,7 @@ class WorkerSide:
         """One request's save, on the saver thread."""
         lane, h = self._lane(), None
         try:
-            h = self.store.save(run.ids, run.block_ids, after=after, stream=self._lanes[lane])
+            h = self.stores[run.group].save(run.ids, run.block_ids, after=after, stream=self._lanes[lane])
         except Exception as exc:  # a failed save is only a later miss
             log.warning("kvtier: save of %s failed: %s", run.req_id, exc)
         with self._lock:
@@ -406,6 +474,13 @@ class WorkerSide:
         movers = [m for m in (self._saver, self._loader) if m is not None]
         return all(m.wait(m.asked, timeout) for m in movers)
 
+    def failed_receipts(self) -> set[str]:
+        """Background loads of a hybrid model that failed (vLLM's ``failed_recving``; it waits for
+        their receipt, and then recomputes each request whole)."""
+        with self._lock:
+            out, self._failed_recv = self._failed_recv, set()
+        return out
+
     def load_errors(self) -> set[int]:
         with self._lock:
             out, self._errors = self._errors, set()
@@ -416,7 +491,8 @@ class WorkerSide:
             return None
         self._settle()
         with self._lock:
-            held, below, lost = self._holdings.take(self.store.host)
+            host = self.store.host if len(self.stores) == 1 else _Hosts(self.stores)
+            held, below, lost = self._holdings.take(host)
             wm = KVTierWorkerMetadata(held, lost, self._loaded, self._failed, below=below, step=self._step)
             self._loaded, self._failed = {}, {}
             copies = list(self._copies)
@@ -424,17 +500,22 @@ class WorkerSide:
         if self._rates_due:  # fitted only after loads: an idle step pays nothing for it
             self._rates_due = False
             rates = {}
-            for tier in self.store.read_rate.snapshot():  # each lower tier its loads read from so far
-                if (fit := self.store.read_rate.fit(tier)) is not None:
-                    rates[tier] = fit
+            for store in self.stores:  # each lower tier its loads read from so far (the slowest group's)
+                for tier in store.read_rate.snapshot():
+                    if (fit := store.read_rate.fit(tier)) is not None:
+                        have = rates.get(tier)
+                        rates[tier] = fit if have is None else (min(have[0], fit[0]), max(have[1], fit[1]))
             if copies:
                 rates["host"] = (sum(b for b, _ in copies) / sum(t for _, t in copies) / 1e9, 0.0)
             if rates != self._rates_sent:
                 wm.rates = self._rates_sent = rates
         if not self._extra_sent:
-            x = self.store.extra
-            wm.extra, self._extra_sent = (x.model, x.kv_dtype, x.layout, x.tp_size, x.salt), True
-            wm.chunk_bytes = self.store.fmt.nbytes
+            xs = [st.extra for st in self.stores]
+            fields = [(x.model, x.kv_dtype, x.layout, x.tp_size, x.salt) for x in xs]
+            wm.extra, self._extra_sent = fields[0], True
+            wm.extras = tuple(fields) if self.groups is not None else ()
+            wm.groups = tuple(self.groups or ())
+            wm.chunk_bytes = sum(st.fmt.nbytes for st in self.stores)  # a chunk's units, every group
         return None if wm.is_empty() else wm
 
     def stats(self) -> dict:
@@ -450,12 +531,12 @@ class WorkerSide:
         for mover in (self._saver, self._loader):
             if mover is not None:
                 mover.close()  # what was handed over is submitted before the store closes
-        if self.store is not None:
+        for store in self.stores:
             try:
-                self.store.close()  # every copy in flight lands before its slot goes back
+                store.close()  # every copy in flight lands before its slot goes back
             except Exception as exc:
                 log.warning("kvtier: store close failed: %s", exc)
-            self.store = None
+        self.store, self.stores = None, []
         for thing in reversed(self._owned):
             try:
                 thing.close()
@@ -479,11 +560,10 @@ class WorkerSide:
         loads landed (or delivering nothing) noted for `finished`; reads past their deadline cut."""
         if self.store is None:
             return
-        tokens = self.store.fmt.tokens
         keep = []
         for h, run, ready in self._loads:
             if h.done():  # event queries: the copies landed, the slots' pins drop
-                self._account("load", h, ready, copies=True)
+                self._account("load", h, ready, run, copies=True)
             else:
                 keep.append((h, run, ready))
         self._loads = keep
@@ -497,22 +577,34 @@ class WorkerSide:
                 if not self._saves[rid]:
                     del self._saves[rid]
             for ld in landed:
-                self._received.add(ld.run.req_id)
+                self._land(ld.run)
                 if ld.handle is not None:  # a load that read first: no copy rate from its time
                     read = any(t != "host" for t in ld.run.tiers)
-                    self._account("load", ld.handle, ld.zeroed, copies=not read)
+                    self._account("load", ld.handle, ld.zeroed, ld.run, copies=not read)
             for _, (h, run, ready) in done_saves:
-                self._account("save", h, ready)
+                self._account("save", h, ready, run)
+                store = self.stores[run.group]
                 if h.tokens:  # those the host holds ready (a chunk skipped as held may only be pending)
-                    keys = self.store.keys(run.ids[: h.tokens // tokens])
-                    self._holdings.held([k for k in keys if self.store.host.contains(k, pending=False)])
+                    keys = store.keys(run.ids[: h.tokens // store.fmt.tokens])
+                    self._holdings.held([k for k in keys if store.host.contains(k, pending=False)])
 
-    def _account(self, op: str, h, ready, copies: bool = False) -> None:
+    def _land(self, run: ChunkRun) -> None:
+        """A background run landed (under the lock): its request is received once every run of
+        its load (one per group) has."""
+        if run.parts > 1:
+            n = self._landed.get(run.tag, 0) + 1
+            if n < run.parts:
+                self._landed[run.tag] = n
+                return
+            del self._landed[run.tag]
+        self._received.add(run.req_id)
+
+    def _account(self, op: str, h, ready, run: ChunkRun, copies: bool = False) -> None:
         """A transfer that completed: bytes, count, and its device time from ``ready`` (the event
         that made its data ready) to its last copy, overlapping transfers counted once. copies: a
         load of the host's chunks alone, whose time is its copies' (the planner's copy rate)."""
         jobs = h.jobs
-        nbytes = (h.saved if op == "save" else len(jobs)) * self.store.fmt.nbytes
+        nbytes = (h.saved if op == "save" else len(jobs)) * self.stores[run.group].fmt.nbytes
         self._counts[f"{op}_bytes"] += nbytes
         self._counts[f"{op}s"] += 1
         self._rates_due |= op == "load"
@@ -540,3 +632,14 @@ class WorkerSide:
         for layer in range(flags.num_layers):
             flags.wait(layer, compute)  # the seal set every flag: nothing holds the stream for long
         compute.synchronize()  # the first calls ran before any request's step
+
+
+class _Hosts:
+    """The host tiers of a hybrid model's stores, as `Holdings.take` asks one host: a key (each
+    names its group) is held where its group's host holds it."""
+
+    def __init__(self, stores) -> None:
+        self._hosts = [st.host for st in stores]
+
+    def contains(self, key: bytes, pending: bool = True) -> bool:
+        return any(h.contains(key, pending=pending) for h in self._hosts)

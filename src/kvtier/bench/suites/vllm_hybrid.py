@@ -1,0 +1,301 @@
+"""The `vllm` suite's `hybrid` rows: a hit's first token on a sliding-window model through the
+connector's worker hooks, one store per KV cache group (`integrations.vllm.groups`), against
+recomputing the prompt.
+
+  ttft_hit hybrid <model> <n>   an n-token prefix hit from the host tier: start_load_kv of a
+                                background load (one run per group: the full-attention group's
+                                every chunk, the sliding-window group's units covering the window
+                                before the hit's end) -> get_finished until every group's run
+                                landed (vLLM schedules the request then) -> the model's forward
+                                over the next token, its prefix read from the loaded blocks
+                                (gathered per layer into transformers' cache; the window layers'
+                                older positions, never read, stay zero) -> the first token on
+                                the host
+
+The model: transformers' Gemma3ForCausalLM with random weights (seeded) from a small config
+(`MODELS`: five sliding-window layers to one full-attention layer, as Gemma 3's), bf16 on a GPU,
+fp32 on the CPU (tiny). The KV the hit loads is the prompt's own, computed by a prefill and laid
+out as vLLM 0.33 lays out each group (LBHNC views [blocks, kv_heads, tokens, K||V]), saved
+through the worker's hooks first.
+
+Params: ``speedup`` (recompute over hit, medians), hit_ms, recompute_ms, ``first_token_match``
+(the hit's first token is the recompute's, every run), loaded_mb per group; ``correct``: every
+run loaded every chunk from the host with no failed receipt, and every group's loaded blocks
+equal its saved ones bit for bit. One warm-up and 3 timed runs (quick: 2), perf_counter, the
+device idle before each.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvtier.bench.stats import summarize
+from kvtier.bench.suite import Context
+
+BLOCK = 16
+MODELS = {  # transformers Gemma3TextConfig fields; layer_types: 5 sliding to 1 full
+    "gemma3-small": dict(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=12,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=128,
+        sliding_window=1024,
+        max_position_embeddings=40960,
+    ),
+    "gemma3-tiny": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=64,
+        max_position_embeddings=4096,
+    ),
+}
+GPU_TOKENS, CPU_TOKENS = (8192, 32768), (256,)
+
+
+def hybrid_rows(ctx: Context):
+    """The `hybrid` family: per token count, one ttft_hit row (a skip without transformers)."""
+    try:
+        from transformers import Gemma3ForCausalLM  # noqa: F401
+    except ImportError as exc:
+        ctx.skip("ttft_hit hybrid", f"the sliding-window model needs transformers: {exc}")
+        return
+    name = "gemma3-small" if ctx.on_gpu else "gemma3-tiny"
+    counts = GPU_TOKENS[:1] if ctx.on_gpu and ctx.quick else GPU_TOKENS if ctx.on_gpu else CPU_TOKENS
+    for n in counts:
+        rig = HybridRig(ctx, name, n)
+        try:
+            yield rig.row()
+        finally:
+            rig.close()
+        if ctx.on_gpu:
+            torch.cuda.empty_cache()
+
+
+class HybridRig:
+    """Model ``name`` of `MODELS`, its groups' caches (each holding the n-token prefix twice: the
+    blocks it was saved from, the blocks a hit loads into) and a `WorkerSide` over them."""
+
+    def __init__(self, ctx: Context, name: str, n: int, *, chunk_tokens: int | None = None) -> None:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        from kvtier.integrations.vllm.groups import FULL, WINDOW, Group, GroupPlan
+        from kvtier.integrations.vllm.settings import VllmSettings
+        from kvtier.integrations.vllm.worker import WorkerSide
+
+        self.ctx, self.name, self.n = ctx, name, n
+        self.dtype = torch.bfloat16 if ctx.on_gpu else torch.float32
+        spec = MODELS[name]
+        layers = spec["num_hidden_layers"]
+        kinds = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+        cfg = Gemma3TextConfig(**spec, layer_types=kinds)
+        cfg._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        self.model = Gemma3ForCausalLM(cfg).to(ctx.device, self.dtype).eval()
+        self.window = spec["sliding_window"]
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+        sw = [i for i, k in enumerate(kinds) if k == "sliding_attention"]
+        full = [i for i, k in enumerate(kinds) if k == "full_attention"]
+        self.groups = [
+            Group(0, WINDOW, BLOCK, tuple(names[i] for i in sw), "SlidingWindowSpec", window=self.window),
+            Group(1, FULL, BLOCK, tuple(names[i] for i in full), "FullAttentionSpec"),
+        ]
+        self.members = [sw, full]  # model layer indices of each group, in its order
+        self.nblk = n // BLOCK
+        self.src = list(range(1, self.nblk + 1))  # block 0: vLLM's null block
+        self.dst = list(range(self.nblk + 1, 2 * self.nblk + 1))
+        heads, c = spec["num_key_value_heads"], 2 * spec["head_dim"]
+        self.caches = [
+            torch.zeros(len(m), 2 * self.nblk + 1, heads, BLOCK, c, dtype=self.dtype, device=ctx.device)
+            for m in self.members
+        ]  # per group [L, B, H, N, K||V]: LBHNC
+        views = {}
+        for g, m in enumerate(self.members):
+            for pos, layer in enumerate(m):
+                views[names[layer]] = self.caches[g][pos]
+        views = {k: views[k] for k in names}  # the model's layer order, as vLLM's dict
+        self._dst_ids = torch.tensor(self.dst, device=ctx.device)
+        ct = chunk_tokens or 16 * BLOCK
+        self.chunks = n // ct
+        block_bytes = sum(x.element_size() * x[0, 0].numel() * x.shape[0] for x in self.caches)
+        per_chunk = block_bytes * (ct // BLOCK)  # every group's blocks of a chunk (an upper bound)
+        # Twice the chunks' bytes: each group's share of the pool holds every chunk it saves (a
+        # host tier keeps an eighth of its pool free), so the hit finds every one.
+        s = VllmSettings(chunk_tokens=ct, host_bytes=2 * (self.chunks + 8) * per_chunk, layerwise=False)
+        self.ws = WorkerSide(
+            s, f"hybrid-{name}", order="LBHNC", block_size=BLOCK, groups=self.groups, tiers=[]
+        )
+        self.ws.register(views)
+        self.plan = GroupPlan(self.groups, ct)
+        g = torch.Generator().manual_seed(n)
+        self.ids = torch.randint(1, spec["vocab_size"], (1, n + 1), generator=g).to(ctx.device)
+        self.chunk_ids = [f"{name}:{n}:{i}".encode() for i in range(self.chunks)]
+        self._tag = 0
+        self._fill_and_save()
+
+    # -- set-up ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _fill_and_save(self) -> None:
+        """The prompt's own KV of its first n tokens into the source blocks, saved through the
+        hooks; then every chunk held by the hosts."""
+        from transformers import DynamicCache
+
+        from kvtier.integrations.vllm.metadata import ChunkRun, KVTierMetadata
+
+        cache = DynamicCache()
+        self.model(self.ids[:, : self.n], past_key_values=cache, use_cache=True)
+        src = torch.tensor(self.src, device=self.ctx.device)
+        for g, m in enumerate(self.members):
+            for pos, layer in enumerate(m):
+                lay = cache.layers[layer]
+                kv = torch.cat([lay.keys, lay.values], -1)[0]  # [H, n, K||V]
+                pages = kv.view(kv.shape[0], self.nblk, BLOCK, -1).permute(1, 0, 2, 3)
+                self.caches[g][pos][src] = pages
+        _, runs = self.plan.saves(
+            self.chunk_ids, [self.src, self.src], 0, 0, lambda g, ids, b: ChunkRun("save", ids, b, group=g)
+        )
+        self.ws.save(KVTierMetadata(saves=runs, release={"save"}, step=1))
+        self._sync()
+        self.ws.finished(set())  # the saves settled: their chunks held
+
+    def _sync(self) -> None:
+        self.ws.wait_submitted()  # the saver and loader threads queued what they were handed
+        if self.ctx.on_gpu:
+            torch.cuda.synchronize(self.ctx.device)
+        else:
+            self.ws.dev.synchronize()
+
+    # -- the row ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def recompute(self) -> int:
+        return int(self.model(self.ids).logits[0, -1].argmax())
+
+    def load_meta(self):
+        from kvtier.integrations.vllm.metadata import ChunkRun, KVTierMetadata
+
+        self._tag += 1
+        tag = self._tag
+
+        def make(g, c0, ids, bids, skip):
+            return ChunkRun("hit", ids, bids, skip, tag, True, ("host",) * len(ids), group=g)
+
+        runs = self.plan.loads(self.chunk_ids, [self.dst, self.dst], 0, self.chunks, make)
+        for r in runs:
+            r.parts = len(runs)
+        return KVTierMetadata(loads=runs, step=self._tag + 1)
+
+    @torch.no_grad()
+    def hit(self) -> tuple[int, bool]:
+        """One hit: (its first token, every chunk of every group delivered from the host)."""
+        from transformers import DynamicCache
+
+        ws, meta = self.ws, self.load_meta()
+        ws.handle_preemptions(meta)
+        ws.start_load(meta)  # background: the loader thread copies, the request waits
+        ws.save(meta)  # wait_for_save: nothing to save
+        while not (ws.finished(set())[1] or set()) & {"hit"}:  # vLLM polls get_finished each step
+            time.sleep(0)
+        ok = not ws.failed_receipts()
+        cache = DynamicCache()
+        first = self.plan.groups[0].first_needed(self.chunks, self.plan.bpcs[0])
+        for layer in range(len(self.model.model.layers)):
+            g = 0 if layer in self.members[0] else 1
+            view = self.caches[g][self.members[g].index(layer)]
+            lo = first if g == 0 else 0  # a window layer reads only the blocks before the hit's end
+            kv = torch.zeros(
+                1, view.shape[1], self.n, view.shape[3], dtype=self.dtype, device=self.ctx.device
+            )
+            blocks = view[self._dst_ids[lo:]]  # [blocks, H, N, K||V]
+            kv[0, :, lo * BLOCK :] = blocks.permute(1, 0, 2, 3).reshape(view.shape[1], -1, view.shape[3])
+            d = view.shape[3] // 2
+            cache.update(kv[..., :d].contiguous(), kv[..., d:].contiguous(), layer)
+        logits = self.model(self.ids[:, self.n :], past_key_values=cache, use_cache=True).logits
+        stats = ws.stats()
+        return int(logits[0, -1].argmax()), ok and stats.get("miss_chunks", 0) == 0
+
+    def exact(self) -> bool:
+        """Every group's blocks a hit loads equal, bit for bit, the blocks they were saved from."""
+        first = self.plan.groups[0].first_needed(self.chunks, self.plan.bpcs[0])
+        for g, cache in enumerate(self.caches):
+            lo = first if g == 0 else 0
+            a = cache[:, self.dst[lo:]].contiguous().view(torch.uint8)
+            b = cache[:, self.src[lo:]].contiguous().view(torch.uint8)
+            if not torch.equal(a, b):
+                return False
+        return True
+
+    def poison(self) -> None:
+        for cache in self.caches:
+            cache[:, self.dst] = torch.tensor(-7.0, dtype=self.dtype)
+
+    def row(self):
+        want = self.recompute()
+        reps = 2 if self.ctx.quick else 3
+        rec = _runs(self.ctx, lambda: self.recompute(), reps)
+        self.poison()  # only the loads can make the hit's blocks right
+        hits, firsts = [], []
+
+        def once() -> None:
+            tok, ok = self.hit()
+            hits.append(ok)
+            firsts.append(tok)
+
+        t = _runs(self.ctx, once, reps, before=self._sync)
+        self._sync()
+        ok = all(hits) and self.exact()
+        mb = {
+            f"loaded_mb_{g.kind}": sum(len(r.ids) for r in self.load_meta().loads if r.group == i)
+            * self.ws.stores[i].fmt.nbytes
+            / 1e6
+            for i, g in enumerate(self.groups)
+        }
+        nbytes = int(sum(mb.values()) * 1e6)
+        link = "h2d_pinned" if self.ctx.on_gpu else "host_memcpy"
+        return self.ctx.row(
+            f"ttft_hit hybrid {self.name} {self.n}",
+            max(nbytes, 1),
+            t,
+            link,
+            correct=ok,
+            model=self.name,
+            prefix_tokens=self.n,
+            window=self.window,
+            chunk_tokens=self.plan.ct,
+            hit_ms=t.median_ms,
+            recompute_ms=rec.median_ms,
+            speedup=rec.median_ms / t.median_ms,
+            first_token_match=all(f == want for f in firsts),
+            path="hit: background load per group, then transformers' forward of the next token",
+            **mb,
+        )
+
+    def close(self) -> None:
+        self.ws.shutdown()
+
+
+def _runs(ctx: Context, once, reps: int, before=None):
+    """One warm-up and ``reps`` timed runs of once(); their Timing (perf_counter)."""
+    samples = []
+    for i in range(1 + reps):
+        if before is not None:
+            before()
+        if ctx.on_gpu:
+            torch.cuda.synchronize(ctx.device)  # earlier GPU work must not be billed to this run
+        t0 = time.perf_counter()
+        once()
+        if ctx.on_gpu:
+            torch.cuda.synchronize(ctx.device)
+        if i:
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return summarize(samples, "perf_counter")

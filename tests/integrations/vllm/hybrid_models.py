@@ -1,0 +1,184 @@
+"""Hybrid models' KV cache configs as vLLM 0.33 builds them, from each model's own config.json
+(shipped under ``data/``, no weights): the per-layer specs as the model's attention layers make
+them, then vLLM's own grouping (`get_global_kv_cache_groups`, `get_kv_cache_configs`) and the
+engine core's resolution of the block sizes.
+
+    MODELS                               name -> data folder
+    hybrid_vllm_config(tmp, name, extra)  a VllmConfig of that model with kvtier's connector
+    layer_specs(cfg)                     {layer name: KVCacheSpec} as the model's layers make them
+    hybrid_kv_cache_config(cfg, blocks)  (the workers' KVCacheConfig, the scheduler's, scheduler
+                                         block size, hash block size)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+DATA = Path(__file__).parent / "data"
+MODELS = {
+    "gpt-oss-20b": "gpt-oss-20b",
+    "gemma-3-4b": "gemma-3-4b-it",
+    "deepseek-v3.2": "DeepSeek-V3.2",
+    "qwen3-next": "Qwen3-Next-80B-A3B-Instruct",
+}
+BLOCK = 16
+
+
+def hybrid_vllm_config(
+    tmp: Path, name: str, extra: dict, *, max_model_len: int = 2048, batched: int = 2048, tp_size: int = 1
+):
+    from vllm.config import (
+        CacheConfig,
+        KVTransferConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    folder = tmp / MODELS[name]
+    if not folder.exists():
+        shutil.copytree(DATA / MODELS[name], folder)
+    # Gemma 3's multimodal class needs torchvision to be inspected; its language model is vLLM's
+    # Gemma3ForCausalLM over the same text_config (the KV cache is the language model's alone).
+    over = {"architectures": ["Gemma3ForCausalLM"]} if name.startswith("gemma") else {}
+    mc = ModelConfig(
+        model=str(folder),
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=max_model_len,
+        hf_overrides=over,
+    )
+    cfg = VllmConfig(
+        model_config=mc,
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=batched,
+            max_model_len=max_model_len,
+            is_encoder_decoder=False,
+            disable_hybrid_kv_cache_manager=False,
+        ),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVTierConnector",
+            kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"choice": "load", **extra},
+            kv_load_failure_policy="recompute",
+        ),
+    )
+    cfg.cache_config.kv_cache_layout = "LBHNC"  # the engine core's resolution, done here
+    cfg.scheduler_config.async_scheduling = False
+    return cfg
+
+
+def layer_specs(cfg) -> dict:
+    """Each attention layer's KVCacheSpec as vLLM 0.33's model code makes it (`Attention`'s,
+    `MLAAttention`'s, the DSA indexer cache's and the gated delta net's `get_kv_cache_spec`),
+    for the architecture of ``cfg``'s config.json, at its TP size (each rank its share of the KV
+    heads; MLA's latent and the indexer's keys on every rank), KV cache dtype "auto"."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    hf = cfg.model_config.hf_text_config
+    arch = cfg.model_config.architectures[0]
+    bs, dtype = cfg.cache_config.block_size, torch.bfloat16
+    tp = cfg.parallel_config.tensor_parallel_size
+    specs: dict = {}
+    if arch in ("GptOssForCausalLM", "Gemma3ForCausalLM"):
+        head = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        prefix = "model.layers"
+        for i, kind in enumerate(hf.layer_types):
+            kv_heads = max(1, hf.num_key_value_heads // tp)
+            common = dict(block_size=bs, num_kv_heads=kv_heads, head_size=head, dtype=dtype)
+            name = f"{prefix}.{i}.self_attn.attn"
+            if kind == "sliding_attention":
+                specs[name] = SlidingWindowSpec(sliding_window=hf.sliding_window, **common)
+            else:
+                specs[name] = FullAttentionSpec(**common)
+    elif arch == "DeepseekV32ForCausalLM":
+        from vllm.v1.kv_cache_interface import SparseCacheRole
+
+        indexer = hf.index_head_dim + hf.index_head_dim // 128 * 4  # fp8 keys and their fp32 scales
+        for i in range(hf.num_hidden_layers):
+            specs[f"model.layers.{i}.self_attn.mla_attn"] = MLAAttentionSpec(
+                block_size=bs,
+                num_kv_heads=1,
+                max_tp_shards=1,
+                head_size=hf.kv_lora_rank + hf.qk_rope_head_dim,
+                dtype=dtype,
+                cache_dtype_str="auto",
+                is_index_group_leader=True,
+            )
+            specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
+                block_size=bs,
+                num_kv_heads=1,
+                max_tp_shards=1,
+                head_size=indexer,
+                dtype=torch.uint8,
+                cache_role=SparseCacheRole.INDEXER,
+            )
+    elif arch == "Qwen3NextForCausalLM":
+        from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        shapes = Qwen3NextForCausalLM.get_mamba_state_shape_from_config(cfg)
+        dtypes = Qwen3NextForCausalLM.get_mamba_state_dtype_from_config(cfg)
+        for i, kind in enumerate(hf.layer_types):
+            if kind == "full_attention":
+                specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(
+                    block_size=bs,
+                    num_kv_heads=max(1, hf.num_key_value_heads // tp),
+                    head_size=hf.head_dim,
+                    dtype=dtype,
+                )
+            else:
+                specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
+                    shapes=tuple(shapes),
+                    dtypes=tuple(dtypes),
+                    block_size=cfg.cache_config.mamba_block_size or bs,
+                    mamba_type="gdn_attention",
+                    mamba_cache_mode=cfg.cache_config.mamba_cache_mode,
+                )
+    else:
+        raise ValueError(f"no layer specs for {arch}")
+    return specs
+
+
+def hybrid_kv_cache_config(cfg, num_blocks: int):
+    """vLLM's KVCacheConfig for ``cfg``'s model with about ``num_blocks`` blocks, resolved as
+    vLLM's engine core resolves it: (the workers' config, the scheduler's (one spec per group),
+    scheduler block size, hash block size)."""
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+    from vllm.v1.core.kv_cache_utils import (
+        generate_scheduler_kv_cache_config,
+        resolve_cache_hit_alignment_tokens,
+        resolve_kv_cache_block_sizes,
+    )
+
+    specs = layer_specs(cfg)
+    groups = get_global_kv_cache_groups(cfg, [specs])
+    page = max(s.page_size_bytes for g in groups for s in _specs_in(g.kv_cache_spec))
+    memory = page * max(len(g.layer_names) for g in groups) * num_blocks  # the groups overlay
+    kccs = get_kv_cache_configs(cfg, [specs], [memory], groups)
+    for k in kccs:
+        k.kv_cache_layout = cfg.cache_config.kv_cache_layout
+    kcc = generate_scheduler_kv_cache_config(kccs)
+    cfg.cache_config.num_gpu_blocks = kcc.num_blocks
+    cfg.cache_config.block_size = min(g.kv_cache_spec.block_size for g in kcc.kv_cache_groups)
+    sched_bs, hash_bs = resolve_kv_cache_block_sizes(kcc, cfg)
+    align = resolve_cache_hit_alignment_tokens(kcc, cfg, sched_bs, hash_bs)
+    for k in (*kccs, kcc):
+        k.hash_block_size, k.cache_hit_alignment_tokens = hash_bs, align
+    return kccs[0], kcc, sched_bs, hash_bs
+
+
+def _specs_in(spec) -> list:
+    inner = getattr(spec, "kv_cache_specs", None)
+    return list(inner.values()) if isinstance(inner, dict) else [spec]
