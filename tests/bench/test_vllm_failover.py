@@ -120,12 +120,10 @@ def test_the_row_sees_chunks_saved_from_a_failed_load(monkeypatch):
     blocks that never loaded: the row says so."""
     from kvtier.integrations.vllm.scheduler import SchedulerSide
 
-    def eager(self, meta, st, computed_after):
-        if st.load is not None:
-            meta.loads.append(st.load)
-            st.loading, self._tag_req[st.load.tag] = st.load.tag, st.request.request_id
-            st.load = None
-        st.computed = computed_after
+    def eager(self, meta, st, before, computed_after):
+        if st.load:
+            self._send_load(meta, st)
+        st.computed, st.before = computed_after, before
         self._add_save(meta, st.request.request_id, st)  # not held back
 
     monkeypatch.setattr(SchedulerSide, "_scheduled", eager)
