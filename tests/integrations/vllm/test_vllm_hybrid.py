@@ -312,3 +312,45 @@ def test_at_tp2_a_hit_needs_every_rank_and_one_rank_failing_takes_it_back(tmp_pa
         assert not e.violations() and e.outputs["c"][0] == e.first_token(a)
     finally:
         e.close()
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "deepseek-v3.2"])
+def test_after_a_restart_every_group_is_hit_on_the_disk(tmp_path, name):
+    extra = {"chunk_tokens": 64, **HOST, "disk_path": str(tmp_path / "disk")}
+    a = _prompt(300)
+    e = HybridEngine(tmp_path, name, extra, **ARGS[name])
+    try:
+        e.add("a", a)
+        e.settle()  # write-through: every group's chunks are on the disk
+    finally:
+        e.close()
+    e = HybridEngine(tmp_path, name, extra, **ARGS[name])  # a new server: empty hosts, the same disk
+    try:
+        e.add("b", a, max_tokens=3)
+        e.settle()
+        assert max(n for _, n in e.run_loads("b")) == 4 and not e.failed_receipts()
+        assert not e.violations() and e.outputs["b"][0] == e.first_token(a)
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("name", ["gpt-oss-20b", "deepseek-v3.2"])
+def test_a_host_smaller_than_the_working_set_is_granted_only_what_every_group_holds(tmp_path, name):
+    probe = HybridEngine(tmp_path / "probe", name, {"chunk_tokens": 64, **HOST}, **ARGS[name])
+    chunk = sum(st.fmt.nbytes for st in probe.ranks[0].ws.stores)  # one chunk's units, every group
+    probe.close()
+    e = HybridEngine(tmp_path, name, {"chunk_tokens": 64, "host_bytes": 6 * chunk}, **ARGS[name])
+    try:
+        prompts = [_prompt(300, seed=s) for s in range(4)]
+        for i, p in enumerate(prompts):  # 16 chunks through a host of 6: the first ones evicted
+            e.add(f"a{i}", p)
+            e.settle()
+        for i, p in reversed(list(enumerate(prompts))):
+            e.sched.reset_prefix_cache()
+            e.add(f"b{i}", p, max_tokens=2)
+            e.settle()
+            assert not e.violations() and e.outputs[f"b{i}"][0] == e.first_token(p)
+        assert max(n for _, n in e.run_loads("b3")) == 4  # the last saved: held whole
+        assert e.run_loads("b0") == [] and not e.failed_receipts()  # evicted: never granted
+    finally:
+        e.close()
