@@ -33,14 +33,8 @@ BLOCK = 16
 def hybrid_vllm_config(
     tmp: Path, name: str, extra: dict, *, max_model_len: int = 2048, batched: int = 2048, tp_size: int = 1
 ):
-    from vllm.config import (
-        CacheConfig,
-        KVTransferConfig,
-        ModelConfig,
-        ParallelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
+    from vllm.config import ModelConfig
+    from vllm_utils import engine_config
 
     folder = tmp / MODELS[name]
     if not folder.exists():
@@ -55,24 +49,8 @@ def hybrid_vllm_config(
         max_model_len=max_model_len,
         hf_overrides=over,
     )
-    cfg = VllmConfig(
-        model_config=mc,
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=8,
-            max_num_batched_tokens=batched,
-            max_model_len=max_model_len,
-            is_encoder_decoder=False,
-            disable_hybrid_kv_cache_manager=False,
-        ),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KVTierConnector",
-            kv_connector_module_path="kvtier.integrations.vllm",
-            kv_role="kv_both",
-            kv_connector_extra_config={"choice": "load", **extra},
-            kv_load_failure_policy="recompute",
-        ),
+    cfg = engine_config(
+        mc, {"choice": "load", **extra}, hybrid=True, tp_size=tp_size, max_num_batched_tokens=batched
     )
     cfg.cache_config.kv_cache_layout = "LBHNC"  # the engine core's resolution, done here
     cfg.scheduler_config.async_scheduling = False

@@ -46,14 +46,7 @@ def create_vllm_config(
     max_num_seqs: int = 8,
     max_model_len: int = 2048,
 ):
-    from vllm.config import (
-        CacheConfig,
-        KVTransferConfig,
-        ModelConfig,
-        ParallelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
+    from vllm.config import ModelConfig
 
     if "kvtier" not in extra and "choice" not in extra:
         # The stand-in models cost about the same per step whatever its tokens, so the planner
@@ -65,15 +58,43 @@ def create_vllm_config(
     mc = ModelConfig(
         model=str(tmp / "model"), skip_tokenizer_init=True, dtype="float16", max_model_len=max_model_len
     )
-    cfg = VllmConfig(
+    cfg = engine_config(
+        mc,
+        extra,
+        hybrid=False,
+        tp_size=tp_size,
+        policy=policy,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+    )
+    # vLLM's CPU platform turns async scheduling off; the scheduler's behaviour is what we test.
+    cfg.scheduler_config.async_scheduling = async_scheduling
+    return cfg
+
+
+def engine_config(
+    mc,
+    extra: dict,
+    *,
+    hybrid: bool,
+    tp_size: int = 1,
+    policy: str = "recompute",
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 8,
+):
+    """vLLM's config over model config ``mc`` with kvtier's connector (``extra``: its settings),
+    prefix caching on, vLLM's hybrid KV cache manager on or off (``hybrid``)."""
+    from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, SchedulerConfig, VllmConfig
+
+    return VllmConfig(
         model_config=mc,
         cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
+            max_model_len=mc.max_model_len,
             is_encoder_decoder=False,
-            disable_hybrid_kv_cache_manager=True,
+            disable_hybrid_kv_cache_manager=not hybrid,
         ),
         parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
         kv_transfer_config=KVTransferConfig(
@@ -84,9 +105,6 @@ def create_vllm_config(
             kv_load_failure_policy=policy,
         ),
     )
-    # vLLM's CPU platform turns async scheduling off; the scheduler's behaviour is what we test.
-    cfg.scheduler_config.async_scheduling = async_scheduling
-    return cfg
 
 
 def layer_names() -> list[str]:
