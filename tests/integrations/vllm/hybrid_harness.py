@@ -28,6 +28,7 @@ import torch
 from hybrid_models import hybrid_kv_cache_config, hybrid_vllm_config
 from stand_in import P, Violation, mix
 from vllm_harness import STALL_S, Engine
+from vllm_utils import _computed_of
 
 POISON = 255  # every byte before anything wrote it: 0xFFFFFF is above every value (< P)
 
@@ -315,11 +316,3 @@ def _views(kcc) -> dict:
 def _layer_order(name: str) -> tuple[int, str]:
     parts = name.split(".")
     return int(parts[2]), name  # model.layers.<i>....: the model's order, MLA before its indexer
-
-
-def _computed_of(so, rid: str) -> int:
-    for new in so.scheduled_new_reqs:
-        if new.req_id == rid:
-            return new.num_computed_tokens
-    cr = so.scheduled_cached_reqs
-    return cr.num_computed_tokens[cr.req_ids.index(rid)]

@@ -36,6 +36,7 @@ from vllm_utils import (
     HEAD_DIM,
     HEADS,
     NUM_LAYERS,
+    _computed_of,
     create_kv_cache_config,
     create_model_runner_output,
     create_request,
@@ -393,14 +394,6 @@ def _capture(rk: Rank) -> list[list]:
     finally:
         del rk.ws.capturing
     return graph
-
-
-def _computed_of(so, rid: str) -> int:
-    for new in so.scheduled_new_reqs:
-        if new.req_id == rid:
-            return new.num_computed_tokens
-    cr = so.scheduled_cached_reqs
-    return cr.num_computed_tokens[cr.req_ids.index(rid)]
 
 
 def _cow(rk: Rank, copies) -> None:

@@ -18,6 +18,7 @@ from vllm_utils import (
     HEAD_DIM,
     HEADS,
     NUM_LAYERS,
+    _computed_of,
     create_kv_cache_config,
     create_request,
     create_scheduler,
@@ -126,14 +127,6 @@ def _blocks_of(so) -> dict[str, list[int]]:
         elif nb:
             _BLOCKS[rid] = _BLOCKS.get(rid, []) + list(nb[0])
     return _BLOCKS
-
-
-def _computed_of(so, rid: str) -> int:
-    for new in so.scheduled_new_reqs:
-        if new.req_id == rid:
-            return new.num_computed_tokens
-    cr = so.scheduled_cached_reqs
-    return cr.num_computed_tokens[cr.req_ids.index(rid)]
 
 
 def run_step(sched, workers: list, requests: dict, sample: int = 7):

@@ -160,3 +160,12 @@ def create_model_runner_output(req_ids: list[str], sampled: dict[str, list[int]]
         sampled_token_ids=[sampled.get(r, []) for r in req_ids],
         kv_connector_output=kv_output,
     )
+
+
+def _computed_of(so, rid: str) -> int:
+    """The tokens ``rid`` had computed when scheduler output ``so`` was made."""
+    for new in so.scheduled_new_reqs:
+        if new.req_id == rid:
+            return new.num_computed_tokens
+    cr = so.scheduled_cached_reqs
+    return cr.num_computed_tokens[cr.req_ids.index(rid)]
