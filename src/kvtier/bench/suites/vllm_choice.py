@@ -19,6 +19,8 @@ every run then asks for the same prompt on other blocks.
                                 engine's step times and the workers' read rates from the runs
                                 before), then done as vLLM does it; params: vs_best (its first
                                 token over the fastest option's), choice, chunks, predicted_ms
+                                (the last run's), runs (each run's choice and time, the warm-up
+                                first)
   step_beside_read <tier> <n>   a decode step of a running request (one token after n, the
                                 graphed forward of `GraphedTail`, every hook around it) while a
                                 waiting request's n-token prefix is read from the tier and loaded,
@@ -206,13 +208,15 @@ class Cell:
         )
         self.label = f"{tier} {n} tokens"
         self._runs = 0
+        self.picks: list[str] = []  # per choice run, the warm-up first: what it chose and took
         self.exact = True  # every run's loaded blocks equal the saved ones
 
     # -- one engine step, in vLLM's order -------------------------------------------------------
 
     def step(self, meta, forward=None):
         """handle_preemptions -> start_load -> the forward -> wait_for_save -> get_finished -> load
-        errors -> the worker's report into the scheduler; (forward's output, received, errors)."""
+        errors -> the sampled token on the host -> the worker's report into the scheduler;
+        (forward's output, received, errors)."""
         ws = self.r.ws
         ws.handle_preemptions(meta)
         ws.start_load(meta)
@@ -220,6 +224,10 @@ class Cell:
         ws.save(meta)
         _, received = ws.finished(set())
         errors = ws.load_errors()
+        if isinstance(out, torch.Tensor) and out.is_cuda:
+            # vLLM's step ends with its sampled tokens on the host: the step time the scheduler
+            # side fits (build to report) holds the forward's GPU time, as in the engine
+            torch.cuda.current_stream(out.device).synchronize()
         self.sched.update(SimpleNamespace(kv_connector_worker_meta=ws.report()))
         return out, received or set(), errors
 
@@ -340,6 +348,8 @@ class Cell:
         self._check(landed)
         choice = self.sched.choice(rid)
         self.sched.finished(req)
+        kind = "recompute" if choice is None else f"{choice.kind} {choice.chunks} {choice.tier}"
+        self.picks.append(f"{kind}: {dt * 1e3:.1f} ms, {landed // self.ct} chunks landed")
         return dt, {"landed": landed, "choice": choice}
 
     def _run(self, rid: str, chunks: int, budget_s: float | None):
@@ -439,6 +449,7 @@ class Cell:
             predicted_ms=None if c is None else c.predicted_ms,
             predicted_recompute_ms=None if c is None else c.recompute_ms,
             absent=",".join(sorted(self.sched.absent)),
+            runs=self.picks,
             **common,
         )
 
