@@ -157,3 +157,35 @@ def test_first_tokens_are_timed_from_the_first_lookup_to_the_report_of_their_ste
     assert firsts.take() == []
     firsts.reported(7, now=1.02 + 1.0)
     assert firsts.take() == [["split", "host", 12.0, pytest.approx(1020.0)]]
+
+
+def test_a_step_that_carries_a_load_is_not_fitted_as_a_forward_and_its_extra_cost_is_learned():
+    times = StepTimes(2048)
+    _steps(times)
+    fit = times.coefficients()
+    work = 64 * (2048 + 32)
+    times.built(1, 64, work, now=0.0)
+    times.loading(1)  # this step's forward waits for its layers' loads
+    times.reported(1, now=(A + B * 64 + C * work + 25.0) / 1e3)
+    assert times.coefficients() == pytest.approx(fit)  # the fit is the forward's alone
+    assert times.in_step_extra_ms() == pytest.approx(25.0)
+    times.built(2, 64, work, now=1.0)  # a step with no load: fitted, no extra cost
+    times.reported(2, now=1.0 + (A + B * 64 + C * work) / 1e3)
+    assert times.in_step_extra_ms() == pytest.approx(25.0)
+
+
+@pytest.mark.parametrize("extra_ms, in_step", [(5.0, True), (40.0, False)])
+def test_a_host_hit_loads_in_the_step_only_where_that_lands_sooner_than_in_the_background(extra_ms, in_step):
+    ch = _chooser()
+    work = 64 * (2048 + 32)
+    first = ch.choose(["host"] * 32, 0, 32 * CT + 64, in_step=True)
+    assert first.in_step  # nothing measured yet: the copies hide under the forward, for free
+    ch.steps.built(1, 64, work, now=0.0)
+    ch.steps.loading(1)  # loads in a step cost this engine extra_ms over the forward
+    ch.steps.reported(1, now=(A + B * 64 + C * work + extra_ms) / 1e3)
+    c = ch.choose(["host"] * 32, 0, 32 * CT + 64, in_step=True)
+    background = ch.choose(["host"] * 32, 0, 32 * CT + 64, in_step=False)
+    # in the background: the load (~21 ms at 50 GB/s), half a step's wait, then the forward; in
+    # the step: the load under the forward, plus what such a step costs
+    assert (c.kind, c.in_step, background.in_step) == ("load", in_step, False)
+    assert c.predicted_ms == pytest.approx(min(first.predicted_ms + extra_ms, background.predicted_ms))

@@ -18,7 +18,10 @@ fp32 on the CPU (tiny). The KV the hit loads is the prompt's own, computed by a 
 out as vLLM 0.33 lays out each group (LBHNC views [blocks, kv_heads, tokens, K||V]), saved
 through the worker's hooks first.
 
-Params: ``speedup`` (recompute over hit, medians), hit_ms, recompute_ms, ``first_token_match``
+Params: ``speedup`` (recompute over hit, medians), hit_ms, recompute_ms, its parts (medians):
+load_ms (start_load to get_finished), gather_ms (the rig's copy of the loaded blocks into
+transformers' dense cache, which vLLM's attention does not need: it reads the blocks), forward_ms
+(the next token's forward and its token on the host), ``first_token_match``
 (the hit's first token is the recompute's, every run), loaded_mb per group; ``correct``: every
 run loaded every chunk from the host with no failed receipt, and every group's loaded blocks
 equal its saved ones bit for bit. One warm-up and 3 timed runs (quick: 2), perf_counter, the
@@ -27,6 +30,7 @@ device idle before each.
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -140,6 +144,7 @@ class HybridRig:
         self.ids = torch.randint(1, spec["vocab_size"], (1, n + 1), generator=g).to(ctx.device)
         self.chunk_ids = [f"{name}:{n}:{i}".encode() for i in range(self.chunks)]
         self._tag = 0
+        self.phases: list[tuple[float, float, float]] = []  # per hit: load, gather, forward (ms)
         self._fill_and_save()
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -201,12 +206,14 @@ class HybridRig:
         from transformers import DynamicCache
 
         ws, meta = self.ws, self.load_meta()
+        t0 = time.perf_counter()
         ws.handle_preemptions(meta)
         ws.start_load(meta)  # background: the loader thread copies, the request waits
         ws.save(meta)  # wait_for_save: nothing to save
         while not (ws.finished(set())[1] or set()) & {"hit"}:  # vLLM polls get_finished each step
             time.sleep(0)
         ok = not ws.failed_receipts()
+        t1 = time.perf_counter()
         cache = DynamicCache()
         first = self.plan.groups[0].first_needed(self.chunks, self.plan.bpcs[0])
         for layer in range(len(self.model.model.layers)):
@@ -220,9 +227,15 @@ class HybridRig:
             kv[0, :, lo * BLOCK :] = blocks.permute(1, 0, 2, 3).reshape(view.shape[1], -1, view.shape[3])
             d = view.shape[3] // 2
             cache.update(kv[..., :d].contiguous(), kv[..., d:].contiguous(), layer)
+        if self.ctx.on_gpu:
+            torch.cuda.synchronize(self.ctx.device)  # the gather's kernels are timed as the gather
+        t2 = time.perf_counter()
         logits = self.model(self.ids[:, self.n :], past_key_values=cache, use_cache=True).logits
+        tok = int(logits[0, -1].argmax())
+        t3 = time.perf_counter()
+        self.phases.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3))
         stats = ws.stats()
-        return int(logits[0, -1].argmax()), ok and stats.get("miss_chunks", 0) == 0
+        return tok, ok and stats.get("miss_chunks", 0) == 0
 
     def exact(self) -> bool:
         """Every group's blocks a hit loads equal, bit for bit, the blocks they were saved from."""
@@ -253,6 +266,8 @@ class HybridRig:
 
         t = _runs(self.ctx, once, reps, before=self._sync)
         self._sync()
+        timed = self.phases[1:]  # the warm-up's left out, as in t
+        load_ms, gather_ms, forward_ms = (statistics.median(p[i] for p in timed) for i in range(3))
         ok = all(hits) and self.exact()
         mb = {
             f"loaded_mb_{g.kind}": sum(len(r.ids) for r in self.load_meta().loads if r.group == i)
@@ -276,6 +291,9 @@ class HybridRig:
             recompute_ms=rec.median_ms,
             speedup=rec.median_ms / t.median_ms,
             first_token_match=all(f == want for f in firsts),
+            load_ms=load_ms,
+            gather_ms=gather_ms,
+            forward_ms=forward_ms,
             path="hit: background load per group, then transformers' forward of the next token",
             **mb,
         )

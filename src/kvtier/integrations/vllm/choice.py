@@ -19,6 +19,13 @@ background, whose copies land before its forward; ``hit_fixed_ms``: half a step,
 background load that landed for the step it landed in to end). A full load gives way only to an
 option predicted `MARGIN` faster.
 
+A hit the host holds whole may load in the step, layer by layer under its forward, where
+``load_async`` lets it (nothing else running). Each such K is planned both ways and done the faster
+(`Choice.in_step`): in the step the copies hide under the forward but the step pays what loads in
+a step cost this engine over its forward alone (`StepTimes.in_step_extra_ms`, measured from the
+steps that carried one); in the background they come first, whole, and the request waits for a
+step. A short hit may then land sooner in the background, a long one in the step.
+
 Choice.budget_s is the deadline the plan gives a lower tier's read: the time after which the
 load would finish later than recomputing would have (the recompute's predicted time less the
 rest of the load: its copies, the wait for a step, its forward). A read not done by then is
@@ -56,7 +63,8 @@ class Choice:
     (every held chunk, not planned). chunks: the leading chunks granted (0: none). tier: the
     tier they are read from (`_read_tier`; "host": no read). predicted_ms / recompute_ms: the planned
     first token and a recompute's (None: not planned). budget_s: how long their lower-tier reads
-    may take (None: no lower-tier read). why: the plan's line."""
+    may take (None: no lower-tier read). why: the plan's line. in_step: loaded in the step rather
+    than in the background."""
 
     kind: str
     chunks: int
@@ -65,6 +73,7 @@ class Choice:
     recompute_ms: float | None
     budget_s: float | None
     why: str
+    in_step: bool = False  # the host's copies run in the step that computes the rest, layer by layer
 
 
 class Chooser:
@@ -96,19 +105,24 @@ class Chooser:
     def choose(self, tiers: list[str], computed: int, prompt_tokens: int, in_step: bool) -> Choice:
         """tiers: the tier of each held chunk from the first (cut where a chunk is held by no tier
         the plan may use). computed: the tokens vLLM holds already (its own prefix cache, block
-        aligned). prompt_tokens: the prompt's. in_step: a hit the host holds whole is loaded in
-        the step, layer by layer under its forward (not in the background)."""
+        aligned). prompt_tokens: the prompt's. in_step: a hit the host holds whole may load in
+        the step, layer by layer under its forward (else in the background)."""
         ct, n = self.chunk_tokens, len(tiers)
         first = computed // ct  # chunks [0, first) are vLLM's own; chunk `first` may be in part
         if n * ct <= computed:
             return Choice("recompute", 0, HOST, None, None, None, "nothing held past vLLM's own cache")
         if not self.enabled or self.spec is None or not self.steps.ready(ct):
             why = "planning off" if not self.enabled or self.spec is None else "no prefill measured yet"
-            return Choice("held", n, _read_tier(tiers[first:]), None, None, self._cap(tiers[first:]), why)
-        options = {}
+            read = tiers[first:]
+            return Choice("held", n, _read_tier(read), None, None, self._cap(read), why, in_step)
+        options, stepped = {}, {}
         for k in range(first + 1, n + 1):  # the end of each tier's run: where a faster K may lie
             if k == n or tiers[k] != tiers[k - 1]:
-                options[k] = self._plan(tiers, k, computed, prompt_tokens, in_step)
+                options[k] = self._plan(tiers, k, computed, prompt_tokens, False)
+                if in_step and all(t == HOST for t in tiers[first:k]):  # may load in the step
+                    p = self._plan(tiers, k, computed, prompt_tokens, True)
+                    if p.options["load"].ms < options[k].options["load"].ms:
+                        options[k], stepped[k] = p, True
         recompute = next(iter(options.values())).options["recompute"].ms
         full = options[n].options["load"].ms
         best_k = min(options, key=lambda k: (options[k].options["load"].ms, -k))
@@ -125,8 +139,16 @@ class Chooser:
         if any(t != HOST for t in read_tiers):
             read, _ = transfer_parts(p.path, p.matched_tokens, p.kv_bytes_per_token)
             budget = min(self.cap_s, max(0.0, recompute - best + read) / 1e3)
+        how = "in the step" if stepped.get(best_k) else "in the background"
         return Choice(
-            kind, best_k, _read_tier(read_tiers), best, recompute, budget, f"{kind} {best_k} | {p.why}"
+            kind,
+            best_k,
+            _read_tier(read_tiers),
+            best,
+            recompute,
+            budget,
+            f"{kind} {best_k} {how} | {p.why}",
+            stepped.get(best_k, False),
         )
 
     def _plan(self, tiers: list[str], k: int, computed: int, prompt_tokens: int, in_step: bool):
@@ -141,7 +163,8 @@ class Chooser:
             kv_dtype=self.kv_dtype,
             prefill_ms=lambda tokens, prefix: self.steps.prefill_ms(tokens, prefix + computed),
             pipelined=not background,
-            hit_fixed_ms=self.steps.step_ms() / 2 if background else 0.0,  # the step it lands in ends
+            # background: the step it lands in ends first; in the step: loads there cost the step
+            hit_fixed_ms=self.steps.step_ms() / 2 if background else self.steps.in_step_extra_ms(),
             kv_bytes_per_token=per_token,
         )
         tier = HOST

@@ -12,7 +12,8 @@ the workers report once), and answers vLLM from what the workers say their tiers
                                           a disk or shared tier may hold some; background: loaded
                                           while the request waits out of the batch (always when a
                                           chunk needs a lower tier's read; a hit the host holds as
-                                          ``load_async`` says: by default while others run)
+                                          ``load_async`` says: by default while others run, or
+                                          where the plan finds it lands sooner than in the step)
     after_alloc(request, blocks, n)       a hit becomes a load into the blocks vLLM allocated
     build_meta(scheduler_output)          loads, saves, preempted and released requests, the
                                           step's number -> `KVTierMetadata`
@@ -215,7 +216,8 @@ class SchedulerSide:
         self._hits[rid] = n
         if n * ct <= num_computed:
             return 0, False
-        background = not in_step or any(t != HOST for t in tiers[:n])  # a lower tier is never read in a step
+        # A lower tier is never read in a step; a host hit loads there only where the plan found it faster.
+        background = not (in_step and choice.in_step) or any(t != HOST for t in tiers[:n])
         (self._background.add if background else self._background.discard)(rid)
         return n * ct - num_computed, background
 
@@ -314,6 +316,8 @@ class SchedulerSide:
                     self._add_save(meta, rid, st)  # those held back until the workers' report
                 meta.release.add(rid)
                 self._forget(rid)
+        if any(not run.background for run in meta.loads):  # its time is a forward's and the load's
+            self.chooser.steps.loading(self._step)
         return meta
 
     def update(self, connector_output) -> None:
