@@ -164,14 +164,23 @@ def test_a_step_that_carries_a_load_is_not_fitted_as_a_forward_and_its_extra_cos
     _steps(times)
     fit = times.coefficients()
     work = 64 * (2048 + 32)
-    times.built(1, 64, work, now=0.0)
-    times.loading(1)  # this step's forward waits for its layers' loads
-    times.reported(1, now=(A + B * 64 + C * work + 25.0) / 1e3)
+    forward = A + B * 64 + C * work
+
+    def step(n: int, copy_ms: float | None, ms: float) -> None:
+        times.built(n, 64, work, now=10.0 * n)
+        if copy_ms is not None:
+            times.loading(n, copy_ms)  # this step's forward waits for its layers' loads
+        times.reported(n, now=10.0 * n + ms / 1e3)
+
+    step(1, 1.0, 2000.0)  # the first such step: a path's first use, not learned from
+    assert times.in_step_extra_ms() == 0.0
+    step(2, 1.0, forward + 25.0)  # copies shorter than the forward: 25 ms over the forward
     assert times.coefficients() == pytest.approx(fit)  # the fit is the forward's alone
     assert times.in_step_extra_ms() == pytest.approx(25.0)
-    times.built(2, 64, work, now=1.0)  # a step with no load: fitted, no extra cost
-    times.reported(2, now=1.0 + (A + B * 64 + C * work) / 1e3)
+    step(3, forward + 100.0, forward + 125.0)  # copies longer than the forward: 25 ms over them
+    step(4, None, forward)  # a step with no load: fitted, no extra cost
     assert times.in_step_extra_ms() == pytest.approx(25.0)
+    assert times.coefficients() == pytest.approx(fit)
 
 
 @pytest.mark.parametrize("extra_ms, in_step", [(5.0, True), (40.0, False)])
@@ -180,9 +189,10 @@ def test_a_host_hit_loads_in_the_step_only_where_that_lands_sooner_than_in_the_b
     work = 64 * (2048 + 32)
     first = ch.choose(["host"] * 32, 0, 32 * CT + 64, in_step=True)
     assert first.in_step  # nothing measured yet: the copies hide under the forward, for free
-    ch.steps.built(1, 64, work, now=0.0)
-    ch.steps.loading(1)  # loads in a step cost this engine extra_ms over the forward
-    ch.steps.reported(1, now=(A + B * 64 + C * work + extra_ms) / 1e3)
+    for n in (1, 2):  # the first such step is a first use, not learned from
+        ch.steps.built(n, 64, work, now=10.0 * n)
+        ch.steps.loading(n, ch.copy_ms(32))  # loads in a step cost this engine extra_ms over the overlap
+        ch.steps.reported(n, now=10.0 * n + (max(A + B * 64 + C * work, ch.copy_ms(32)) + extra_ms) / 1e3)
     c = ch.choose(["host"] * 32, 0, 32 * CT + 64, in_step=True)
     background = ch.choose(["host"] * 32, 0, 32 * CT + 64, in_step=False)
     # in the background: the load (~21 ms at 50 GB/s), half a step's wait, then the forward; in

@@ -349,6 +349,8 @@ class Cell:
         choice = self.sched.choice(rid)
         self.sched.finished(req)
         kind = "recompute" if choice is None else f"{choice.kind} {choice.chunks} {choice.tier}"
+        if choice is not None and choice.chunks:
+            kind += " in the background" if background else " in the step"
         self.picks.append(f"{kind}: {dt * 1e3:.1f} ms, {landed // self.ct} chunks landed")
         return dt, {"landed": landed, "choice": choice}
 

@@ -64,6 +64,7 @@ MODELS = {  # transformers Gemma3TextConfig fields; layer_types: 5 sliding to 1 
     ),
 }
 GPU_TOKENS, CPU_TOKENS = (8192, 32768), (256,)
+IDLE_STEP_S = 0.0005  # an idle engine step's own time while the request waits for its load
 
 
 def hybrid_rows(ctx: Context):
@@ -211,7 +212,7 @@ class HybridRig:
         ws.start_load(meta)  # background: the loader thread copies, the request waits
         ws.save(meta)  # wait_for_save: nothing to save
         while not (ws.finished(set())[1] or set()) & {"hit"}:  # vLLM polls get_finished each step
-            time.sleep(0)
+            time.sleep(IDLE_STEP_S)
         ok = not ws.failed_receipts()
         t1 = time.perf_counter()
         cache = DynamicCache()

@@ -3,6 +3,7 @@ left to vLLM's prefill, with kvtier's planner (`kvtier.planner.plan`) fed by wha
 measured. Torch-free: it runs in vLLM's scheduler.
 
     chooser.choose(tiers, computed, prompt_tokens, in_step) -> Choice
+    chooser.copy_ms(chunks)  the host's copies of that many chunks alone, at the measured rate
     chooser.steps            `StepTimes`: this engine's forward, from the steps vLLM ran
     chooser.rates            tier name -> (GB/s, fixed s) each tier delivered to the workers'
                              loads (`KVStore.read_rate`), "host": their copies into the GPU
@@ -177,6 +178,14 @@ class Chooser:
             tier = "disk"  # a read hop at the rate given, then the host's copies
             options |= dict(read_gbps=moved * per_token / seconds / 1e9, read_fixed_ms=fixed * 1e3)
         return plan(self.spec, self._gpu, tier, moved, prompt_tokens - k * ct, **options)
+
+    def copy_ms(self, chunks: int) -> float:
+        """The host's copies of ``chunks`` chunks into the GPU alone, at the rate the workers'
+        loads delivered (0 before one was measured)."""
+        host = self.rates.get(HOST)
+        if host is None or not self.spec and not self.chunk_bytes:
+            return 0.0
+        return chunks * self.chunk_tokens * self._bytes_per_token() / (host[0] * 1e6) + host[1] * 1e3
 
     def _read_rate(self, name: str) -> tuple[float, float]:
         """(GB/s, fixed s) tier `name` delivered; before its first read, the datasheet's figure

@@ -316,8 +316,9 @@ class SchedulerSide:
                     self._add_save(meta, rid, st)  # those held back until the workers' report
                 meta.release.add(rid)
                 self._forget(rid)
-        if any(not run.background for run in meta.loads):  # its time is a forward's and the load's
-            self.chooser.steps.loading(self._step)
+        in_step = [run for run in meta.loads if not run.background]
+        if in_step:  # its time is a forward's and the load's
+            self.chooser.steps.loading(self._step, self.chooser.copy_ms(sum(len(r.ids) for r in in_step)))
         return meta
 
     def update(self, connector_output) -> None:
