@@ -8,7 +8,8 @@ through vLLM's real Scheduler with the stand-in model that checks every read (`v
 - a tier measured slower than the prefill is not read: the host's chunks load, vLLM prefills the
   rest (a split);
 - a stalled or dead tier costs a recompute, never a stall; it is planned as absent until it
-  answers again.
+  answers again;
+- host hits loaded in the step teach the plan what such a load costs beyond its overlap.
 
 The disk's reads go through a `Gate` (fast, slow, stalled or failing). With ``choice: "auto"`` the
 stand-in's steps take PER_TOKEN per token scheduled, so a prefill costs what a model's does.
@@ -241,4 +242,29 @@ def test_a_stalled_or_dead_tier_costs_a_recompute_never_a_stall(tmp_path, monkey
         assert not e.violations("d") and e.outputs["d"][0] == e.first_token(PREFIX)
     finally:
         gate.heal()
+        e.close()
+
+
+def test_host_hits_loaded_in_the_step_teach_the_plan_what_such_a_load_costs(tmp_path):
+    e = _engine(tmp_path, {"choice": "auto"}, step_s_per_token=PER_TOKEN)
+    steps = e.sched.connector.scheduler_side.chooser.steps
+    try:
+        e.add("a", PREFIX)
+        e.settle()
+        for rid in ("b1", "b2", "b3"):
+            e.sched.reset_prefix_cache()  # vLLM's own cache forgets: the host's chunks are the hit
+            e.add(rid, PREFIX)
+            e.settle()
+            ((_, run),) = _load_runs(e, rid)
+            assert not run.background  # nothing else runs: in the step, layer by layer
+        firsts = _firsts(e)  # [choice, tier, planned ms, measured ms] per hit
+        assert [f[:2] for f in firsts] == [["load", "host"]] * 3
+        # b1's is the process's first: a first use, not learned from. b2 was planned with nothing
+        # learned; b3 with what b2's first token missed its plan by, beyond the overlap.
+        b2 = firsts[1][3] - firsts[1][2]
+        b3 = firsts[2][3] - (firsts[2][2] - max(0.0, b2))  # b2's miss, if it was late, planned for
+        assert len(steps._extra) == 2  # b2's and b3's
+        assert steps.in_step_extra_ms() == pytest.approx((max(0.0, b2) + max(0.0, b3)) / 2)
+        assert not e.violations() and e.outputs["b3"][0] == e.first_token(PREFIX)
+    finally:
         e.close()

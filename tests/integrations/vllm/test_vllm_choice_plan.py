@@ -159,43 +159,32 @@ def test_first_tokens_are_timed_from_the_first_lookup_to_the_report_of_their_ste
     assert firsts.take() == [["split", "host", 12.0, pytest.approx(1020.0)]]
 
 
-def test_a_step_that_carries_a_load_is_not_fitted_as_a_forward_and_its_extra_cost_is_learned():
+def test_a_step_that_carries_a_load_is_not_fitted_and_what_such_loads_missed_is_learned():
     times = StepTimes(2048)
     _steps(times)
     fit = times.coefficients()
-    work = 64 * (2048 + 32)
-    forward = A + B * 64 + C * work
-
-    def step(n: int, copy_ms: float | None, ms: float) -> None:
-        times.built(n, 64, work, now=10.0 * n)
-        if copy_ms is not None:
-            times.loading(n, copy_ms)  # this step's forward waits for its layers' loads
-        times.reported(n, now=10.0 * n + ms / 1e3)
-
-    step(1, 1.0, 2000.0)  # the first such step: a path's first use, not learned from
-    assert times.in_step_extra_ms() == 0.0
-    step(2, 1.0, forward + 25.0)  # copies shorter than the forward: 25 ms over the forward
+    times.built(1, 64, 64 * 2000.0, now=10.0)
+    times.loading(1)  # this step's forward waited for its layers' loads
+    times.reported(1, now=12.0)
     assert times.coefficients() == pytest.approx(fit)  # the fit is the forward's alone
-    assert times.in_step_extra_ms() == pytest.approx(25.0)
-    step(3, forward + 100.0, forward + 125.0)  # copies longer than the forward: 25 ms over them
-    step(4, None, forward)  # a step with no load: fitted, no extra cost
-    assert times.in_step_extra_ms() == pytest.approx(25.0)
-    assert times.coefficients() == pytest.approx(fit)
+    times.in_step_seen(2000.0)  # the first: a path's first use, not learned from
+    assert times.in_step_extra_ms() == 0.0
+    for missed in (20.0, 30.0, -5.0):  # a first token earlier than planned costs nothing extra
+        times.in_step_seen(missed)
+    assert times.in_step_extra_ms() == pytest.approx(20.0)
 
 
 @pytest.mark.parametrize("extra_ms, in_step", [(5.0, True), (40.0, False)])
 def test_a_host_hit_loads_in_the_step_only_where_that_lands_sooner_than_in_the_background(extra_ms, in_step):
     ch = _chooser()
-    work = 64 * (2048 + 32)
     first = ch.choose(["host"] * 32, 0, 32 * CT + 64, in_step=True)
-    assert first.in_step  # nothing measured yet: the copies hide under the forward, for free
-    for n in (1, 2):  # the first such step is a first use, not learned from
-        ch.steps.built(n, 64, work, now=10.0 * n)
-        ch.steps.loading(n, ch.copy_ms(32))  # loads in a step cost this engine extra_ms over the overlap
-        ch.steps.reported(n, now=10.0 * n + (max(A + B * 64 + C * work, ch.copy_ms(32)) + extra_ms) / 1e3)
+    assert first.in_step and first.step_extra_ms == 0.0  # nothing measured: the copies hide, for free
+    for _ in range(2):  # the first is a first use, not learned from
+        ch.steps.in_step_seen(extra_ms)  # such loads' first tokens came extra_ms after their plan's
     c = ch.choose(["host"] * 32, 0, 32 * CT + 64, in_step=True)
     background = ch.choose(["host"] * 32, 0, 32 * CT + 64, in_step=False)
     # in the background: the load (~21 ms at 50 GB/s), half a step's wait, then the forward; in
-    # the step: the load under the forward, plus what such a step costs
+    # the step: the load under the forward, plus what such loads missed
     assert (c.kind, c.in_step, background.in_step) == ("load", in_step, False)
     assert c.predicted_ms == pytest.approx(min(first.predicted_ms + extra_ms, background.predicted_ms))
+    assert c.step_extra_ms == (extra_ms if in_step else 0.0)

@@ -3,7 +3,6 @@ left to vLLM's prefill, with kvtier's planner (`kvtier.planner.plan`) fed by wha
 measured. Torch-free: it runs in vLLM's scheduler.
 
     chooser.choose(tiers, computed, prompt_tokens, in_step) -> Choice
-    chooser.copy_ms(chunks)  the host's copies of that many chunks alone, at the measured rate
     chooser.steps            `StepTimes`: this engine's forward, from the steps vLLM ran
     chooser.rates            tier name -> (GB/s, fixed s) each tier delivered to the workers'
                              loads (`KVStore.read_rate`), "host": their copies into the GPU
@@ -23,9 +22,10 @@ option predicted `MARGIN` faster.
 A hit the host holds whole may load in the step, layer by layer under its forward, where
 ``load_async`` lets it (nothing else running). Each such K is planned both ways and done the faster
 (`Choice.in_step`): in the step the copies hide under the forward but the step pays what loads in
-a step cost this engine over its forward alone (`StepTimes.in_step_extra_ms`, measured from the
-steps that carried one); in the background they come first, whole, and the request waits for a
-step. A short hit may then land sooner in the background, a long one in the step.
+a step cost this engine beyond that overlap (`StepTimes.in_step_extra_ms`: how much later than
+planned the first tokens of such loads came); in the background they come first, whole, and the
+request waits for a step. A short hit may then land sooner in the background, a long one in the
+step.
 
 Choice.budget_s is the deadline the plan gives a lower tier's read: the time after which the
 load would finish later than recomputing would have (the recompute's predicted time less the
@@ -65,7 +65,8 @@ class Choice:
     tier they are read from (`_read_tier`; "host": no read). predicted_ms / recompute_ms: the planned
     first token and a recompute's (None: not planned). budget_s: how long their lower-tier reads
     may take (None: no lower-tier read). why: the plan's line. in_step: loaded in the step rather
-    than in the background."""
+    than in the background; step_extra_ms: then the cost of that (`StepTimes.in_step_extra_ms`)
+    predicted_ms holds."""
 
     kind: str
     chunks: int
@@ -75,6 +76,7 @@ class Choice:
     budget_s: float | None
     why: str
     in_step: bool = False  # the host's copies run in the step that computes the rest, layer by layer
+    step_extra_ms: float = 0.0  # in_step: what predicted_ms holds for such a load beyond the overlap
 
 
 class Chooser:
@@ -150,6 +152,7 @@ class Chooser:
             budget,
             f"{kind} {best_k} {how} | {p.why}",
             stepped.get(best_k, False),
+            self.steps.in_step_extra_ms() if stepped.get(best_k) else 0.0,
         )
 
     def _plan(self, tiers: list[str], k: int, computed: int, prompt_tokens: int, in_step: bool):
@@ -178,14 +181,6 @@ class Chooser:
             tier = "disk"  # a read hop at the rate given, then the host's copies
             options |= dict(read_gbps=moved * per_token / seconds / 1e9, read_fixed_ms=fixed * 1e3)
         return plan(self.spec, self._gpu, tier, moved, prompt_tokens - k * ct, **options)
-
-    def copy_ms(self, chunks: int) -> float:
-        """The host's copies of ``chunks`` chunks into the GPU alone, at the rate the workers'
-        loads delivered (0 before one was measured)."""
-        host = self.rates.get(HOST)
-        if host is None or not self.spec and not self.chunk_bytes:
-            return 0.0
-        return chunks * self.chunk_tokens * self._bytes_per_token() / (host[0] * 1e6) + host[1] * 1e3
 
     def _read_rate(self, name: str) -> tuple[float, float]:
         """(GB/s, fixed s) tier `name` delivered; before its first read, the datasheet's figure

@@ -9,6 +9,7 @@ step's output carries the first token.
     firsts.scheduled(rid, step)        the step that computes its last prompt token
     firsts.reported(step)              that step's report came back
     firsts.take() -> [[kind, tier, predicted_ms, measured_ms], ...]   done since the last take
+                                       (each also to ``on_first(choice, measured_ms)`` at once)
     firsts.forget(rid)
 """
 
@@ -20,7 +21,10 @@ from .choice import Choice
 
 
 class FirstTokens:
-    def __init__(self) -> None:
+    """on_first(choice, measured_ms): called with each first token measured."""
+
+    def __init__(self, on_first=None) -> None:
+        self._on_first = on_first
         self._asked: dict[str, tuple[float, Choice]] = {}  # rid -> (first lookup, latest choice)
         self._steps: dict[int, list[str]] = {}  # step -> rids whose first token it computes
         self._done: list[list] = []
@@ -41,6 +45,8 @@ class FirstTokens:
                 if got is not None and old == step:
                     t0, c = got
                     self._done.append([c.kind, c.tier, c.predicted_ms, (now - t0) * 1e3])
+                    if self._on_first is not None:
+                        self._on_first(c, (now - t0) * 1e3)
 
     def take(self) -> list[list]:
         out, self._done = self._done, []

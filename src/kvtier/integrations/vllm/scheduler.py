@@ -171,7 +171,7 @@ class SchedulerSide:
         self._shared_keys: dict[str, tuple[int, set[bytes]]] = {}  # hybrid: (local hit, keys shared)
         self._absent: set[str] = set()  # tiers a worker found down or stalled: planned without
         self._step = 0  # the number of the latest step's metadata
-        self._firsts = FirstTokens()
+        self._firsts = FirstTokens(on_first=self._first_token)
 
     # -- vLLM's hooks --------------------------------------------------------------------------
 
@@ -316,9 +316,8 @@ class SchedulerSide:
                     self._add_save(meta, rid, st)  # those held back until the workers' report
                 meta.release.add(rid)
                 self._forget(rid)
-        in_step = [run for run in meta.loads if not run.background]
-        if in_step:  # its time is a forward's and the load's
-            self.chooser.steps.loading(self._step, self.chooser.copy_ms(sum(len(r.ids) for r in in_step)))
+        if any(not run.background for run in meta.loads):  # its time is a forward's and a load's
+            self.chooser.steps.loading(self._step)
         return meta
 
     def update(self, connector_output) -> None:
@@ -426,6 +425,12 @@ class SchedulerSide:
         tag = st.load[0].tag
         st.loading, self._tag_req[tag] = tag, st.request.request_id
         st.load = []
+
+    def _first_token(self, choice: Choice, measured_ms: float) -> None:
+        """A first token came: one loaded in the step teaches what such a load costs beyond the
+        plan's overlap of its copies and its forward."""
+        if choice.in_step and choice.predicted_ms is not None:
+            self.chooser.steps.in_step_seen(measured_ms - (choice.predicted_ms - choice.step_extra_ms))
 
     def _in_background(self, rid: str) -> bool:
         """Whether a hit of ``rid`` loads in the background (`VllmSettings.load_async`)."""

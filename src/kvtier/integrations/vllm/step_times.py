@@ -23,14 +23,14 @@ prefills that show b and c out of the fit.
     times.step_ms()                     the median of the recent steps, empty ones included: a
                                         request whose load lands waits about half of one for the
                                         next step that can schedule it
-    times.loading(step, copy_ms)        that step carries a load in the step (layer by layer under
-                                        its forward; its copies alone take copy_ms): its time is not
-                                        fitted as a forward's, and what it took over the longer of
-                                        its fitted forward and its copies is what a load in a step
-                                        costs beyond their overlap
-    times.in_step_extra_ms()            the median of those costs (0 before one was seen; a
-                                        process's first such step is left out: a path's first use
-                                        may pay what no later one does)
+    times.loading(step)                 that step carries a load in the step (layer by layer under
+                                        its forward): its time is not fitted as a forward's
+    times.in_step_seen(missed_ms)       a first token loaded in the step came this much later than
+                                        its plan said without `in_step_extra_ms` (what such a load
+                                        costs beyond its copies' overlap with the forward)
+    times.in_step_extra_ms()            the median of those (0 before one was seen; a process's
+                                        first is left out: a path's first use may pay what no
+                                        later one does)
 """
 
 from __future__ import annotations
@@ -57,53 +57,48 @@ class StepTimes:
         self._largest = 0
         self._built: dict[int, tuple[float, int, float]] = {}  # step -> (when built, tokens, work)
         self._last_report = 0.0
-        self._loading: dict[int, float] = {}  # steps built with a load in the step: its copies' ms
-        self._extra: deque[float] = deque(maxlen=RECENT)  # their time over their forward's, copies'
+        self._loading: set[int] = set()  # steps built with a load in the step
+        self._extra: deque[float] = deque(maxlen=RECENT)  # loads in a step: their time over the plan's
         self._first_load_seen = False
 
     def built(self, step: int, tokens: int, work: float, now: float | None = None) -> None:
         self._built[step] = (time.monotonic() if now is None else now, tokens, work)
         while len(self._built) > PENDING:
-            self._loading.pop(oldest := next(iter(self._built)), None)
+            self._loading.discard(oldest := next(iter(self._built)))
             del self._built[oldest]
 
     def reported(self, step: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         for old in [s for s in self._built if s < step]:
             del self._built[old]  # their reports never came: nothing to time them by
-            self._loading.pop(old, None)
+            self._loading.discard(old)
         got = self._built.pop(step, None)
         if got is not None:
             t0, tokens, work = got
             # Under vLLM's asynchronous scheduling a step is built while the one before runs.
             ms = (now - max(t0, self._last_report)) * 1e3
             if step in self._loading:
-                self._loaded(tokens, work, ms, self._loading[step])
+                if 0 <= ms < float("inf"):
+                    self._recent.append(ms)  # a step of the batch, not a forward to fit
             else:
                 self.observe(tokens, work, ms)
-        self._loading.pop(step, None)
+        self._loading.discard(step)
         self._last_report = now
 
-    def loading(self, step: int, copy_ms: float) -> None:
+    def loading(self, step: int) -> None:
         if step in self._built:
-            self._loading[step] = copy_ms
+            self._loading.add(step)
+
+    def in_step_seen(self, missed_ms: float) -> None:
+        if not -float("inf") < missed_ms < float("inf"):
+            return
+        if not self._first_load_seen:
+            self._first_load_seen = True  # a first use's one-time costs would stick: no later sample
+            return
+        self._extra.append(max(0.0, missed_ms))
 
     def in_step_extra_ms(self) -> float:
         return statistics.median(self._extra) if self._extra else 0.0
-
-    def _loaded(self, tokens: int, work: float, ms: float, copy_ms: float) -> None:
-        """A step whose forward waited for a load in it: a step for `step_ms`, and its time over
-        the longer of its fitted forward (when there is a fit for its size) and its copies the
-        cost of such a load."""
-        if not 0 <= ms < float("inf"):
-            return
-        self._recent.append(ms)
-        if tokens > 0 and self.ready(tokens):
-            if not self._first_load_seen:
-                self._first_load_seen = True  # a first use's one-time costs would stick: no later sample
-                return
-            a, b, c = self.coefficients()
-            self._extra.append(max(0.0, ms - max(a + b * tokens + c * work, copy_ms)))
 
     def observe(self, tokens: int, work: float, ms: float) -> None:
         if not 0 <= ms < float("inf"):
