@@ -97,7 +97,7 @@ if [ "$mode" = engine-tests ]; then
 fi
 # Redis on a GPU box without it: `carry` .whl (redis-py wheel + Debian's redis-server and its libs)
 if [ -d .whl ]; then
-  $py -m pip install -q --no-deps --target /tmp/kvtier-pydeps .whl/redis-*.whl > "$out/pip.log" 2>&1
+  $py -m pip install -q --no-deps --target /tmp/kvtier-pydeps .whl/*.whl > "$out/pip.log" 2>&1  # redis-py, hiredis
   export PYTHONPATH=src:.:/tmp/kvtier-pydeps PATH="$PWD/.whl/redis-bin:$PATH"
 fi
 export KVTIER_BENCH_DIR=${KVTIER_BENCH_DIR:-$PWD/.benchdisk}  # the box's disk, not a tmpfs

@@ -13,6 +13,9 @@ or a figure's limit). The product measures; only the lab says whether a figure i
     P10 ttft predictions                       within 25% of the measurement, 10% with a calibration
     P12 ttft choice without a calibration      <= 1.1 x the fastest option measured in the same run
     overlap  a lean split (#30)                <= 1.15 x the longer of its halves, each timed alone
+    C1  the vLLM connector's choice            <= 1.05 x the fastest option measured in the same run
+    C1 beside  decode beside a lower tier's read   <= 3% slower (#41)
+    hybrid  a sliding-window model's hit (#42) >= 8x faster than recompute at 32K tokens
 """
 
 # suite -> (target name, minimum ratio) for kvtier's own copy paths (baselines have none)
@@ -29,6 +32,8 @@ P9_FACTOR, P9_WITHIN = 0.9, 3.0
 P10_PCT, P10_CALIBRATED_PCT = 25.0, 10.0
 P12_FACTOR = 1.1
 SPLIT_OVERLAP = 1.15
+C1_FACTOR, C1_BESIDE_PCT = 1.05, 3.0
+HYBRID_SPEEDUP, HYBRID_TOKENS = 8.0, 32768
 TTFT_CASE = ("llama-3-8b", "CudaDevice")  # (model, device) of the rows P8 / P9 / P12 speak of
 
 

@@ -504,7 +504,17 @@ class Cell:
             step_ms_beside=b.median_ms,
             steps_alone=len(alone),
             steps_beside=len(beside),
+            **_reader(self.tier),
         )
+
+
+def _reader(tier: str) -> dict:
+    """For the Redis tier, the reply parser redis-py reads with ("hiredis": its C parser)."""
+    if tier != "redis":
+        return {}
+    from redis.utils import HIREDIS_AVAILABLE
+
+    return {"redis_parser": "hiredis" if HIREDIS_AVAILABLE else "python"}
 
 
 def _chunk_names(ids: torch.Tensor, block_size: int, bpc: int, prompt: int) -> list[bytes]:
