@@ -188,3 +188,11 @@ def test_a_host_hit_loads_in_the_step_only_where_that_lands_sooner_than_in_the_b
     assert (c.kind, c.in_step, background.in_step) == ("load", in_step, False)
     assert c.predicted_ms == pytest.approx(min(first.predicted_ms + extra_ms, background.predicted_ms))
     assert c.step_extra_ms == (extra_ms if in_step else 0.0)
+
+
+def test_a_step_far_slower_than_the_others_a_first_use_does_not_pull_the_fit():
+    times = StepTimes(2048)
+    _steps(times)
+    times.observe(2048, 2048 * 1024, 2000.0)  # a first prefill: compiles, allocations
+    assert times.coefficients() == pytest.approx((A, B, C), rel=1e-6)
+    assert times.prefill_ms(2048) == pytest.approx(A + B * 2048 + C * 2048 * 1024)

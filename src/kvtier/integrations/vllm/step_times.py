@@ -10,7 +10,8 @@ as
 
 (a: the step's fixed cost, b: per token, c: attention's per (query, key) pair: n new tokens after
 ``computed`` cached ones attend to ``computed + n / 2`` keys on average), least squares over the
-recent steps, every coefficient at least 0. The steps are kept per size class (powers of two of
+recent steps, every coefficient at least 0, refitted without the steps far slower than the fit
+(a first use, a stall). The steps are kept per size class (powers of two of
 their tokens), the newest `PER_CLASS` of each, so a stream of decode steps never pushes the few
 prefills that show b and c out of the fit.
 
@@ -42,6 +43,7 @@ from collections import deque
 PER_CLASS = 8  # the newest steps kept per power of two of their tokens
 RECENT = 8  # steps `step_ms` takes its median over: the batch running now
 PENDING = 64  # steps built and not reported yet, at most (a report that never comes is dropped)
+OUTLIER, OUTLIER_PASSES, MIN_ROWS = 3.0, 3, 3  # a step this far over the fit is left out of it
 
 
 class StepTimes:
@@ -136,6 +138,22 @@ class StepTimes:
 
 
 def _fit(rows: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """`_fit_once`, then again without the steps far slower than it (a first use's compiles and
+    allocations, a stall): one such step among a size class's few would pull every prediction up.
+    A step is far slower when it is over the fit by more than OUTLIER times the median miss and
+    more than a tenth of its own time; at most OUTLIER_PASSES passes, never below MIN_ROWS steps."""
+    coef = _fit_once(rows)
+    for _ in range(OUTLIER_PASSES):
+        miss = [ms - (coef[0] + coef[1] * n + coef[2] * w) for n, w, ms in rows]
+        typical = statistics.median(abs(m) for m in miss) if miss else 0.0
+        keep = [r for r, m in zip(rows, miss, strict=True) if m <= max(OUTLIER * typical, 0.1 * r[2])]
+        if len(keep) == len(rows) or len(keep) < MIN_ROWS:
+            break
+        rows, coef = keep, _fit_once(keep)
+    return coef
+
+
+def _fit_once(rows: list[tuple[float, float, float]]) -> tuple[float, float, float]:
     """Least squares of ms over (1, tokens, work) with every coefficient >= 0: the full fit, else
     the best of the fits over fewer terms whose coefficients are all >= 0."""
     if not rows:
