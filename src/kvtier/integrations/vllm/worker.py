@@ -104,7 +104,7 @@ class WorkerSide:
         self._parts: dict[int, tuple[int, bool]] = {}  # load tag -> (runs not settled, any failed)
         self._landed: dict[int, int] = {}  # load tag -> its background runs landed so far
         self._failed_recv: set[str] = set()  # background loads of a hybrid model that failed
-        self._window_saves: dict[str, set[int]] = {}  # req id -> blocks its window-group saves read
+        self._volatile_saves: dict[str, set[int]] = {}  # req id -> blocks its window, state saves read
         self._layer_index: dict[str, int] = {}
         self._loads: list = []  # (LoadHandle, ChunkRun, ready event) loaded in a step, not landed yet
         self._saves: dict[str, list] = {}  # req id -> [(SaveHandle, ChunkRun, ready event)], submitted
@@ -264,12 +264,12 @@ class WorkerSide:
         if self.store is None or not (meta.preempted or meta.fresh):
             return  # the common step: no device stream looked up
         waits = set(meta.preempted)
-        if meta.fresh and self._window_saves:
+        if meta.fresh and self._volatile_saves:
             with self._lock:
                 busy = set(self._saves) | set(self._queued)
-            for rid, blocks in list(self._window_saves.items()):
+            for rid, blocks in list(self._volatile_saves.items()):
                 if rid not in busy:
-                    del self._window_saves[rid]  # its saves read their blocks: nothing to wait for
+                    del self._volatile_saves[rid]  # its saves read their blocks: nothing to wait for
                 elif not blocks.isdisjoint(meta.fresh):
                     waits.add(rid)
         stream = self.dev.current_stream()
@@ -441,7 +441,7 @@ class WorkerSide:
                 # vLLM frees a window's blocks and a state group's interior states while the
                 # request runs: a step handing them out again waits for this save first
                 # (handle_preemptions).
-                self._window_saves.setdefault(run.req_id, set()).update(run.block_ids)
+                self._volatile_saves.setdefault(run.req_id, set()).update(run.block_ids)
             with self._lock:
                 self._queued[run.req_id] += 1  # its blocks stay the request's: not released before submitted
             self._last_save[run.req_id] = self._saver.submit(partial(self._save, run, after))
