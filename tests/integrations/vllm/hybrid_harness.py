@@ -18,6 +18,16 @@ The stand-in, per layer l of group g, rank r and each position p a step computes
 written into every byte of p's page slot as its three low bytes repeated (whatever the page's
 dtype: bf16 pages, MLA's latent, the DSA indexer's uint8 keys), so a position's KV depends on
 its whole prefix through every layer, and a read that differs from the truth is recorded.
+
+A state layer (Mamba, gated delta net: a `MambaSpec` group under prefix caching) keeps one state
+per block, as vLLM's align mode does: a step over positions [s, e) reads the state after s tokens
+from the block at position (s - 1) // block_size of its table (vLLM copies it there into the
+step's running block first), and writes the state after e tokens into the block at (e - 1) //
+block_size. The state after p, on rank r: mix(token_p, the layer below's value at p, the state
+before p on rank r, l, r, p); the layer's value at p is the sum of the ranks' states. A state is
+written over every byte of the layer's packed state (its conv and SSM tensors, vLLM's [B, 1, 1,
+C] view): its value's three low bytes, then a pattern of every byte's position keyed by the value,
+so a state read from another block, position or request is recorded.
 """
 
 from __future__ import annotations
@@ -67,7 +77,8 @@ class HybridEngine(Engine):
     ``tp_size`` ranks (tiers(rank), device(rank): a rank's lower tiers, its SimDevice) and the
     stand-in. num_blocks: about as many blocks as vLLM's pool gets. max_model_len,
     batched: vLLM's limits (a smaller ``batched`` prefills in chunks). async_scheduling: vLLM's
-    `AsyncScheduler` and a batch queue of two."""
+    `AsyncScheduler` and a batch queue of two. retention_interval: vLLM's
+    ``prefix_cache_retention_interval``."""
 
     def __init__(
         self,
@@ -82,6 +93,7 @@ class HybridEngine(Engine):
         device=None,
         async_scheduling: bool = False,
         tp_size: int = 1,
+        retention_interval: int | None = 0,
     ) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -91,7 +103,11 @@ class HybridEngine(Engine):
         self.cfg = hybrid_vllm_config(
             tmp, name, extra, max_model_len=max_model_len, batched=batched, tp_size=tp_size
         )
+        # vLLM's default (0): a state or window group keeps only the prompt's last boundary
+        # (and junctions with other prompts); N: also one every N tokens
+        self.cfg.cache_config.prefix_cache_retention_interval = retention_interval
         self.kcc, sched_kcc, sched_bs, hash_bs = hybrid_kv_cache_config(self.cfg, num_blocks)
+        self.hash_block_size = hash_bs
         self.cfg.scheduler_config.async_scheduling = async_scheduling
         self.sched = (AsyncScheduler if async_scheduling else Scheduler)(
             self.cfg,
@@ -171,8 +187,12 @@ class HybridEngine(Engine):
                     have.extend(more)
 
 
+STATE = -1  # a layer's "window" in `_Truth` and `HybridStandIn`: a state layer
+
+
 class _Truth:
-    """The true values [layer][rank][position] of one token sequence, extended as it grows."""
+    """The true values [layer][rank][position] of one token sequence, extended as it grows
+    (windows: per layer None, a window, or STATE; a state layer's value: the state after p)."""
 
     def __init__(self, windows: list[int | None], ranks: int) -> None:
         self.windows, self.ranks = windows, ranks
@@ -186,6 +206,13 @@ class _Truth:
         for p in range(len(self.tokens), len(tokens)):
             below = tokens[p]
             for li, w in enumerate(self.windows):
+                if w == STATE:
+                    prev = [v[p - 1] if p else 0 for v in self.values[li]]
+                    vals = [mix(tokens[p], below, prev[r], li, r, p) for r in range(self.ranks)]
+                    for r, v in enumerate(vals):
+                        self.values[li][r].append(v)
+                    below = sum(vals) % P
+                    continue
                 lo = 0 if w is None else max(0, p - w + 1)
                 sums = self._sums[li]
                 attn = sum(acc[p] - acc[lo] for acc in sums) % P
@@ -208,13 +235,15 @@ class HybridStandIn:
         for gi, g in enumerate(kcc.kv_cache_groups):
             for name in g.layer_names:
                 spec = getattr(g.kv_cache_spec, "kv_cache_specs", {}).get(name, g.kv_cache_spec)
-                table_of[name] = (gi, spec.block_size, getattr(spec, "sliding_window", None))
+                kind = STATE if hasattr(spec, "mamba_cache_mode") else getattr(spec, "sliding_window", None)
+                table_of[name] = (gi, spec.block_size, kind)
         self.layers = []
         for name in self.names:
             xs = [v[name].unsqueeze(1) if v[name].dim() == 3 else v[name] for v in views]  # MLA: [B, 1, N, C]
             self.layers.append((*table_of[name], [x.view(torch.uint8) for x in xs]))
         self.windows = [w for _, _, w, _ in self.layers]
         self.violations: list[Violation] = []
+        self._bases: dict[int, torch.Tensor] = {}  # a state's position pattern, per size
         self.reads = 0
         self.step_no = 0
         self._truth: dict[str, _Truth] = {}
@@ -233,6 +262,9 @@ class HybridStandIn:
 
     def layer(self, li: int, work, below: dict) -> None:
         gi, bs, w, x8s = self.layers[li]
+        if w == STATE:
+            self._state_layer(li, work, below)
+            return
         for rid, tokens, blocks, start, n in work:
             truth = self.truth(rid, tokens[: start + n])
             table = torch.tensor(blocks[gi], dtype=torch.long)
@@ -260,6 +292,52 @@ class HybridStandIn:
                 x8[table[pos // bs], :, pos % bs, :] = pattern
                 self._read(li, r, x8, table, bs, start, start + n, truth.values[li][r], rid)  # landed
             below[rid] = out
+
+    def _state_layer(self, li: int, work, below: dict) -> None:
+        gi, bs, _, x8s = self.layers[li]
+        for rid, tokens, blocks, start, n in work:
+            truth = self.truth(rid, tokens[: start + n])
+            table = blocks[gi]
+            state = [0] * self.ranks
+            if start:  # the state after `start` tokens, where vLLM keeps it
+                col = (start - 1) // bs
+                for r, x8 in enumerate(x8s):
+                    state[r] = self._read_state(
+                        li, r, x8, table[col], truth.values[li][r][start - 1], rid, start
+                    )
+            vals_below = below.get(rid) or tokens[start : start + n]
+            out = []
+            for i, p in enumerate(range(start, start + n)):
+                state = [mix(tokens[p], vals_below[i], state[r], li, r, p) for r in range(self.ranks)]
+                out.append(sum(state) % P)
+            block = table[(start + n - 1) // bs]
+            for r, x8 in enumerate(x8s):
+                x8[block, 0, 0, :] = self._state_pattern(state[r], x8.shape[-1])
+                self._read_state(
+                    li, r, x8, block, truth.values[li][r][start + n - 1], rid, start + n
+                )  # landed
+            below[rid] = out
+
+    def _state_pattern(self, value: int, nbytes: int) -> torch.Tensor:
+        """A state's bytes: ``value``'s three low bytes, then each byte's position pattern xor a
+        byte of ``value``."""
+        base = self._bases.get(nbytes)
+        if base is None:
+            i = torch.arange(nbytes, dtype=torch.int64)
+            base = self._bases[nbytes] = ((i * 151 + (i >> 8) * 7 + (i >> 16)) & 255).to(torch.uint8)
+        out = base ^ ((value * 2654435761 >> 16) & 255)
+        out[:3] = torch.tensor([value & 255, (value >> 8) & 255, (value >> 16) & 255], dtype=torch.uint8)
+        return out
+
+    def _read_state(self, li, r, x8, block: int, want: int, rid, tokens: int) -> int:
+        """The state in ``block`` of layer ``li`` as the step reads it: checked against ``want``
+        (the state after ``tokens`` tokens), its value (decoded from what was read) returned."""
+        got = x8[block, 0, 0, :]
+        self.reads += 1
+        if not torch.equal(got, self._state_pattern(want, got.shape[0])):
+            self.violations.append(Violation(self.step_no, rid, r, li, [tokens]))
+        g = got[:3].long()
+        return int(g[0] + (g[1] << 8) + (g[2] << 16))
 
     def _read(self, li, r, x8, table, bs, lo, hi, want, rid) -> list[int]:
         """Positions [lo, hi) of layer ``li`` as attention reads them: checked against ``want``,
@@ -296,6 +374,9 @@ def _views(kcc) -> dict:
             spec_of[name] = inner[name] if isinstance(inner, dict) else g.kv_cache_spec
     views = {}
     for t in kcc.kv_cache_tensors:
+        if t.layers[0] in spec_of and hasattr(spec_of[t.layers[0]], "mamba_cache_mode"):
+            views.update(_state_views(buf, kcc, t, spec_of[t.layers[0]]))
+            continue
         for li, name in enumerate(t.layers):
             if name not in spec_of:
                 continue  # a padding layer
@@ -311,6 +392,17 @@ def _views(kcc) -> dict:
                 stride = (s.block_size * c, c, 1)
             views[name] = typed.as_strided(shape, (t.block_stride // item, *stride), start // item)
     return views
+
+
+def _state_views(buf, kcc, tensor, spec) -> dict:
+    """A state group's per-layer views as vLLM's `allocate_kv_cache` makes them: [B, 1, 1, C]
+    int8 (C: the layer's packed state bytes), blocks the padded page apart."""
+    from vllm.v1.kv_cache_interface import create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    order = KVCacheLayout[kcc.kv_cache_layout]
+    views = create_kv_cache_views(buf.view(torch.int8), spec, kcc.num_blocks, order, tensor)
+    return dict(zip(tensor.layers, views, strict=True))
 
 
 def _layer_order(name: str) -> tuple[int, str]:

@@ -1,7 +1,8 @@
 """Hybrid models' KV cache configs as vLLM 0.33 builds them, from each model's own config.json
 (shipped under ``data/``, no weights): the per-layer specs as the model's attention layers make
 them, then vLLM's own grouping (`get_global_kv_cache_groups`, `get_kv_cache_configs`) and the
-engine core's resolution of the block sizes.
+engine core's resolution of the block sizes (a model with state layers: first the platform's
+growth of the attention block to the state page, as on a GPU).
 
     MODELS                               name -> data folder
     hybrid_vllm_config(tmp, name, extra)  a VllmConfig of that model with kvtier's connector
@@ -31,7 +32,14 @@ BLOCK = 16
 
 
 def hybrid_vllm_config(
-    tmp: Path, name: str, extra: dict, *, max_model_len: int = 2048, batched: int = 2048, tp_size: int = 1
+    tmp: Path,
+    name: str,
+    extra: dict,
+    *,
+    max_model_len: int = 2048,
+    batched: int = 2048,
+    tp_size: int = 1,
+    prefix_caching: bool = True,
 ):
     from vllm.config import ModelConfig
     from vllm_utils import engine_config
@@ -50,11 +58,29 @@ def hybrid_vllm_config(
         hf_overrides=over,
     )
     cfg = engine_config(
-        mc, {"choice": "load", **extra}, hybrid=True, tp_size=tp_size, max_num_batched_tokens=batched
+        mc,
+        {"choice": "load", **extra},
+        hybrid=True,
+        tp_size=tp_size,
+        max_num_batched_tokens=batched,
+        prefix_caching=prefix_caching,
     )
     cfg.cache_config.kv_cache_layout = "LBHNC"  # the engine core's resolution, done here
     cfg.scheduler_config.async_scheduling = False
+    if mc.is_hybrid:
+        _align_state_pages(cfg)
     return cfg
+
+
+def _align_state_pages(cfg) -> None:
+    """What vLLM's executor does at start for a model with Mamba or linear-attention layers
+    (`Platform.update_block_size_for_backend`), as on a GPU with FlashAttention: the attention
+    block grown until its page holds a layer's state, the state pages padded to it, and under
+    prefix caching (mamba_cache_mode "align") the state group's block the attention block."""
+    from vllm.platforms.interface import Platform
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+    Platform._align_hybrid_block_size(cfg, FlashAttentionBackend)
 
 
 def layer_specs(cfg) -> dict:
@@ -121,6 +147,7 @@ def layer_specs(cfg) -> dict:
                     shapes=tuple(shapes),
                     dtypes=tuple(dtypes),
                     block_size=cfg.cache_config.mamba_block_size or bs,
+                    page_size_padded=cfg.cache_config.mamba_page_size_padded,
                     mamba_type="gdn_attention",
                     mamba_cache_mode=cfg.cache_config.mamba_cache_mode,
                 )

@@ -1,14 +1,16 @@
 """`groups.GroupPlan`, torch-free: what each KV cache group keeps of a chunk, which units a hit
 needs, the load and save runs per group, against vLLM's sliding-window rule (a hit ending at T
-reads the ceil((W - 1) / block_size) blocks before T; vLLM's null block, 0, before them)."""
+reads the ceil((W - 1) / block_size) blocks before T; vLLM's null block, 0, before them) and its
+state rule (a hit ending at T reads the one state after T tokens, from block T / block_size - 1)."""
 
 from __future__ import annotations
 
-from kvtier.integrations.vllm.groups import FULL, WINDOW, Group, GroupPlan
+from kvtier.integrations.vllm.groups import FULL, STATE, WINDOW, Group, GroupPlan
 
 FULL_G = Group(1, FULL, 16, ("full",), "FullAttentionSpec")
 WIN_128 = Group(0, WINDOW, 16, ("swa",), "SlidingWindowSpec", window=128)  # 8 blocks
 WIN_1024 = Group(0, WINDOW, 16, ("swa",), "SlidingWindowSpec", window=1024)  # 64 blocks
+GDN = Group(0, STATE, 16, ("gdn",), "MambaSpec:gdn_attention", state_bytes=4096)
 
 
 def _keys(n: int, groups: int = 2) -> list:
@@ -89,3 +91,45 @@ def test_groups_of_other_block_sizes_cut_the_same_chunks():
     assert runs == [(0, 2, 1, [108, 109, 110, 111], 0), (1, 0, 3, list(range(200, 224)), 0)]
     runs = plan.loads(ids, blocks, 96, 3, make)  # vLLM's own cache: 3 blocks of 32, 6 of 16
     assert runs == [(0, 2, 1, [108, 109, 110, 111], 0), (1, 0, 3, list(range(206, 224)), 6)]
+
+
+def test_a_state_group_keeps_each_chunks_last_state_and_a_hit_needs_the_one_at_its_end():
+    plan = GroupPlan([GDN, FULL_G], 64)  # 4 blocks a chunk
+    assert GDN.unit(4) == 1 and list(GDN.unit_positions(2, 4)) == [11] and list(GDN.hit_chunks(3, 4)) == [2]
+    held = {k for c in range(5) for k in _keys(5)[c][1]} | {b"c2g0", b"c4g0"}  # states after 3 and 5
+    where = lambda k: "host" if k in held else None  # noqa: E731
+    assert plan.tiers(_keys(5), where) == ["host"] * 5
+    held.discard(b"c4g0")
+    assert plan.tiers(_keys(5), where) == ["host"] * 3  # every chunk's KV, a state only after 3
+    held.discard(b"c2g0")
+    assert plan.tiers(_keys(5), where) == []
+    held.add(b"c0g0")
+    held.discard(b"c1g1")  # the full group lacks chunk 1: the state after 1 chunk is the hit
+    assert plan.tiers(_keys(5), where) == ["host"]
+
+
+def test_a_state_loads_into_the_one_block_vllm_reads_and_saves_follow_its_hand_offs():
+    plan = GroupPlan([GDN, FULL_G], 64)
+    ids = [f"id{c}".encode() for c in range(4)]
+    blocks = [[0] * 11 + [57], list(range(200, 212))]  # vLLM's table for an external hit of 3 chunks
+
+    def make_load(g, c0, run_ids, bids, skip):
+        return (g, c0, run_ids, bids, skip)
+
+    assert plan.loads(ids, blocks, 0, 3, make_load) == [
+        (0, 2, ids[2:3], [57], 0),
+        (1, 0, ids[:3], blocks[1], 0),
+    ]
+    runs = plan.loads(ids, blocks, 16, 3, make_load)  # vLLM's own cache holds a block of the KV
+    assert runs[0] == (0, 2, ids[2:3], [57], 0) and runs[1] == (1, 0, ids[:3], blocks[1][1:], 1)
+
+    def make(g, run_ids, bids):
+        return (g, run_ids, bids)
+
+    # the state group's table (nulled interior states) is never read for saves: n from the KV's
+    n, runs = plan.saves(ids, [[0] * 3 + [9], list(range(200, 216))], 0, 0, make)
+    assert n == 4 and runs == [(1, ids, list(range(200, 216)))]
+    # vLLM's hand-offs: (group, block, tokens); inside a chunk, the null block, another group's
+    # or past the chunks named are not kept
+    offers = [(0, 57, 192), (0, 33, 100), (0, 0, 128), (1, 5, 64), (0, 44, 64), (0, 46, 320)]
+    assert plan.states(ids, offers, make) == [(0, [ids[2], ids[0]], [57, 44])]

@@ -1,13 +1,11 @@
 """Hybrid models through vLLM 0.33's real Scheduler, with the KVCacheConfigs vLLM builds from the
 models' own config.json (gpt-oss-20b: full + sliding window 128; Gemma 3 4B: full + six sliding
-groups of 1024; DeepSeek-V3.2: MLA and its DSA indexer in one group; Qwen3-Next: full + gated
-delta net state): each group keeps and loads what a hit needs, a hit only where every group
-holds, a failed load of any group recomputes the request, preemption and window blocks vLLM
-hands out again read only true KV, and a state model leaves the connector idle."""
+groups of 1024; DeepSeek-V3.2: MLA and its DSA indexer in one group): each group keeps and loads
+what a hit needs, a hit only where every group holds, a failed load of any group recomputes the
+request, preemption and window blocks vLLM hands out again read only true KV. A model with state
+groups (Qwen3-Next): `test_vllm_hybrid_state.py`."""
 
 from __future__ import annotations
-
-import logging
 
 import pytest
 
@@ -54,26 +52,6 @@ def test_groups_as_vllm_builds_them(tmp_path, name, want):
     if name == "deepseek-v3.2":  # one block table, the latent and the indexer keys apart
         assert {g.index for g in groups} == {0} and "INDEXER" in groups[1].label
         assert all(len(g.layers) == 61 for g in groups)
-
-
-def test_a_state_model_leaves_the_connector_idle(tmp_path, caplog):
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.structured_output import StructuredOutputManager
-    from vllm_utils import create_request
-
-    groups, refused = _groups(tmp_path, "qwen3-next")
-    assert groups == [] and "Mamba" in refused
-    cfg = hybrid_vllm_config(tmp_path, "qwen3-next", HOST)
-    kcc, sched_kcc, bs, hbs = hybrid_kv_cache_config(cfg, 256)
-    with caplog.at_level(logging.WARNING, logger="kvtier.integrations.vllm.connector"):
-        s = Scheduler(cfg, sched_kcc, StructuredOutputManager(cfg), block_size=bs, hash_block_size=hbs)
-    assert s.connector.idle
-    assert [r.message for r in caplog.records if "idle" in r.message] == [
-        f"kvtier: the connector stays idle for this model: {refused}"
-    ]
-    s.add_request(create_request("a", _prompt(100)))
-    meta = s.schedule().kv_connector_metadata
-    assert not meta.loads and not meta.saves
 
 
 @pytest.mark.parametrize(

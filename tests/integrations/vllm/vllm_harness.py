@@ -148,8 +148,10 @@ class Engine:
 
     # -- requests -----------------------------------------------------------------------------
 
+    hash_block_size = BLOCK  # tokens per block hash, as vLLM's engine core hashes requests
+
     def add(self, rid: str, tokens: list[int], max_tokens: int = 2):
-        req = create_request(rid, tokens, max_tokens)
+        req = create_request(rid, tokens, max_tokens, self.hash_block_size)
         self.requests[rid], self.prompts[rid] = req, list(tokens)
         self.samples[rid] = {}
         self.model.forget(rid)

@@ -4,7 +4,8 @@ kvtier's connector on vLLM 0.33, from a local config.json (no download, no accel
     create_vllm_config(tmp, extra, ...)   a VllmConfig of a tiny Llama with kvtier's connector
     create_kv_cache_config(num_blocks)    one full-attention group over every layer
     create_scheduler(cfg, kcc)            `Scheduler`, or `AsyncScheduler` when cfg asks for it
-    create_request(rid, tokens, ...)      a Request with vLLM's block hasher (sha256)
+    create_request(rid, tokens, ...)      a Request with vLLM's block hasher (sha256, over
+                                          hash_block_size tokens, as the engine core's)
     create_model_runner_output(...)       a ModelRunnerOutput of sampled tokens and KV output
 """
 
@@ -81,14 +82,16 @@ def engine_config(
     policy: str = "recompute",
     max_num_batched_tokens: int = 2048,
     max_num_seqs: int = 8,
+    prefix_caching: bool = True,
 ):
     """vLLM's config over model config ``mc`` with kvtier's connector (``extra``: its settings),
-    prefix caching on, vLLM's hybrid KV cache manager on or off (``hybrid``)."""
+    prefix caching on (or as ``prefix_caching`` says), vLLM's hybrid KV cache manager on or off
+    (``hybrid``)."""
     from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, SchedulerConfig, VllmConfig
 
     return VllmConfig(
         model_config=mc,
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=prefix_caching),
         scheduler_config=SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -140,7 +143,7 @@ def create_scheduler(cfg, kcc):
     return cls(cfg, kcc, StructuredOutputManager(cfg), block_size=BLOCK, log_stats=True)
 
 
-def create_request(rid: str, tokens: list[int], max_tokens: int = 2):
+def create_request(rid: str, tokens: list[int], max_tokens: int = 2, hash_block_size: int = BLOCK):
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -148,7 +151,9 @@ def create_request(rid: str, tokens: list[int], max_tokens: int = 2):
 
     init_none_hash(sha256)
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return Request(rid, list(tokens), sp, None, block_hasher=get_request_block_hasher(BLOCK, sha256))
+    return Request(
+        rid, list(tokens), sp, None, block_hasher=get_request_block_hasher(hash_block_size, sha256)
+    )
 
 
 def create_model_runner_output(req_ids: list[str], sampled: dict[str, list[int]], kv_output):

@@ -18,8 +18,10 @@ both roles, with a message naming the setting).
 Hybrid models keep vLLM's hybrid allocator on (`SupportsHMA`): each KV cache group is planned
 on its own (`groups.py`: what a chunk keeps and a hit needs per group), every load runs in the
 background and a failed one is a failed receipt (vLLM 0.33 takes no failed block ids from a
-model with several groups). A group of a kind not served (Mamba or linear-attention state)
-leaves the connector idle.
+model with several groups). A state group (Mamba, linear attention) keeps the state at each
+chunk's end, as vLLM hands it off under prefix caching; its chunk is one block unless
+``chunk_tokens`` says otherwise. A group of a kind not served (a state group without prefix
+caching, among others: `groups.py`) leaves the connector idle, said once in the log.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from .groups import GroupPlan, groups_of
+from .groups import STATE, GroupPlan, groups_of
 from .metadata import KVTierMetadata
 from .scheduler import SchedulerSide
 from .settings import VllmSettings
@@ -47,8 +49,8 @@ BLOCK_FIRST = "BLHNC"  # what kv_layout "auto" asks for: [H, N, C] pages, every 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM's ``(vllm_config, role, kv_cache_config)``. A model with several KV cache groups
     (vLLM's hybrid allocator) is served per group (`groups.py`: full attention, MLA and its DSA
-    indexer, sliding window); one with a group of another kind (Mamba or linear-attention state)
-    leaves the connector idle (no hits, no saves), said once in the log."""
+    indexer, sliding window, Mamba and linear-attention state under prefix caching); one with a
+    group of another kind leaves the connector idle (no hits, no saves), said once in the log."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -57,20 +59,25 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
         block_size = cc.block_size
         groups, refused = groups_of(kv_cache_config)
-        self.groups = groups if len(groups) > 1 else None  # None: one group, served as ever
+        # None: one group of KV, served as ever (a state group is served per group, even alone)
+        self.groups = groups if len(groups) > 1 or any(g.kind == STATE for g in groups) else None
         self.idle = refused is not None
         if self.idle:
             log.warning("kvtier: the connector stays idle for this model: %s", refused)
         elif self.groups is not None:
             block_size = math.lcm(*(g.block_size for g in groups))  # vLLM's scheduler block size
+            if s.chunk_tokens is None and any(g.kind == STATE for g in groups):
+                # vLLM keeps a state only where a step ends on a block boundary: a chunk of one
+                # block keeps every state it keeps, a longer one only those at its multiples.
+                s.chunk_tokens = block_size
         model = s.model or f"{mc.model}@{getattr(mc, 'revision', None) or 'main'}"
         tp_size = pc.tensor_parallel_size
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side = None
-        if role == KVConnectorRole.SCHEDULER:
+        if role == KVConnectorRole.SCHEDULER and not self.idle:  # idle: asked nothing, no sizes checked
             hash_bs = getattr(kv_cache_config, "hash_block_size", None) or block_size
             redis = None
-            if s.redis_url and not self.idle:
+            if s.redis_url:
                 from kvtier.store.redis_tier import RedisTier
 
                 redis = RedisTier(url=s.redis_url, cluster=s.redis_cluster)
@@ -80,13 +87,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 hash_bs,
                 tp_size,
                 redis=redis,
-                spec=_model_spec(mc) if not self.idle else None,
+                spec=_model_spec(mc),
                 step_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
                 kv_dtype=_kv_dtype(cc, mc),
                 plan=GroupPlan(groups, s.chunk_tokens_for(block_size)) if self.groups else None,
                 await_groups=_may_hold_kinds(kv_cache_config),
             )
-        else:
+        elif role != KVConnectorRole.SCHEDULER:
             from .worker import WorkerSide
 
             order = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(cc, "kv_cache_layout", None)

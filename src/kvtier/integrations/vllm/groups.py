@@ -10,6 +10,7 @@ side plans with it, the workers cut their stores by it.
     Group.hit_chunks(n, bpc)          chunks whose units a hit ending at chunk n needs
     Group.first_needed(n, bpc)        the first block position that hit reads in this group
     Group.load_span(lo, n, bpc)       (first chunk, blocks of its unit skipped) loading [lo, n*bpc)
+    Group.volatile                    vLLM frees or hands out this group's blocks while a request runs
 
 Kinds served:
 - ``full``: full attention, MLA and the DSA indexer (vLLM's `FullAttentionSpec` family): every
@@ -17,27 +18,38 @@ Kinds served:
 - ``window``: sliding-window attention (`SlidingWindowSpec`, window W): a hit ending at token T
   reads only the last ``need = ceil((W - 1) / block_size)`` blocks before T (vLLM's
   `SlidingWindowManager` hit rule; the blocks before them it fills with its null block), so each
-  chunk keeps its last ``min(need, bpc)`` blocks, and a hit needs the units that cover those.
+  chunk keeps its last ``min(need, bpc)`` blocks, and a hit needs the units that cover those;
+- ``state``: Mamba, gated delta net, short conv and other linear-attention layers (`MambaSpec`)
+  under vLLM's prefix caching (``mamba_cache_mode="align"``): a block holds one state per layer
+  (its conv and SSM tensors, the page padded to the attention page), the state after exactly
+  the tokens up to that block's end. A chunk keeps the state at its end; a hit of n chunks needs
+  exactly the state at chunk n, which vLLM reads from the block at position n * bpc - 1 (the one
+  block it allocates there for an external hit; the positions before it hold its null block).
+  vLLM's block table of this group is not append-only (it nulls interior states, frees them while
+  the request runs), so its saves follow vLLM's own hand-off of each state it keeps
+  (`KVConnectorBlockState.boundary_state_offloads`: request, group, block, tokens), never the
+  table: `GroupPlan.states`.
 
-Refused (the connector stays idle): a state group (`MambaSpec`: Mamba, linear attention), and
-any other kind (chunked local attention, cross attention, EAGLE draft groups, groups vLLM marks
-as not transferable).
+Refused (the connector stays idle): a state group without prefix caching (vLLM keeps no state at
+any block boundary then), with speculative decoding's state blocks, and any other kind (chunked
+local attention, cross attention, EAGLE draft groups, groups vLLM marks as not transferable).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-FULL, WINDOW = "full", "window"
+FULL, WINDOW, STATE = "full", "window", "state"
 
 
 @dataclass(frozen=True)
 class Group:
-    """index: vLLM's group index (whose block table it uses). kind: FULL or WINDOW. block_size:
-    this group's tokens per block. layers: its layer names. spec: the spec class's name (key
-    identity). window: W (WINDOW only). part: which kind of layer within vLLM's group, where
-    one group holds several (`UniformTypeKVCacheSpecs`: DeepSeek-V3.2's MLA latent and its DSA
-    indexer share one block table, their pages apart)."""
+    """index: vLLM's group index (whose block table it uses). kind: FULL, WINDOW or STATE.
+    block_size: this group's tokens per block. layers: its layer names. spec: the spec class's
+    name (key identity). window: W (WINDOW only). part: which kind of layer within vLLM's group,
+    where one group holds several (`UniformTypeKVCacheSpecs`: DeepSeek-V3.2's MLA latent and its
+    DSA indexer share one block table, their pages apart). state_bytes: one layer's state in a
+    block, its tensors packed, without the page's padding (STATE only)."""
 
     index: int
     kind: str
@@ -46,6 +58,7 @@ class Group:
     spec: str
     window: int | None = None
     part: int = 0
+    state_bytes: int | None = None
 
     @property
     def label(self) -> str:
@@ -60,7 +73,16 @@ class Group:
             return 0
         return max(1, -(-(self.window - 1) // self.block_size))
 
+    @property
+    def volatile(self) -> bool:
+        """Whether vLLM frees this group's blocks while a request runs and hands them out again
+        (a window's blocks behind it, a state group's interior states): a save still reading one
+        must land before a step that hands it out writes it."""
+        return self.kind != FULL
+
     def unit(self, bpc: int) -> int:
+        if self.kind == STATE:
+            return 1  # the chunk's last block: the state at its end
         return bpc if self.kind == FULL else min(bpc, self.need)
 
     def unit_positions(self, c: int, bpc: int) -> range:
@@ -69,10 +91,14 @@ class Group:
     def hit_chunks(self, n: int, bpc: int) -> range:
         if self.kind == FULL:
             return range(n)
+        if self.kind == STATE:
+            return range(n - 1, n)  # the state at the hit's end, no other
         per = self.unit(bpc)
         return range(max(0, n - -(-self.need // per)), n)
 
     def first_needed(self, n: int, bpc: int) -> int:
+        if self.kind == STATE:
+            return n * bpc - 1
         return 0 if self.kind == FULL else max(0, n * bpc - self.need)
 
     def load_span(self, lo: int, n: int, bpc: int) -> tuple[int, int] | None:
@@ -87,7 +113,8 @@ class Group:
 
 def groups_of(kv_cache_config) -> tuple[list[Group], str | None]:
     """vLLM's groups as `Group`s, or ([], why) when one is of a kind not served. A config
-    with one group (or none: a test's) is served as today, whatever its spec."""
+    with one group (or none: a test's) is served as a full-attention model's, whatever its spec,
+    but a state group's."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 
     found = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
@@ -104,12 +131,17 @@ def groups_of(kv_cache_config) -> tuple[list[Group], str | None]:
                     return [], f"group {i} holds {type(sub).__name__} layers, not served"
                 out.append(Group(i, FULL, sub.block_size, tuple(layers), _name(sub), part=p))
             continue
+        if isinstance(spec, MambaSpec):  # a state model of one group too: its table is no KV's
+            why = "a draft or non-transferable group, not served" if _draft(g) else _state_refused(spec)
+            if why is not None:
+                return [], f"group {i} holds {name} state ({_kind_of(spec)}): {why}"
+            layers = tuple(g.layer_names)
+            out.append(Group(i, STATE, spec.block_size, layers, _name(spec), state_bytes=_state_bytes(spec)))
+            continue
         if len(found) == 1:  # one group: served whatever its spec, as a full-attention model's
             out.append(Group(i, FULL, spec.block_size, tuple(g.layer_names), name))
             break
-        if isinstance(spec, MambaSpec):
-            return [], f"group {i} holds {name} state (Mamba / linear attention), not served"
-        if getattr(g, "is_eagle_group", False) or not getattr(g, "enable_kv_transfer", True):
+        if _draft(g):
             return [], f"group {i} ({name}) is a draft or non-transferable group, not served"
         if isinstance(spec, SlidingWindowSpec) and not getattr(spec, "extra_retained_tokens", 0):
             out.append(Group(i, WINDOW, spec.block_size, tuple(g.layer_names), name, spec.sliding_window))
@@ -120,10 +152,47 @@ def groups_of(kv_cache_config) -> tuple[list[Group], str | None]:
     return out, None
 
 
+def _draft(group) -> bool:
+    return getattr(group, "is_eagle_group", False) or not getattr(group, "enable_kv_transfer", True)
+
+
 def _name(spec) -> str:
-    """A full-attention spec's class, and its role where it has one (MLA's latent, the indexer)."""
-    role = getattr(getattr(spec, "cache_role", None), "name", "")
+    """A spec's class, and its role where it has one (MLA's latent, the indexer) or the kind of
+    state layer (a state group's: gdn_attention, mamba2, ...)."""
+    role = getattr(getattr(spec, "cache_role", None), "name", "") or (
+        _kind_of(spec) if hasattr(spec, "mamba_type") else ""
+    )
     return type(spec).__name__ + (f":{role}" if role else "")
+
+
+def _kind_of(spec) -> str:
+    kind = getattr(spec, "mamba_type", "")
+    return str(getattr(kind, "value", kind))
+
+
+def _state_bytes(spec) -> int:
+    """One layer's state in a block: its tensors (conv, SSM, ...) packed, as vLLM's state layers
+    cut the page (`MambaBase.bind_kv_cache`), without the page's padding."""
+    return int(spec.state_content_size_bytes)
+
+
+def _state_refused(spec) -> str | None:
+    """Why a state group cannot be served, None when it can. vLLM 0.33 keeps a state per block
+    boundary only in mamba_cache_mode "align", which it sets from prefix caching (its
+    --mamba-cache-mode flag has no effect)."""
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "align":
+        return (
+            f"mamba_cache_mode={mode!r}, so vLLM keeps no state at any block boundary to save or load "
+            "into; start vLLM with --enable-prefix-caching (enable_prefix_caching=True), which sets "
+            "mamba_cache_mode='align'"
+        )
+    if getattr(spec, "num_speculative_blocks", 0):
+        return (
+            f"num_speculative_blocks={spec.num_speculative_blocks} (speculative decoding's state "
+            "blocks), not served; serve without --speculative-config"
+        )
+    return None
 
 
 def _plain(spec) -> bool:
@@ -141,7 +210,9 @@ class GroupPlan:
 
         tiers(keys, where) -> [tier]        per chunk of the hit every group holds, its slowest tier
         loads(ids, blocks, start, n, ...)   the load's runs, one per group with blocks to fill
-        saves(ids, blocks, saved, n, ...)   the save's runs, one per group with a unit to keep
+        saves(ids, blocks, saved, n, ...)   the save's runs, one per block-table group with a unit
+                                            to keep (a state group's are `states`')
+        states(ids, offers, make)           the save's runs of the states vLLM handed off
     """
 
     def __init__(self, groups: list[Group], ct: int) -> None:
@@ -152,7 +223,7 @@ class GroupPlan:
                 )
         self.groups, self.ct = groups, ct
         self.bpcs = [ct // g.block_size for g in groups]
-        self.windowed = any(g.kind == WINDOW for g in groups)
+        self.volatile = any(g.volatile for g in groups)
 
     def tiers(self, keys, where) -> list[str]:
         """keys[c][g]: chunk c's tier keys in group g, one per rank; where(key) -> the tier
@@ -213,11 +284,10 @@ class GroupPlan:
         every group has; before: the tokens computed before the step (vLLM may have freed a window
         group's blocks below that window: its units there are not kept). make(group, ids, block
         ids) builds one. Returns (n, runs)."""
-        n = min(
-            [len(ids)] + [len(blocks[g.index]) // bpc for g, bpc in zip(self.groups, self.bpcs, strict=True)]
-        )
+        tables = [(i, g) for i, g in enumerate(self.groups) if g.kind != STATE]
+        n = min([len(ids)] + [len(blocks[g.index]) // self.bpcs[i] for i, g in tables])
         runs = []
-        for i, g in enumerate(self.groups):
+        for i, g in tables:
             bpc, table = self.bpcs[i], blocks[g.index]
             alive = 0 if g.kind == FULL else max(0, before - g.window + 1) // g.block_size
             c = saved
@@ -230,3 +300,21 @@ class GroupPlan:
                 bids = [table[p] for k in range(c, n) for p in g.unit_positions(k, bpc)]
                 runs.append(make(i, ids[c:n], bids))
         return n, runs
+
+    def states(self, ids, offers, make) -> list:
+        """Runs keeping the states vLLM handed off in a step: ``offers``, vLLM's (group index,
+        block id, tokens) of each state it keeps (the state after exactly that many tokens, in
+        that block); a state is chunk c's unit when its tokens are (c + 1) * ct and ``ids`` (the
+        request's chunk ids) names chunk c. make(group, ids, block ids) builds one run per state
+        group, its states in vLLM's order."""
+        ct, out = self.ct, {}
+        for gid, block, tokens in offers:
+            c = tokens // ct - 1
+            if block == 0 or tokens % ct or not 0 <= c < len(ids):
+                continue  # vLLM's null block, a state inside a chunk, or past the chunks named
+            for i, g in enumerate(self.groups):
+                if g.kind == STATE and g.index == gid:
+                    got = out.setdefault(i, ([], []))
+                    got[0].append(ids[c])
+                    got[1].append(block)
+        return [make(i, run_ids, bids) for i, (run_ids, bids) in sorted(out.items())]

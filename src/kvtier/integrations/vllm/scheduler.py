@@ -59,11 +59,12 @@ so no step of the requests running waits for it. Its outcome reaches ``update`` 
 report that it was received, so its saves, once vLLM schedules it, need no holding back.
 
 A hybrid model (`GroupPlan`): the index holds each group's keys; a hit is the longest prefix
-every group holds (a window group: the window before its end), each load is one run per group
-(one tag), always in the background, a failure taking the request back whole (vLLM recomputes it
-after asking again); saves are one run per group, a window group's only where vLLM has not freed
-its blocks; and each step's metadata names the blocks vLLM handed out (`KVTierMetadata.fresh`),
-for the workers to wait for saves still reading them.
+every group holds (a window group: the window before its end; a state group: the state at its
+end), each load is one run per group (one tag), always in the background, a failure taking the
+request back whole (vLLM recomputes it after asking again); saves are one run per group, a window
+group's only where vLLM has not freed its blocks, a state group's of the states vLLM hands off in
+the step (`SchedulerOutput.kv_connector_block_state`); and each step's metadata names the blocks
+vLLM handed out (`KVTierMetadata.fresh`), for the workers to wait for saves still reading them.
 
 A finished request whose free vLLM delayed is released (`KVTierMetadata.release`) once nothing of
 it is held back here; each worker reports it finished once its saves have read the blocks.
@@ -278,7 +279,7 @@ class SchedulerSide:
                 self._send_load(meta, st)
         self._to_send.clear()
         self._running = set(so.num_scheduled_tokens)
-        if self.plan is not None and self.plan.windowed:
+        if self.plan is not None and self.plan.volatile:
             meta.fresh = self._fresh_blocks(so)
         for new in so.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
@@ -301,6 +302,8 @@ class SchedulerSide:
                     have.extend(more)
             done = cached.num_computed_tokens[i]
             self._scheduled(meta, st, done, done + so.num_scheduled_tokens.get(rid, 0))
+        if self.plan is not None:
+            self._add_states(meta, so)
         for rid in self._confirmed:  # their loads completed on every rank: what was held back goes
             st = self._reqs.get(rid)
             if st is not None and st.loading is None and st.block_ids:
@@ -457,6 +460,29 @@ class SchedulerSide:
         if n > st.saved:
             meta.saves.append(ChunkRun(rid, ids[st.saved : n], table[st.saved * bpc : n * bpc]))
             st.saved, st.any_save = n, True
+
+    def _add_states(self, meta: KVTierMetadata, so) -> None:
+        """The states vLLM handed off in this step (a state group's, `GroupPlan.states`): saved
+        after this step's forward, which writes each of them (vLLM hands a state off in the step
+        that computes it, or once a load into its block was received). None of a request whose
+        load is unconfirmed (a state computed from what may not have loaded is not true) or that
+        finished (vLLM dropped what it had not handed off)."""
+        state = getattr(so, "kv_connector_block_state", None)
+        offers = getattr(state, "boundary_state_offloads", None) or {}
+        for rid, got in offers.items():
+            st = self._reqs.get(rid)
+            if st is None or st.loading is not None or rid in self._finishing or self._awaiting():
+                continue
+            top = max(tokens for _, _, tokens in got)
+            ids = chunk_ids(st.request.block_hashes, self.hashes_per_chunk, top, self.hash_block_size)
+
+            def make(g, run_ids, bids, rid=rid):
+                return ChunkRun(rid, run_ids, bids, group=g)
+
+            runs = self.plan.states(ids, got, make)
+            if runs:
+                meta.saves.extend(runs)
+                st.any_save = True
 
     def _outcome(self, tag: int, ok: int, failed: int) -> None:
         """Ranks' outcomes of load ``tag``; once every rank's is in, the load is confirmed (its

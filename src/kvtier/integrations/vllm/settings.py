@@ -29,9 +29,11 @@ class VllmSettings:
     (``host_bytes``, ``disk_bytes``, ``staging_bytes``) take bytes or a string with a unit
     ("32GiB", "512MiB", "64GB"; `setting_checks.byte_size`) and hold bytes once checked.
 
-    chunk_tokens: tokens per stored chunk, a multiple of vLLM's block size (None: 16 blocks);
-        the unit of lookup, save, load and eviction. Where vLLM's own prefix hit ends inside a
-        chunk, only that chunk's blocks past it are loaded (never over blocks vLLM computed or shares).
+    chunk_tokens: tokens per stored chunk, a multiple of vLLM's block size (None: 16 blocks; one
+        block for a model with Mamba or linear-attention state, whose state vLLM keeps only where
+        a step ends on a block boundary); the unit of lookup, save, load and eviction. Where vLLM's
+        own prefix hit ends inside a chunk, only that chunk's blocks past it are loaded (never over
+        blocks vLLM computed or shares).
     host_bytes: the pinned pool per worker (the host tier and the landing zone of lower tiers);
         at least three chunks (checked once the worker knows a chunk's size).
     disk_path / disk_bytes: a local `DiskTier` per worker (None: no disk tier); the directory

@@ -33,10 +33,11 @@ Per step, in vLLM's call order (`KVTierMetadata` bound first):
                                the step it ran; counters for vLLM's stats
 
 A hybrid model: one store per KV cache group (`groups.Group`, its keys carrying the group) over
-that group's layers, sharing the tiers; each run names its group. A load's outcome and its
+that group's layers, sharing the tiers; each run names its group. A state group's store keeps one
+block per chunk (each layer's state bytes, not the page's padding). A load's outcome and its
 receipt are reported once every group's run settled; a failure is a failed receipt
 (`failed_receipts`), never failed block ids. handle_preemptions also waits for the saves still
-reading a window group's blocks that vLLM hands out again in the step (``meta.fresh``).
+reading a window or state group's blocks that vLLM hands out again in the step (``meta.fresh``).
 
 Every tier failure is a miss (fewer tokens loaded, a save skipped), never an exception into
 vLLM's forward. Block ids are vLLM's; chunk i of a run covers ``block_ids[i*bpc:(i+1)*bpc]``.
@@ -103,7 +104,7 @@ class WorkerSide:
         self._parts: dict[int, tuple[int, bool]] = {}  # load tag -> (runs not settled, any failed)
         self._landed: dict[int, int] = {}  # load tag -> its background runs landed so far
         self._failed_recv: set[str] = set()  # background loads of a hybrid model that failed
-        self._window_saves: dict[str, set[int]] = {}  # req id -> blocks its window-group saves read
+        self._volatile_saves: dict[str, set[int]] = {}  # req id -> blocks its window, state saves read
         self._layer_index: dict[str, int] = {}
         self._loads: list = []  # (LoadHandle, ChunkRun, ready event) loaded in a step, not landed yet
         self._saves: dict[str, list] = {}  # req id -> [(SaveHandle, ChunkRun, ready event)], submitted
@@ -226,6 +227,10 @@ class WorkerSide:
         ct, parts = self.settings.chunk_tokens_for(self.block_size), []
         for g in self.groups:
             kv = layout.vllm_paged({n: kv_caches[n] for n in g.layers}, order)
+            if g.state_bytes is not None:
+                _check_states(kv, g, kv_caches)
+                parts.append((kv, 1, g))  # a store's chunk: one block, the state at the chunk's end
+                continue
             if kv.block_size != g.block_size:
                 raise ValueError(
                     f"kv_caches: group {g.index}'s views hold {kv.block_size} tokens per block, "
@@ -259,12 +264,12 @@ class WorkerSide:
         if self.store is None or not (meta.preempted or meta.fresh):
             return  # the common step: no device stream looked up
         waits = set(meta.preempted)
-        if meta.fresh and self._window_saves:
+        if meta.fresh and self._volatile_saves:
             with self._lock:
                 busy = set(self._saves) | set(self._queued)
-            for rid, blocks in list(self._window_saves.items()):
+            for rid, blocks in list(self._volatile_saves.items()):
                 if rid not in busy:
-                    del self._window_saves[rid]  # its saves read their blocks: nothing to wait for
+                    del self._volatile_saves[rid]  # its saves read their blocks: nothing to wait for
                 elif not blocks.isdisjoint(meta.fresh):
                     waits.add(rid)
         stream = self.dev.current_stream()
@@ -432,10 +437,11 @@ class WorkerSide:
             return
         after = self.dev.current_stream().record()  # the forward wrote the KV before this event
         for run in meta.saves:
-            if self.groups is not None and self.groups[run.group].need:
-                # vLLM frees a window's blocks while the request runs: a step handing them out
-                # again waits for this save first (handle_preemptions).
-                self._window_saves.setdefault(run.req_id, set()).update(run.block_ids)
+            if self.groups is not None and self.groups[run.group].volatile:
+                # vLLM frees a window's blocks and a state group's interior states while the
+                # request runs: a step handing them out again waits for this save first
+                # (handle_preemptions).
+                self._volatile_saves.setdefault(run.req_id, set()).update(run.block_ids)
             with self._lock:
                 self._queued[run.req_id] += 1  # its blocks stay the request's: not released before submitted
             self._last_save[run.req_id] = self._saver.submit(partial(self._save, run, after))
@@ -632,6 +638,25 @@ class WorkerSide:
         for layer in range(flags.num_layers):
             flags.wait(layer, compute)  # the seal set every flag: nothing holds the stream for long
         compute.synchronize()  # the first calls ran before any request's step
+
+
+def _check_states(kv, group, kv_caches: dict) -> None:
+    """A state group's views as vLLM's state layers read them: per layer ``[B, 1, 1, C]`` bytes,
+    one state per block (``vllm_paged`` checked their strides against the order), C the layer's
+    packed state tensors (the page's padding past them is never moved)."""
+    first = kv_caches[group.layers[0]]
+    width = first.shape[-1] * first.element_size()
+    if (
+        kv.block_size != 1
+        or first.dim() != 4
+        or tuple(first.shape[1:3]) != (1, 1)
+        or width != group.state_bytes
+    ):
+        raise ValueError(
+            f"kv_caches: group {group.index}'s state views are {tuple(first.shape)} {first.dtype}; its "
+            f"spec packs {group.state_bytes} bytes of state per layer in a block: [B, 1, 1, "
+            f"{group.state_bytes}] bytes expected"
+        )
 
 
 class _Hosts:
