@@ -48,3 +48,34 @@ def test_the_vllm_suite_runs_the_hybrid_family_when_named():
 
     assert "hybrid" in rows_asked(None, on_gpu=True) and "hybrid" not in rows_asked(None, on_gpu=False)
     assert rows_asked("hybrid", on_gpu=False) == {"hybrid"}
+
+
+def test_a_state_model_hit_row_is_correct_and_its_state_is_what_the_token_reads(monkeypatch):
+    from kvtier.bench.suites import vllm_hybrid_state
+    from kvtier.bench.suites.vllm_hybrid_state import StateRig, state_rows
+
+    (row,) = list(state_rows(_ctx()))
+    p = row.params
+    assert row.case == "ttft_hit hybrid qwen3next-tiny 256" and row.correct is True
+    assert p["first_token_match"] is True and p["logits_match"] is True
+    # One chunk of 16 blocks: the full layer loads all 16, the 3 state layers one state each.
+    assert p["loaded_mb_state"] * 1e6 == 3 * p["state_bytes"]
+    # A hit whose state layers start from anything but the loaded state computes other logits.
+    monkeypatch.setattr(vllm_hybrid_state, "_unpack", lambda page, tensors: None)
+    rig = StateRig(_ctx(), "qwen3next-tiny", 256)
+    try:
+        assert rig.row().params["logits_match"] is False
+    finally:
+        rig.close()
+
+
+def test_the_state_row_sees_a_state_the_host_lost():
+    from kvtier.bench.suites.vllm_hybrid_state import StateRig
+
+    rig = StateRig(_ctx(), "qwen3next-tiny", 256)
+    try:
+        states = rig.ws.stores[1]
+        states.host.evict(states.keys(rig.chunk_ids[-1:]))  # the state the hit reads
+        assert rig.row().correct is False
+    finally:
+        rig.close()

@@ -47,7 +47,9 @@ head_size 128, bf16, 16-token blocks; 8K and 32K tokens, 32 and 128 chunks of 16
   (`vllm_decode.py`; orders LBHNC and BLHNC).
 - ttft_hit hybrid <model> <n>: a hit's first token on a sliding-window model (a small random
   Gemma 3: five sliding-window layers to one full) with one store per KV cache group, against
-  recomputing it (params.speedup; 8K and 32K tokens) (`vllm_hybrid.py`).
+  recomputing it (params.speedup; 8K and 32K tokens) (`vllm_hybrid.py`); and on a model with
+  state layers (a small random Qwen3-Next: gated delta net layers, their state at the hit's end
+  loaded, 8K tokens) (`vllm_hybrid_state.py`).
 - choice <tier> <n>, option recompute|load|split <tier> <n>: the connector's choice per request
   against each option measured in the same run (params.vs_best), per tier (host, disk, redis,
   slow, stalled; $KVTIER_VLLM_TIERS) and prefix (2K, 8K, 32K); step_beside_read <tier> <n>: a
@@ -82,6 +84,7 @@ from kvtier.bench.suites.vllm_decode import decode_rows
 from kvtier.bench.suites.vllm_failover import failed_load_row, killed_row
 from kvtier.bench.suites.vllm_graphs import full_graph_rows
 from kvtier.bench.suites.vllm_hybrid import hybrid_rows
+from kvtier.bench.suites.vllm_hybrid_state import state_rows
 
 LLAMA = dict(L=32, H=8, D=128, N=16, dtype=torch.bfloat16)  # Llama-3-8B's KV
 TINY = dict(L=2, H=2, D=16, N=16, dtype=torch.bfloat16)
@@ -432,6 +435,7 @@ def vllm(ctx: Context):
         torch.cuda.empty_cache()  # the model's memory goes back before the decode batch's cache
     if "hybrid" in want:
         yield from hybrid_rows(ctx)
+        yield from state_rows(ctx)
     if "decode" in want:
         memory = DecodeMemory()  # one cache buffer for every order's decode batch
         for order in orders_asked(os.environ.get("KVTIER_VLLM_ORDERS")):

@@ -86,7 +86,68 @@ def hybrid_rows(ctx: Context):
             torch.cuda.empty_cache()
 
 
-class HybridRig:
+class GroupRig:
+    """What the hybrid rows' rigs share: a `WorkerSide` ``ws`` over one store per group, a
+    `GroupPlan` ``plan``, the prompt's ``chunk_ids`` (``chunks`` of them); each rig names the
+    block tables a hit loads into (`load_tables`)."""
+
+    ctx: Context
+    ws: object
+    plan: object
+    groups: list
+    chunk_ids: list[bytes]
+    chunks: int
+    _tag: int
+
+    def load_tables(self) -> list[list[int]]:
+        raise NotImplementedError
+
+    def _sync(self) -> None:
+        self.ws.wait_submitted()  # the saver and loader threads queued what they were handed
+        if self.ctx.on_gpu:
+            torch.cuda.synchronize(self.ctx.device)
+        else:
+            self.ws.dev.synchronize()
+
+    def load_meta(self):
+        from kvtier.integrations.vllm.metadata import ChunkRun, KVTierMetadata
+
+        self._tag += 1
+        tag = self._tag
+
+        def make(g, c0, ids, bids, skip):
+            return ChunkRun("hit", ids, bids, skip, tag, True, ("host",) * len(ids), group=g)
+
+        runs = self.plan.loads(self.chunk_ids, self.load_tables(), 0, self.chunks, make)
+        for r in runs:
+            r.parts = len(runs)
+        return KVTierMetadata(loads=runs, step=self._tag + 1)
+
+    def load(self) -> bool:
+        """A hit's background load, as vLLM drives it, until get_finished reports it; whether every
+        chunk of every group came from the host with no failed receipt."""
+        ws, meta = self.ws, self.load_meta()
+        ws.handle_preemptions(meta)
+        ws.start_load(meta)  # background: the loader thread copies, the request waits
+        ws.save(meta)  # wait_for_save: nothing to save
+        while not (ws.finished(set())[1] or set()) & {"hit"}:  # vLLM polls get_finished each step
+            time.sleep(IDLE_STEP_S)
+        return not ws.failed_receipts() and ws.stats().get("miss_chunks", 0) == 0
+
+    def loaded_mb(self) -> dict[str, float]:
+        """Per group kind, the MB a hit loads."""
+        return {
+            f"loaded_mb_{g.kind}": sum(len(r.ids) for r in self.load_meta().loads if r.group == i)
+            * self.ws.stores[i].fmt.nbytes
+            / 1e6
+            for i, g in enumerate(self.groups)
+        }
+
+    def close(self) -> None:
+        self.ws.shutdown()
+
+
+class HybridRig(GroupRig):
     """Model ``name`` of `MODELS`, its groups' caches (each holding the n-token prefix twice: the
     blocks it was saved from, the blocks a hit loads into) and a `WorkerSide` over them."""
 
@@ -174,46 +235,22 @@ class HybridRig:
         self._sync()
         self.ws.finished(set())  # the saves settled: their chunks held
 
-    def _sync(self) -> None:
-        self.ws.wait_submitted()  # the saver and loader threads queued what they were handed
-        if self.ctx.on_gpu:
-            torch.cuda.synchronize(self.ctx.device)
-        else:
-            self.ws.dev.synchronize()
-
     # -- the row ---------------------------------------------------------------------------------
 
     @torch.no_grad()
     def recompute(self) -> int:
         return int(self.model(self.ids).logits[0, -1].argmax())
 
-    def load_meta(self):
-        from kvtier.integrations.vllm.metadata import ChunkRun, KVTierMetadata
-
-        self._tag += 1
-        tag = self._tag
-
-        def make(g, c0, ids, bids, skip):
-            return ChunkRun("hit", ids, bids, skip, tag, True, ("host",) * len(ids), group=g)
-
-        runs = self.plan.loads(self.chunk_ids, [self.dst, self.dst], 0, self.chunks, make)
-        for r in runs:
-            r.parts = len(runs)
-        return KVTierMetadata(loads=runs, step=self._tag + 1)
+    def load_tables(self) -> list[list[int]]:
+        return [self.dst, self.dst]
 
     @torch.no_grad()
     def hit(self) -> tuple[int, bool]:
         """One hit: (its first token, every chunk of every group delivered from the host)."""
         from transformers import DynamicCache
 
-        ws, meta = self.ws, self.load_meta()
         t0 = time.perf_counter()
-        ws.handle_preemptions(meta)
-        ws.start_load(meta)  # background: the loader thread copies, the request waits
-        ws.save(meta)  # wait_for_save: nothing to save
-        while not (ws.finished(set())[1] or set()) & {"hit"}:  # vLLM polls get_finished each step
-            time.sleep(IDLE_STEP_S)
-        ok = not ws.failed_receipts()
+        ok = self.load()
         t1 = time.perf_counter()
         cache = DynamicCache()
         first = self.plan.groups[0].first_needed(self.chunks, self.plan.bpcs[0])
@@ -235,8 +272,7 @@ class HybridRig:
         tok = int(logits[0, -1].argmax())
         t3 = time.perf_counter()
         self.phases.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3))
-        stats = ws.stats()
-        return tok, ok and stats.get("miss_chunks", 0) == 0
+        return tok, ok
 
     def exact(self) -> bool:
         """Every group's blocks a hit loads equal, bit for bit, the blocks they were saved from."""
@@ -256,7 +292,7 @@ class HybridRig:
     def row(self):
         want = self.recompute()
         reps = 2 if self.ctx.quick else 3
-        rec = _runs(self.ctx, lambda: self.recompute(), reps)
+        rec = timed_runs(self.ctx, lambda: self.recompute(), reps)
         self.poison()  # only the loads can make the hit's blocks right
         hits, firsts = [], []
 
@@ -265,17 +301,12 @@ class HybridRig:
             hits.append(ok)
             firsts.append(tok)
 
-        t = _runs(self.ctx, once, reps, before=self._sync)
+        t = timed_runs(self.ctx, once, reps, before=self._sync)
         self._sync()
         timed = self.phases[1:]  # the warm-up's left out, as in t
         load_ms, gather_ms, forward_ms = (statistics.median(p[i] for p in timed) for i in range(3))
         ok = all(hits) and self.exact()
-        mb = {
-            f"loaded_mb_{g.kind}": sum(len(r.ids) for r in self.load_meta().loads if r.group == i)
-            * self.ws.stores[i].fmt.nbytes
-            / 1e6
-            for i, g in enumerate(self.groups)
-        }
+        mb = self.loaded_mb()
         nbytes = int(sum(mb.values()) * 1e6)
         link = "h2d_pinned" if self.ctx.on_gpu else "host_memcpy"
         return self.ctx.row(
@@ -299,11 +330,8 @@ class HybridRig:
             **mb,
         )
 
-    def close(self) -> None:
-        self.ws.shutdown()
 
-
-def _runs(ctx: Context, once, reps: int, before=None):
+def timed_runs(ctx: Context, once, reps: int, before=None):
     """One warm-up and ``reps`` timed runs of once(); their Timing (perf_counter)."""
     samples = []
     for i in range(1 + reps):
