@@ -58,3 +58,25 @@ def test_a_failing_path_is_a_warning_not_a_failed_start(monkeypatch, caplog):
     finally:
         eng.close()
         dev.close()
+
+
+def test_warm_up_also_runs_the_paths_its_caller_names(monkeypatch):
+    calls: list[tuple] = []
+    real = TransferEngine.load
+
+    def spy(self, *a, **k):
+        calls.append((k.get("path"), k.get("per_layer", True)))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(TransferEngine, "load", spy)
+    dev = SimDevice()
+    kv = random_cache("vllm_flash", 2, 16, 4, 2, 16, torch.float16)
+    eng = TransferEngine(dev, kv, PinnedPool(dev, 16 * kv.chunk_nbytes(4)))
+    try:
+        own = {eng.load_path(per_layer=True).value, eng.load_path(per_layer=False).value}
+        named = next(p for p in ("kernel", "staged", "batch") if p not in own)  # one it would not take
+        assert warm_up(eng, range(16), 4, load_paths=(named, None))
+        assert (named, True) in calls and (named, False) in calls  # a layer-wise load's first use
+    finally:
+        eng.close()
+        dev.close()

@@ -245,7 +245,8 @@ def test_every_paths_first_use_is_at_register_and_leaves_the_cache_as_it_was(tmp
         rk = e.ranks[0]
         assert calls.count(("save_slots", None, True)) == SAVE_LANES  # each save lane once
         eng = rk.store.engine
-        for path in {eng.load_path(per_layer=True).value, eng.load_path(per_layer=False).value}:
+        own = {eng.load_path(per_layer=True).value, eng.load_path(per_layer=False).value}
+        for path in own | {rk.ws.load_path()}:  # and the layer-major path a load in the step names
             assert ("load", path, True) in calls and ("load", path, False) in calls
             assert ("load_slots", path, True) in calls
         assert eng.pool.stats().used == 0  # the warm-up's slots went back
