@@ -79,3 +79,19 @@ def test_the_state_row_sees_a_state_the_host_lost():
         assert rig.row().correct is False
     finally:
         rig.close()
+
+
+def test_the_state_rig_reads_either_cache_layout_transformers_has_had():
+    from types import SimpleNamespace
+
+    from kvtier.bench.suites.vllm_hybrid_state import attention_kv, state_tensors
+
+    k, v, conv, rec = (torch.full((1, 2), float(i)) for i in range(4))
+    layered = SimpleNamespace(
+        layers=[SimpleNamespace(keys=k, values=v), SimpleNamespace(conv={0: conv}, rec={0: rec})]
+    )
+    assert attention_kv(layered, 0) == (k, v) and state_tensors(layered, 1) == [conv, rec]
+    listed = SimpleNamespace(
+        key_cache=[k, None], value_cache=[v, None], conv_states=[None, conv], recurrent_states=[None, rec]
+    )
+    assert attention_kv(listed, 0) == (k, v) and state_tensors(listed, 1) == [conv, rec]

@@ -128,6 +128,15 @@ def state_tensors(cache, layer: int) -> list[torch.Tensor]:
     return found
 
 
+def attention_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention layer ``layer``'s keys and values in ``cache`` ([1, H, tokens, D] each): its layer
+    object's, else the per-layer lists (``key_cache``, ``value_cache``) of older transformers."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None and getattr(layers[layer], "keys", None) is not None:
+        return layers[layer].keys, layers[layer].values
+    return cache.key_cache[layer], cache.value_cache[layer]
+
+
 class StateRig(GroupRig):
     """Model ``name`` of `MODELS`, its groups' caches (the full group: the n-token prefix twice,
     the blocks it was saved from and the blocks a hit loads into; the state group: three blocks,
@@ -205,8 +214,7 @@ class StateRig(GroupRig):
 
         src = torch.tensor(self.src, device=self.ctx.device)
         for p, i in enumerate(self.attn):
-            lay = self.prefix.layers[i]
-            kv = torch.cat([lay.keys, lay.values], -1)[0]  # [H, n, K||V]
+            kv = torch.cat(attention_kv(self.prefix, i), -1)[0]  # [H, n, K||V]
             self.kv[p][src] = kv.view(kv.shape[0], self.nblk, BLOCK, -1).permute(1, 0, 2, 3)
         for p, i in enumerate(self.lin):
             self.states[p, 1, 0, 0] = _packed(state_tensors(self.prefix, i))
@@ -238,12 +246,12 @@ class StateRig(GroupRig):
         ok = self.load()
         dst = torch.tensor(self.dst, device=self.ctx.device)
         for p, i in enumerate(self.attn):
-            lay = cache.layers[i]
+            keys, values = attention_kv(cache, i)
             blocks = self.kv[p][dst]  # [blocks, H, N, K||V]
             kv = blocks.permute(1, 0, 2, 3).reshape(blocks.shape[1], -1, blocks.shape[3])[None]
             d = kv.shape[-1] // 2
-            lay.keys.fill_(POISON).copy_(kv[..., :d])
-            lay.values.fill_(POISON).copy_(kv[..., d:])
+            keys.fill_(POISON).copy_(kv[..., :d])
+            values.fill_(POISON).copy_(kv[..., d:])
         for p, i in enumerate(self.lin):
             tensors = state_tensors(cache, i)
             for t in tensors:
@@ -315,4 +323,4 @@ def _unpack(page: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         at += nbytes
 
 
-__all__ = ["StateRig", "state_rows", "state_tensors"]
+__all__ = ["StateRig", "attention_kv", "state_rows", "state_tensors"]
