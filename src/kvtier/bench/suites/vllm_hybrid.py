@@ -134,6 +134,25 @@ class GroupRig:
             time.sleep(IDLE_STEP_S)
         return not ws.failed_receipts() and ws.stats().get("miss_chunks", 0) == 0
 
+    def measure(self) -> tuple:
+        """The recompute's first token and timing, then the hits' on poisoned blocks: (first
+        token, recompute Timing, hit Timing, each hit's first token, every hit loaded and
+        every group's loaded blocks equal to their saved ones)."""
+        want = self.recompute()
+        reps = 2 if self.ctx.quick else 3
+        rec = timed_runs(self.ctx, self.recompute, reps)
+        self.poison()  # only the loads can make the hit's blocks right
+        hits, firsts = [], []
+
+        def once() -> None:
+            tok, ok = self.hit()
+            hits.append(ok)
+            firsts.append(tok)
+
+        t = timed_runs(self.ctx, once, reps, before=self._sync)
+        self._sync()
+        return want, rec, t, firsts, all(hits) and self.exact()
+
     def loaded_mb(self) -> dict[str, float]:
         """Per group kind, the MB a hit loads."""
         return {
@@ -290,22 +309,9 @@ class HybridRig(GroupRig):
             cache[:, self.dst] = torch.tensor(-7.0, dtype=self.dtype)
 
     def row(self):
-        want = self.recompute()
-        reps = 2 if self.ctx.quick else 3
-        rec = timed_runs(self.ctx, lambda: self.recompute(), reps)
-        self.poison()  # only the loads can make the hit's blocks right
-        hits, firsts = [], []
-
-        def once() -> None:
-            tok, ok = self.hit()
-            hits.append(ok)
-            firsts.append(tok)
-
-        t = timed_runs(self.ctx, once, reps, before=self._sync)
-        self._sync()
+        want, rec, t, firsts, ok = self.measure()
         timed = self.phases[1:]  # the warm-up's left out, as in t
         load_ms, gather_ms, forward_ms = (statistics.median(p[i] for p in timed) for i in range(3))
-        ok = all(hits) and self.exact()
         mb = self.loaded_mb()
         nbytes = int(sum(mb.values()) * 1e6)
         link = "h2d_pinned" if self.ctx.on_gpu else "host_memcpy"

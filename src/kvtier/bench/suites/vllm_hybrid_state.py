@@ -32,7 +32,7 @@ import copy
 import torch
 
 from kvtier.bench.suite import Context
-from kvtier.bench.suites.vllm_hybrid import GroupRig, timed_runs
+from kvtier.bench.suites.vllm_hybrid import GroupRig
 
 BLOCK = 16
 POISON = 7.0
@@ -197,6 +197,7 @@ class StateRig(GroupRig):
         self.chunk_ids = [f"{name}:{n}:{i}".encode() for i in range(self.chunks)]
         self._tag = 0
         self.diffs: list[float] = []  # per hit: its logits' largest difference from the recompute's
+        self._want: torch.Tensor | None = None
         self._fill_and_save()
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -233,8 +234,10 @@ class StateRig(GroupRig):
 
     @torch.no_grad()
     def recompute(self) -> int:
-        self._logits = self.model(self.ids).logits[0, -1]
-        return int(self._logits.argmax())
+        logits = self.model(self.ids).logits[0, -1]
+        if self._want is None:
+            self._want = logits.clone()  # the first recompute's: what every hit is checked against
+        return int(logits.argmax())
 
     def load_tables(self) -> list[list[int]]:
         return self._tables(self.dst, 2)
@@ -271,21 +274,7 @@ class StateRig(GroupRig):
         self.states[:, 2] = 7
 
     def row(self):
-        want = self.recompute()
-        self._want = self._logits.clone()
-        reps = 2 if self.ctx.quick else 3
-        rec = timed_runs(self.ctx, self.recompute, reps)
-        self.poison()  # only the loads can make the hit's blocks right
-        hits, firsts = [], []
-
-        def once() -> None:
-            tok, ok = self.hit()
-            hits.append(ok)
-            firsts.append(tok)
-
-        t = timed_runs(self.ctx, once, reps, before=self._sync)
-        self._sync()
-        ok = all(hits) and self.exact()
+        want, rec, t, firsts, ok = self.measure()
         mb = self.loaded_mb()
         link = "h2d_pinned" if self.ctx.on_gpu else "host_memcpy"
         return self.ctx.row(

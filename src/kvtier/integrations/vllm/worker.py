@@ -193,9 +193,9 @@ class WorkerSide:
         self._lane_order = deque(range(SAVE_LANES))
         # Every copy path's first use now, at start, on blocks no request holds yet (vLLM's block 0
         # is its null block): kernel compiles, the staged path's graphs, the batched copy, each lane.
+        # Its loads' own paths too: a load in the step names the layer-major "kernel" path.
+        paths = (self.load_path(background=False), self.load_path(background=True))
         for store in self.stores:
-            # Its loads' own paths too: a load in the step names the layer-major "kernel" path.
-            paths = (self.load_path(background=False), self.load_path(background=True))
             warm_up(store.engine, range(1, store.kv.num_blocks), store.fmt.blocks, self._lanes, paths)
         self._on_cuda = first.is_cuda
         if self.settings.flag_waits and self.groups is None:  # a hybrid model loads only in the background
