@@ -260,3 +260,25 @@ def test_state_views_are_checked_against_their_strides_and_width(tmp_path):
             conn.register_kv_caches(narrow)
     finally:
         conn.shutdown()
+
+
+def test_after_a_restart_the_states_are_hit_on_the_disk(tmp_path):
+    """A new server over the same disk: empty hosts, every group's chunks (the states too) read
+    back from the disk in the background, the stand-in's state layers reading them as true."""
+    extra = {"disk_path": str(tmp_path / "disk")}
+    a = _prompt(3500)
+    e = _engine(tmp_path, extra)
+    try:
+        e.add("a", a)
+        e.settle(timeout_s=300)  # write-through: the states and the KV are on the disk
+    finally:
+        e.close()
+    e = _engine(tmp_path, extra)  # a new server: empty hosts, the same disk
+    try:
+        e.add("b", a, max_tokens=3)
+        e.settle(timeout_s=300)
+        assert e.run_loads("b") == [(0, 1), (1, 1), (2, 1), (3, 3)] and not e.failed_receipts()
+        assert e.scheduled("b")[0] == len(a) - 3 * BS  # vLLM computed only past the hit
+        assert not e.violations() and e.model.reads > 0 and e.outputs["b"][0] == e.first_token(a)
+    finally:
+        e.close()
