@@ -84,7 +84,8 @@ def test_the_state_row_sees_a_state_the_host_lost():
 def test_the_state_rig_reads_either_cache_layout_transformers_has_had():
     from types import SimpleNamespace
 
-    from kvtier.bench.suites.vllm_hybrid_state import attention_kv, state_tensors
+    from kvtier.bench.suites.vllm_hybrid import attention_kv
+    from kvtier.bench.suites.vllm_hybrid_state import state_tensors
 
     k, v, conv, rec = (torch.full((1, 2), float(i)) for i in range(4))
     layered = SimpleNamespace(

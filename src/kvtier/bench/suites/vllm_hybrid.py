@@ -6,10 +6,10 @@ recomputing the prompt.
                                 background load (one run per group: the full-attention group's
                                 every chunk, the sliding-window group's units covering the window
                                 before the hit's end) -> get_finished until every group's run
-                                landed (vLLM schedules the request then) -> the model's forward
-                                over the next token, its prefix read from the loaded blocks
-                                (gathered per layer into transformers' cache; the window layers'
-                                older positions, never read, stay zero) -> the first token on
+                                landed (vLLM schedules the request then) -> the loaded blocks
+                                gathered per layer into the K/V tensors of transformers' cache
+                                (the window layers' older positions, never read, stay zero) ->
+                                the model's forward over the next token -> the first token on
                                 the host
 
 The model: transformers' Gemma3ForCausalLM with random weights (seeded) from a small config
@@ -21,11 +21,16 @@ through the worker's hooks first.
 Params: ``speedup`` (recompute over hit, medians), hit_ms, recompute_ms, its parts (medians):
 load_ms (start_load to get_finished), gather_ms (the rig's copy of the loaded blocks into
 transformers' dense cache, which vLLM's attention does not need: it reads the blocks), forward_ms
-(the next token's forward and its token on the host), ``first_token_match``
+(the next token's forward and its token on the host), ``forward``: on a GPU "cuda graph", the
+one-token forward captured once at set-up over a cache whose K/V tensors the gathers write in
+place, as vLLM runs a one-token step (a graphed decode step); "eager" on the CPU, or where the
+capture failed (``graph_error``); ``graph_matches_eager``: at set-up, the graph's logits over
+the prompt's own KV equal, bit for bit, an eager forward's (None without a graph). The recompute
+is transformers' eager prefill: at 32K its launches hide under its GPU time. ``first_token_match``
 (the hit's first token is the recompute's, every run), loaded_mb per group; ``correct``: every
-run loaded every chunk from the host with no failed receipt, and every group's loaded blocks
-equal its saved ones bit for bit. One warm-up and 3 timed runs (quick: 2), perf_counter, the
-device idle before each.
+run loaded every chunk from the host with no failed receipt, every group's loaded blocks equal
+its saved ones bit for bit, and a graph's logits equal an eager forward's. One warm-up and 3
+timed runs (quick: 2), perf_counter, the device idle before each.
 """
 
 from __future__ import annotations
@@ -84,6 +89,15 @@ def hybrid_rows(ctx: Context):
             rig.close()
         if ctx.on_gpu:
             torch.cuda.empty_cache()
+
+
+def attention_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention layer ``layer``'s keys and values in ``cache`` ([1, H, tokens, D] each): its layer
+    object's, else the per-layer lists (``key_cache``, ``value_cache``) of older transformers."""
+    layers = getattr(cache, "layers", None)
+    if layers is not None and getattr(layers[layer], "keys", None) is not None:
+        return layers[layer].keys, layers[layer].values
+    return cache.key_cache[layer], cache.value_cache[layer]
 
 
 class GroupRig:
@@ -195,6 +209,7 @@ class HybridRig(GroupRig):
             Group(1, FULL, BLOCK, tuple(names[i] for i in full), "FullAttentionSpec"),
         ]
         self.members = [sw, full]  # model layer indices of each group, in its order
+        self.where = [(0, sw.index(i)) if i in sw else (1, full.index(i)) for i in range(layers)]
         self.nblk = n // BLOCK
         self.src = list(range(1, self.nblk + 1))  # block 0: vLLM's null block
         self.dst = list(range(self.nblk + 1, 2 * self.nblk + 1))
@@ -209,6 +224,7 @@ class HybridRig(GroupRig):
                 views[names[layer]] = self.caches[g][pos]
         views = {k: views[k] for k in names}  # the model's layer order, as vLLM's dict
         self._dst_ids = torch.tensor(self.dst, device=ctx.device)
+        self._src_ids = torch.tensor(self.src, device=ctx.device)
         ct = chunk_tokens or 16 * BLOCK
         self.chunks = n // ct
         block_bytes = sum(x.element_size() * x[0, 0].numel() * x.shape[0] for x in self.caches)
@@ -227,6 +243,13 @@ class HybridRig(GroupRig):
         self._tag = 0
         self.phases: list[tuple[float, float, float]] = []  # per hit: load, gather, forward (ms)
         self._fill_and_save()
+        self.first = self.plan.groups[0].first_needed(self.chunks, self.plan.bpcs[0])
+        self.next_ids = self.ids[:, n:].clone()  # the next token: a graph's fixed input
+        self.graph, self.graph_error, self.graph_matches_eager = None, None, None
+        self.cache = self._prefix_cache()
+        self.kv = self._layers_kv()  # the prefix's K/V the gathers write (a graph's fixed input)
+        if ctx.on_gpu:
+            self._capture()
 
     # -- set-up ----------------------------------------------------------------------------------
 
@@ -254,6 +277,79 @@ class HybridRig(GroupRig):
         self._sync()
         self.ws.finished(set())  # the saves settled: their chunks held
 
+    def _prefix_cache(self):
+        """transformers' cache of an n-token prefix, zeros: the hits' gathers write its K/V."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        for layer, (g, _) in enumerate(self.where):
+            _, _, heads, _, c = self.caches[g].shape
+            z = torch.zeros(1, heads, self.n, c // 2, dtype=self.dtype, device=self.ctx.device)
+            cache.update(z, z, layer)  # copies: each layer's keys and values are its own
+        return cache
+
+    def _gather(self, ids: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Blocks ``ids`` of every layer into its dense keys and values ``kv`` (a window layer's
+        from the first block its window reads)."""
+        for layer, (keys, values) in enumerate(kv):
+            g, pos = self.where[layer]
+            lo = self.first if g == 0 else 0
+            blocks = self.caches[g][pos].index_select(0, ids[lo:])  # [blocks, H, N, K||V]
+            d = blocks.shape[-1] // 2
+            for dense, part in ((keys, blocks[..., :d]), (values, blocks[..., d:])):
+                dense[0, :, lo * BLOCK :].unflatten(1, (-1, BLOCK)).copy_(part.permute(1, 0, 2, 3))
+
+    def _layers_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [attention_kv(self.cache, i) for i in range(len(self.where))]
+
+    def _copy_cache(self):
+        """A cache of its own holding the prefix's K/V as they are now (an eager forward grows it)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        for layer, (keys, values) in enumerate(self.kv):
+            cache.update(keys, values, layer)  # copies
+        return cache
+
+    @torch.no_grad()
+    def _capture(self) -> None:
+        """The next token's forward as a CUDA graph over the cache's K/V tensors (first-use work,
+        here at set-up); then its logits over the prompt's own KV against an eager forward's."""
+        dev = self.ctx.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))  # the cache's zeros are written first
+        with torch.cuda.stream(side):
+            for _ in range(2):  # kernel choice and workspaces before the capture, on a side stream
+                self.model(self.next_ids, past_key_values=self._copy_cache(), use_cache=True)
+        torch.cuda.current_stream(dev).wait_stream(side)  # the warm-up's reads end before capture
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self.out = self.model(self.next_ids, past_key_values=self.cache, use_cache=True).logits
+        except Exception as exc:  # a forward the graph cannot hold: the row runs it eager
+            self.graph_error = repr(exc)[:300]
+            torch.cuda.synchronize(dev)  # the failed capture's stream state settles
+            self.cache = self._prefix_cache()  # the capture may have grown some layers
+            self.kv = self._layers_kv()
+            return
+        self.graph = graph
+        self._gather(self._src_ids, self.kv)
+        graph.replay()
+        graphed = self.out.clone()
+        eager = self.model(self.next_ids, past_key_values=self._copy_cache(), use_cache=True).logits
+        self.graph_matches_eager = bool(torch.equal(graphed, eager))
+        for layer, (keys, values) in enumerate(self.kv):
+            lo = self.first if self.where[layer][0] == 0 else 0  # below it: zeros, never read
+            keys[0, :, lo * BLOCK :] = -7.0  # only a hit's gather can make the graph's input right
+            values[0, :, lo * BLOCK :] = -7.0
+
+    def _forward(self) -> torch.Tensor:
+        """The next token's logits over the cache: the graph's replay, else an eager forward."""
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out
+        return self.model(self.next_ids, past_key_values=self._copy_cache(), use_cache=True).logits
+
     # -- the row ---------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -266,38 +362,22 @@ class HybridRig(GroupRig):
     @torch.no_grad()
     def hit(self) -> tuple[int, bool]:
         """One hit: (its first token, every chunk of every group delivered from the host)."""
-        from transformers import DynamicCache
-
         t0 = time.perf_counter()
         ok = self.load()
         t1 = time.perf_counter()
-        cache = DynamicCache()
-        first = self.plan.groups[0].first_needed(self.chunks, self.plan.bpcs[0])
-        for layer in range(len(self.model.model.layers)):
-            g = 0 if layer in self.members[0] else 1
-            view = self.caches[g][self.members[g].index(layer)]
-            lo = first if g == 0 else 0  # a window layer reads only the blocks before the hit's end
-            kv = torch.zeros(
-                1, view.shape[1], self.n, view.shape[3], dtype=self.dtype, device=self.ctx.device
-            )
-            blocks = view[self._dst_ids[lo:]]  # [blocks, H, N, K||V]
-            kv[0, :, lo * BLOCK :] = blocks.permute(1, 0, 2, 3).reshape(view.shape[1], -1, view.shape[3])
-            d = view.shape[3] // 2
-            cache.update(kv[..., :d].contiguous(), kv[..., d:].contiguous(), layer)
+        self._gather(self._dst_ids, self.kv)
         if self.ctx.on_gpu:
             torch.cuda.synchronize(self.ctx.device)  # the gather's kernels are timed as the gather
         t2 = time.perf_counter()
-        logits = self.model(self.ids[:, self.n :], past_key_values=cache, use_cache=True).logits
-        tok = int(logits[0, -1].argmax())
+        tok = int(self._forward()[0, -1].argmax())
         t3 = time.perf_counter()
         self.phases.append(((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3))
         return tok, ok
 
     def exact(self) -> bool:
         """Every group's blocks a hit loads equal, bit for bit, the blocks they were saved from."""
-        first = self.plan.groups[0].first_needed(self.chunks, self.plan.bpcs[0])
         for g, cache in enumerate(self.caches):
-            lo = first if g == 0 else 0
+            lo = self.first if g == 0 else 0
             a = cache[:, self.dst[lo:]].contiguous().view(torch.uint8)
             b = cache[:, self.src[lo:]].contiguous().view(torch.uint8)
             if not torch.equal(a, b):
@@ -320,7 +400,7 @@ class HybridRig(GroupRig):
             max(nbytes, 1),
             t,
             link,
-            correct=ok,
+            correct=ok and self.graph_matches_eager is not False,
             model=self.name,
             prefix_tokens=self.n,
             window=self.window,
@@ -332,6 +412,9 @@ class HybridRig(GroupRig):
             load_ms=load_ms,
             gather_ms=gather_ms,
             forward_ms=forward_ms,
+            forward="cuda graph" if self.graph is not None else "eager",
+            graph_matches_eager=self.graph_matches_eager,
+            **({"graph_error": self.graph_error} if self.graph_error else {}),
             path="hit: background load per group, then transformers' forward of the next token",
             **mb,
         )

@@ -32,7 +32,7 @@ import copy
 import torch
 
 from kvtier.bench.suite import Context
-from kvtier.bench.suites.vllm_hybrid import GroupRig
+from kvtier.bench.suites.vllm_hybrid import GroupRig, attention_kv
 
 BLOCK = 16
 POISON = 7.0
@@ -126,15 +126,6 @@ def state_tensors(cache, layer: int) -> list[torch.Tensor]:
         for attr in ("conv_states", "recurrent_states"):
             walk(getattr(cache, attr, [None] * (layer + 1))[layer])
     return found
-
-
-def attention_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention layer ``layer``'s keys and values in ``cache`` ([1, H, tokens, D] each): its layer
-    object's, else the per-layer lists (``key_cache``, ``value_cache``) of older transformers."""
-    layers = getattr(cache, "layers", None)
-    if layers is not None and getattr(layers[layer], "keys", None) is not None:
-        return layers[layer].keys, layers[layer].values
-    return cache.key_cache[layer], cache.value_cache[layer]
 
 
 class StateRig(GroupRig):
@@ -312,4 +303,4 @@ def _unpack(page: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         at += nbytes
 
 
-__all__ = ["StateRig", "attention_kv", "state_rows", "state_tensors"]
+__all__ = ["StateRig", "state_rows", "state_tensors"]
