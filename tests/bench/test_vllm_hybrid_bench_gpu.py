@@ -1,5 +1,5 @@
 """The `hybrid` row's graphed forward on CUDA: the next token's forward captured once at set-up
-over the cache's K/V tensors, its logits over the prompt's KV equal to an eager forward's, and
+over the cache's K/V tensors, its logits over the prompt's KV an eager forward's, and
 every hit's first token, read from blocks poisoned before the loads, the recompute's. Skipped
 without a GPU; the eager forward's row runs on the CPU in test_vllm_hybrid_bench.py."""
 
@@ -22,5 +22,10 @@ def test_the_hit_forward_is_one_graph_that_reads_what_the_hit_gathered():
         assert p["forward"] == "cuda graph", p.get("graph_error")
         assert p["graph_matches_eager"] is True and p["first_token_match"] is True
         assert rig.exact()
+        # The graph reads the cache's K/V as the gathers leave them: other K/V, other logits.
+        before = rig._forward().clone()
+        for keys, values in rig.kv:
+            keys.mul_(-1)
+        assert not torch.equal(rig._forward(), before)
     finally:
         rig.close()

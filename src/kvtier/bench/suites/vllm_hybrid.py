@@ -24,12 +24,14 @@ transformers' dense cache, which vLLM's attention does not need: it reads the bl
 (the next token's forward and its token on the host), ``forward``: on a GPU "cuda graph", the
 one-token forward captured once at set-up over a cache whose K/V tensors the gathers write in
 place, as vLLM runs a one-token step (a graphed decode step); "eager" on the CPU, or where the
-capture failed (``graph_error``); ``graph_matches_eager``: at set-up, the graph's logits over
-the prompt's own KV equal, bit for bit, an eager forward's (None without a graph). The recompute
-is transformers' eager prefill: at 32K its launches hide under its GPU time. ``first_token_match``
+capture failed (``graph_error``); ``graph_matches_eager``: at set-up, the graph's next-token
+logits over the prompt's own KV have an eager forward's top token and lie within GRAPH_TOL of
+them, relative to the largest (``graph_logits_diff``; ``eager_logits_diff``: two eager forwards'
+own difference; None without a graph). The recompute is transformers' eager prefill: at 32K its
+launches hide under its GPU time. ``first_token_match``
 (the hit's first token is the recompute's, every run), loaded_mb per group; ``correct``: every
 run loaded every chunk from the host with no failed receipt, every group's loaded blocks equal
-its saved ones bit for bit, and a graph's logits equal an eager forward's. One warm-up and 3
+its saved ones bit for bit, and a graph matches an eager forward. One warm-up and 3
 timed runs (quick: 2), perf_counter, the device idle before each.
 """
 
@@ -69,6 +71,9 @@ MODELS = {  # transformers Gemma3TextConfig fields; layer_types: 5 sliding to 1 
     ),
 }
 GPU_TOKENS, CPU_TOKENS = (8192, 32768), (256,)
+# The graph's next-token logits against an eager forward's over the same KV, as a share of the
+# largest: a few bf16 steps at the top logit. Captured matmuls may take other cuBLAS algorithms.
+GRAPH_TOL = 1e-2
 IDLE_STEP_S = 0.0005  # an idle engine step's own time while the request waits for its load
 
 
@@ -246,6 +251,7 @@ class HybridRig(GroupRig):
         self.first = self.plan.groups[0].first_needed(self.chunks, self.plan.bpcs[0])
         self.next_ids = self.ids[:, n:].clone()  # the next token: a graph's fixed input
         self.graph, self.graph_error, self.graph_matches_eager = None, None, None
+        self.graph_diff = self.eager_diff = None
         self.cache = self._prefix_cache()
         self.kv = self._layers_kv()  # the prefix's K/V the gathers write (a graph's fixed input)
         if ctx.on_gpu:
@@ -335,9 +341,13 @@ class HybridRig(GroupRig):
         self.graph = graph
         self._gather(self._src_ids, self.kv)
         graph.replay()
-        graphed = self.out.clone()
-        eager = self.model(self.next_ids, past_key_values=self._copy_cache(), use_cache=True).logits
-        self.graph_matches_eager = bool(torch.equal(graphed, eager))
+        graphed = self.out[0, -1].float()
+        eager = [self._eager()[0, -1].float() for _ in range(2)]
+        scale = float(eager[0].abs().max())
+        self.graph_diff = float((graphed - eager[0]).abs().max()) / scale
+        self.eager_diff = float((eager[1] - eager[0]).abs().max()) / scale
+        same_token = int(graphed.argmax()) == int(eager[0].argmax())
+        self.graph_matches_eager = same_token and self.graph_diff <= GRAPH_TOL
         for layer, (keys, values) in enumerate(self.kv):
             lo = self.first if self.where[layer][0] == 0 else 0  # below it: zeros, never read
             keys[0, :, lo * BLOCK :] = -7.0  # only a hit's gather can make the graph's input right
@@ -348,6 +358,9 @@ class HybridRig(GroupRig):
         if self.graph is not None:
             self.graph.replay()
             return self.out
+        return self._eager()
+
+    def _eager(self) -> torch.Tensor:
         return self.model(self.next_ids, past_key_values=self._copy_cache(), use_cache=True).logits
 
     # -- the row ---------------------------------------------------------------------------------
@@ -414,6 +427,8 @@ class HybridRig(GroupRig):
             forward_ms=forward_ms,
             forward="cuda graph" if self.graph is not None else "eager",
             graph_matches_eager=self.graph_matches_eager,
+            graph_logits_diff=self.graph_diff,
+            eager_logits_diff=self.eager_diff,
             **({"graph_error": self.graph_error} if self.graph_error else {}),
             path="hit: background load per group, then transformers' forward of the next token",
             **mb,
