@@ -24,7 +24,7 @@ def test_the_hit_forward_is_one_graph_that_reads_what_the_hit_gathered():
         assert rig.exact()
         # The graph reads the cache's K/V as the gathers leave them: other K/V, other logits.
         before = rig._forward().clone()
-        for keys, values in rig.kv:
+        for keys, _ in rig.kv:
             keys.mul_(-1)
         assert not torch.equal(rig._forward(), before)
     finally:
