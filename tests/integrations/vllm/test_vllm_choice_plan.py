@@ -106,6 +106,18 @@ def test_unplanned_before_a_prefill_was_measured_or_when_choice_is_load():
     assert off.choose(["disk"] * 4, 0, 4 * CT + 1, in_step=False).kind == "held"
 
 
+def test_a_hybrid_models_load_is_planned_at_the_bytes_its_groups_read():
+    # A host link of 2 GB/s: a load of every layer's KV of 8K tokens (Llama-3-8B's 128 KiB a
+    # token) is slower than the prefill; one whose sliding-window groups read only their window,
+    # a sixth of that, is faster.
+    ch = _chooser(host=(2.0, 0.0))
+    ch.chunk_bytes = CT * 131072  # a chunk's units of every group
+    assert ch.choose(["host"] * 32, 0, 32 * CT + 64, in_step=False).kind == "recompute"
+    ch.load_bytes = lambda start, n: (n * CT - start) * 131072 // 6
+    c = ch.choose(["host"] * 32, 0, 32 * CT + 64, in_step=False)
+    assert (c.kind, c.chunks) == ("load", 32) and c.predicted_ms < c.recompute_ms
+
+
 class _Tier:
     """A lower tier that fails every read until healed."""
 

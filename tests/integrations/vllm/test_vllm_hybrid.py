@@ -88,6 +88,23 @@ def test_a_hybrid_hit_loads_each_group_what_it_reads(tmp_path, name, ct, want, a
         e.close()
 
 
+def test_the_choice_plans_a_hybrid_load_at_the_bytes_each_group_reads(tmp_path):
+    a = _prompt(600)
+    e = HybridEngine(tmp_path, "gpt-oss-20b", {"chunk_tokens": 256, **HOST}, **ARGS["gpt-oss-20b"])
+    try:
+        e.add("a", a, max_tokens=3)
+        e.settle()
+        stores = e.ranks[0].ws.stores
+        # A hit of 2 chunks: the window group (128 tokens) reads one unit of 8 blocks, the full
+        # group both chunks: not two chunks of every group.
+        want = stores[0].fmt.nbytes + 2 * stores[1].fmt.nbytes
+        load_bytes = e.sched.connector.scheduler_side.chooser.load_bytes
+        assert load_bytes(0, 2) == want < 2 * (stores[0].fmt.nbytes + stores[1].fmt.nbytes)
+        assert load_bytes(256, 2) == stores[0].fmt.nbytes + stores[1].fmt.nbytes  # past vLLM's own
+    finally:
+        e.close()
+
+
 def test_a_hit_ends_where_every_group_holds_its_window(tmp_path):
     a = _prompt(300)  # 4 chunks of 64 (the fifth holds the last token)
     e = HybridEngine(tmp_path, "gpt-oss-20b", {"chunk_tokens": 64, **HOST}, **ARGS["gpt-oss-20b"])

@@ -40,6 +40,7 @@ bounded by ``cap_s``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvtier.ceilings import Ceilings
@@ -103,6 +104,9 @@ class Chooser:
         self.rates: dict[str, tuple[float, float]] = {}
         self.kinds: dict[str, str] = {}
         self.chunk_bytes: int | None = None  # one rank's bytes of a chunk, as a worker reported them
+        # A hybrid model's: one rank's bytes of a load of tokens [start, n chunks), per group as
+        # it reads (a sliding window only its window's blocks, a state only the hit's end)
+        self.load_bytes: Callable[[int, int], int] | None = None
         self._gpu = get_gpu(LINK_GPU)
 
     def choose(self, tiers: list[str], computed: int, prompt_tokens: int, in_step: bool) -> Choice:
@@ -160,7 +164,7 @@ class Chooser:
         ct, moved = self.chunk_tokens, k * self.chunk_tokens - computed
         lower = [t for t in tiers[computed // ct : k] if t != HOST]
         background = bool(lower) or not in_step
-        per_token = self._bytes_per_token()
+        per_token = self._bytes_per_token(computed, k, moved)
         options = dict(
             ceilings=self._ceilings(),
             chunk_tokens=self.block_size,  # vLLM's own hit ends on a block: so may the load's start
@@ -194,9 +198,13 @@ class Chooser:
         host = self.rates.get(HOST)
         return None if host is None else Ceilings(figures={"h2d_pinned_gbps": host[0]})
 
-    def _bytes_per_token(self) -> float:
+    def _bytes_per_token(self, computed: int, k: int, moved: int) -> float:
+        """One rank's bytes per token a load of chunks up to ``k`` past vLLM's ``computed`` tokens
+        moves (``moved`` tokens); ranks move theirs at once."""
+        if self.load_bytes is not None:
+            return self.load_bytes(computed, k) / moved
         if self.chunk_bytes:
-            return self.chunk_bytes / self.chunk_tokens  # what one rank moves; ranks move theirs at once
+            return self.chunk_bytes / self.chunk_tokens
         return self.spec.kv_bytes_per_token(self.kv_dtype)
 
     def _cap(self, tiers: list[str]) -> float | None:

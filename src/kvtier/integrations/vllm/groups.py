@@ -279,6 +279,20 @@ class GroupPlan:
             runs.append(make(i, c0, ids[c0:n], bids, skip))
         return runs
 
+    def load_bytes(self, start: int, n: int, unit_bytes) -> int:
+        """One rank's bytes `loads` moves for tokens [start, n * ct): every group's blocks, a
+        window group's only those its window reads (``unit_bytes``: each group's bytes of a
+        chunk's unit, as its store keeps it)."""
+        total = 0
+        for i, g in enumerate(self.groups):
+            bpc = self.bpcs[i]
+            span = g.load_span(start // g.block_size, n, bpc)
+            if span is not None:
+                c0, skip = span
+                unit = g.unit(bpc)
+                total += ((n - c0) * unit - skip) * unit_bytes[i] // unit
+        return total
+
     def saves(self, ids, blocks, saved: int, before: int, make) -> tuple[int, list]:
         """Runs keeping chunks [saved, n) of every group, n the full chunks of ``ids`` whose blocks
         every group has; before: the tokens computed before the step (vLLM may have freed a window

@@ -76,8 +76,9 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     stalled / answering again; rates: tier -> (GB/s, fixed s) its loads measured ("host": their
     copies into the GPU); step: the scheduler's number of the step reported (0: none);
     chunk_bytes: one rank's bytes of a chunk and extra: (model, kv_dtype, layout, tp_size, salt)
-    of the ranks' keys, once; extras / groups: with several KV cache groups (or kinds of layer in
-    one), those fields per group (the layout carries the group) and the `groups.Group`s, once: the
+    of the ranks' keys, once; extras / groups / group_bytes: with several KV cache groups (or kinds
+    of layer in one), those fields per group (the layout carries the group), the `groups.Group`s
+    and one rank's bytes of each group's unit of a chunk, once: the
     scheduler's own config may show one group where the workers' holds several kinds of layer
     (vLLM hands its scheduler one spec of a `UniformTypeKVCacheSpecs`). ``aggregate`` merges two
     ranks' reports."""
@@ -95,6 +96,7 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     chunk_bytes: int = 0
     extras: tuple = ()
     groups: tuple = ()
+    group_bytes: tuple = ()
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, KVTierWorkerMetadata):
@@ -117,6 +119,7 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
             max(self.chunk_bytes, other.chunk_bytes),
             self.extras or other.extras,
             self.groups or other.groups,
+            tuple(map(max, self.group_bytes, other.group_bytes)) or self.group_bytes or other.group_bytes,
         )
 
     def is_empty(self) -> bool:

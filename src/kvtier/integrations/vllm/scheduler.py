@@ -341,6 +341,9 @@ class SchedulerSide:
                 self.plan = GroupPlan(list(wm.groups), self.chunk_tokens)
         if wm.chunk_bytes:
             self.chooser.chunk_bytes = wm.chunk_bytes
+        if self.plan is not None and len(wm.group_bytes) == len(self.plan.groups):
+            plan, unit_bytes = self.plan, wm.group_bytes
+            self.chooser.load_bytes = lambda start, n: plan.load_bytes(start, n, unit_bytes)
         for key in wm.lost:
             self._held.pop(key, None)
         for key, tier in wm.below.items():

@@ -524,6 +524,7 @@ class WorkerSide:
             wm.extras = tuple(fields) if self.groups is not None else ()
             wm.groups = tuple(self.groups or ())
             wm.chunk_bytes = sum(st.fmt.nbytes for st in self.stores)  # a chunk's units, every group
+            wm.group_bytes = tuple(st.fmt.nbytes for st in self.stores) if self.groups is not None else ()
         return None if wm.is_empty() else wm
 
     def stats(self) -> dict:
