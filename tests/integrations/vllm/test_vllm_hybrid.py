@@ -105,6 +105,19 @@ def test_the_choice_plans_a_hybrid_load_at_the_bytes_each_group_reads(tmp_path):
         e.close()
 
 
+def test_load_async_never_is_said_not_to_hold_for_a_hybrid_model(tmp_path, caplog):
+    from kvtier.integrations.vllm.groups import GroupPlan
+    from kvtier.integrations.vllm.scheduler import SchedulerSide
+    from kvtier.integrations.vllm.settings import VllmSettings
+
+    groups, _ = _groups(tmp_path, "gpt-oss-20b")
+    for mode, said in (("never", True), ("auto", False)):
+        caplog.clear()
+        s = VllmSettings(chunk_tokens=256, load_async=mode)
+        SchedulerSide(s, 16, 16, 1, plan=GroupPlan(groups, 256))
+        assert ('load_async "never" does not hold' in caplog.text) is said
+
+
 def test_a_hit_ends_where_every_group_holds_its_window(tmp_path):
     a = _prompt(300)  # 4 chunks of 64 (the fifth holds the last token)
     e = HybridEngine(tmp_path, "gpt-oss-20b", {"chunk_tokens": 64, **HOST}, **ARGS["gpt-oss-20b"])

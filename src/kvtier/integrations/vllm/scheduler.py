@@ -142,6 +142,7 @@ class SchedulerSide:
         self._held: OrderedDict[bytes, str] = OrderedDict()  # tier key -> the local tier holding it
         self._extras: list[KeyExtra] | None = None  # per rank, once the workers reported theirs
         self.plan, self._await_groups = plan, await_groups
+        self._say_background()
         self._group_extras: list[list[KeyExtra]] = []  # per group, per rank (a hybrid model)
         self._fresh: set[int] = set()  # blocks vLLM allocated for loads since the last metadata
         self._keys: dict[str, tuple[list[bytes], list[tuple[bytes, ...]]]] = {}  # rid -> (ids, keys)
@@ -339,6 +340,7 @@ class SchedulerSide:
             ]
             if wm.groups and self.plan is None:  # kinds of layer in one group: the workers know them
                 self.plan = GroupPlan(list(wm.groups), self.chunk_tokens)
+                self._say_background()
         if wm.chunk_bytes:
             self.chooser.chunk_bytes = wm.chunk_bytes
         if self.plan is not None and len(wm.group_bytes) == len(self.plan.groups):
@@ -437,6 +439,16 @@ class SchedulerSide:
         plan's overlap of its copies and its forward."""
         if choice.in_step and choice.predicted_ms is not None:
             self.chooser.steps.in_step_seen(measured_ms - (choice.predicted_ms - choice.step_extra_ms))
+
+    def _say_background(self) -> None:
+        """A hybrid model's hits load in the background whatever ``load_async`` says: tell an
+        operator who asked for "never"."""
+        if self.plan is not None and self.settings.load_async == "never":
+            log.warning(
+                'kvtier: load_async "never" does not hold for a hybrid model: its hits load in the '
+                "background (vLLM 0.33 takes a failed load of several KV cache groups only as a "
+                "failed asynchronous one)"
+            )
 
     def _in_background(self, rid: str) -> bool:
         """Whether a hit of ``rid`` loads in the background (`VllmSettings.load_async`)."""
