@@ -18,6 +18,8 @@ import torch  # noqa: E402
 from hybrid_harness import POISON, HybridEngine, _views  # noqa: E402
 from hybrid_models import hybrid_kv_cache_config, hybrid_vllm_config  # noqa: E402
 
+from store_redis_fixtures import redis_server  # noqa: E402, F401 - a fixture
+
 pytestmark = pytest.mark.vllm
 NAME = "qwen3-next"
 BS = 1056  # the attention block vLLM grows to hold a gated delta net layer's state
@@ -282,3 +284,26 @@ def test_after_a_restart_the_states_are_hit_on_the_disk(tmp_path):
         assert not e.violations() and e.model.reads > 0 and e.outputs["b"][0] == e.first_token(a)
     finally:
         e.close()
+
+
+@pytest.mark.redis
+def test_another_instance_hits_the_states_through_redis(tmp_path, redis_server):  # noqa: F811
+    """Instance B asks Redis for every group's chunks A wrote there, the states too, and its
+    state layers read the states it loads as true."""
+    extra = {"redis_url": redis_server.url, "prefetch_timeout_s": 20.0}
+    a = _prompt(3500)
+    ea, eb = _engine(tmp_path, extra), _engine(tmp_path, extra)
+    try:
+        ea.add("a", a)
+        ea.settle(timeout_s=300)
+        assert all(st.flush(10) for st in ea.ranks[0].ws.stores)  # write-through: in Redis
+        eb.settle()  # B's worker reports its key fields: its scheduler can ask Redis
+        eb.add("b", a, max_tokens=3)
+        eb.settle(timeout_s=300)
+        assert eb.run_loads("b") == [(0, 1), (1, 1), (2, 1), (3, 3)] and not eb.failed_receipts()
+        assert eb.counts().get("hit_chunks_redis", 0) == 6  # three states, three chunks of KV
+        assert eb.scheduled("b")[0] == len(a) - 3 * BS  # vLLM computed only past the hit
+        assert not eb.violations() and eb.model.reads > 0 and eb.outputs["b"][0] == eb.first_token(a)
+    finally:
+        ea.close()
+        eb.close()
