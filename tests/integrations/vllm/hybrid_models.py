@@ -27,6 +27,10 @@ MODELS = {
     "gemma-3-4b": "gemma-3-4b-it",
     "deepseek-v3.2": "DeepSeek-V3.2",
     "qwen3-next": "Qwen3-Next-80B-A3B-Instruct",
+    # Nemotron-H 8B's shape: transformers' NemotronHConfig defaults (its hidden, attention and
+    # Mamba2 sizes) with the model's published 52-layer pattern, written as the hub's file is
+    # (``hybrid_override_pattern``): M Mamba2, * attention, - MLP
+    "nemotron-h": "Nemotron-H-8B",
 }
 BLOCK = 16
 
@@ -85,7 +89,8 @@ def _align_state_pages(cfg) -> None:
 
 def layer_specs(cfg) -> dict:
     """Each attention layer's KVCacheSpec as vLLM 0.33's model code makes it (`Attention`'s,
-    `MLAAttention`'s, the DSA indexer cache's and the gated delta net's `get_kv_cache_spec`),
+    `MLAAttention`'s, the DSA indexer cache's, the gated delta net's and Mamba2's
+    `get_kv_cache_spec`),
     for the architecture of ``cfg``'s config.json, at its TP size (each rank its share of the KV
     heads; MLA's latent and the indexer's keys on every rank), KV cache dtype "auto"."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
@@ -149,6 +154,30 @@ def layer_specs(cfg) -> dict:
                     block_size=cfg.cache_config.mamba_block_size or bs,
                     page_size_padded=cfg.cache_config.mamba_page_size_padded,
                     mamba_type="gdn_attention",
+                    mamba_cache_mode=cfg.cache_config.mamba_cache_mode,
+                )
+    elif arch == "NemotronHForCausalLM":
+        from vllm.model_executor.models.nemotron_h import NemotronHForCausalLM
+        from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        shapes = NemotronHForCausalLM.get_mamba_state_shape_from_config(cfg)
+        dtypes = NemotronHForCausalLM.get_mamba_state_dtype_from_config(cfg)
+        for i, kind in enumerate(hf.hybrid_override_pattern):
+            if kind == "*":
+                specs[f"model.layers.{i}.mixer.attn"] = FullAttentionSpec(
+                    block_size=bs,
+                    num_kv_heads=max(1, hf.num_key_value_heads // tp),
+                    head_size=hf.head_dim,
+                    dtype=dtype,
+                )
+            elif kind == "M":
+                specs[f"model.layers.{i}.mixer"] = MambaSpec(
+                    shapes=tuple(shapes),
+                    dtypes=tuple(dtypes),
+                    block_size=cfg.cache_config.mamba_block_size or bs,
+                    page_size_padded=cfg.cache_config.mamba_page_size_padded,
+                    mamba_type=MambaAttentionBackendEnum.MAMBA2,
                     mamba_cache_mode=cfg.cache_config.mamba_cache_mode,
                 )
     else:

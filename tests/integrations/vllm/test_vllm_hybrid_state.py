@@ -1,10 +1,12 @@
-"""A model with Mamba / linear-attention state (Qwen3-Next: 36 gated delta net layers in three
-state groups beside 12 full-attention layers) through vLLM 0.33's real Scheduler, with the
-KVCacheConfig vLLM builds from its config.json after the platform grew the attention block to the
-state page (1056 tokens a block, one block a chunk): a state group keeps the state at each chunk's
-end that vLLM hands off, a hit needs the state at exactly its end, the state loaded is the state
-saved, bit for bit, and the stand-in's state layers read it; a failed load of the state recomputes
-the request, preemption reads only true state, and TP 2 keeps each rank's share."""
+"""A model with Mamba / linear-attention state through vLLM 0.33's real Scheduler: Qwen3-Next (36
+gated delta net layers in three state groups beside 12 full-attention layers) and Nemotron-H
+8B's shape (24 Mamba2 layers in six state groups beside 4 attention layers), with the
+KVCacheConfig vLLM builds from the config.json after the platform grew the attention block to
+the state page (1056 and 1040 tokens a block, one block a chunk): a state group keeps the state
+at each chunk's end that vLLM hands off, a hit needs the state at exactly its end, the state
+loaded is the state saved, bit for bit, and the stand-in's state layers read it; a failed load of
+the state recomputes the request, preemption reads only true state, and TP 2 keeps each rank's
+share (those on Qwen3-Next)."""
 
 from __future__ import annotations
 
@@ -26,21 +28,25 @@ BS = 1056  # the attention block vLLM grows to hold a gated delta net layer's st
 HOST = {"host_bytes": 1 << 30}
 ARGS = dict(num_blocks=24, max_model_len=8192, batched=BS)  # prefilled one block a step
 STATES = (0, 1, 2)  # vLLM's state groups of Qwen3-Next; group 3 is full attention
+# Per model: the attention block vLLM grows to a state page, its state groups, its full group.
+# Nemotron-H (8B's shape): 24 Mamba2 layers in six state groups beside 4 attention layers.
+SHAPES = {NAME: (BS, STATES, 3), "nemotron-h": (1040, (0, 1, 2, 3, 4, 5), 6)}
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
     return [(i * 7919 + seed * 104729) % 997 + 1 for i in range(n)]
 
 
-def _engine(tmp_path, extra=None, **kw) -> HybridEngine:
-    return HybridEngine(tmp_path, NAME, {**HOST, **(extra or {})}, **{**ARGS, **kw})
+def _engine(tmp_path, extra=None, name: str = NAME, **kw) -> HybridEngine:
+    bs = SHAPES[name][0]
+    return HybridEngine(tmp_path, name, {**HOST, **(extra or {})}, **{**ARGS, "batched": bs, **kw})
 
 
-def _chunk_id(tokens: list[int], chunk: int) -> bytes:
-    """Chunk ``chunk``'s id (one 1056-token block a chunk, vLLM's hash block the same)."""
+def _chunk_id(tokens: list[int], chunk: int, bs: int = BS) -> bytes:
+    """Chunk ``chunk``'s id (one block a chunk, vLLM's hash block the same)."""
     from vllm_utils import create_request
 
-    return bytes(create_request("__ids__", tokens, hash_block_size=BS).block_hashes[chunk])
+    return bytes(create_request("__ids__", tokens, hash_block_size=bs).block_hashes[chunk])
 
 
 def _computed(e: HybridEngine, rid: str) -> int:
@@ -69,6 +75,21 @@ def test_state_groups_as_vllm_builds_them(tmp_path):
     assert len({g.label for g in groups}) == 4 and all("gdn_attention" in g.label for g in groups[:3])
 
 
+def test_nemotron_h_state_groups_as_vllm_builds_them(tmp_path):
+    from kvtier.integrations.vllm.groups import groups_of
+
+    cfg = hybrid_vllm_config(tmp_path, "nemotron-h", HOST, max_model_len=8192)
+    kcc, *_ = hybrid_kv_cache_config(cfg, 24)
+    groups, refused = groups_of(kcc)
+    assert refused is None and [g.kind for g in groups] == ["state"] * 6 + ["full"]
+    assert all(g.block_size == 1040 and len(g.layers) == 4 for g in groups)
+    # Mamba2: conv state over x, B and C (8192 + 2 * 8 * 128 channels, 3 taps, bf16), SSM
+    # state (128 heads x 64 x 128, fp32)
+    state = 3 * (8192 + 2 * 8 * 128) * 2 + 128 * 64 * 128 * 4
+    assert [g.state_bytes for g in groups] == [state] * 6 + [None]
+    assert len({g.label for g in groups}) == 7 and all("mamba2" in g.label for g in groups[:6])
+
+
 def test_a_state_model_without_prefix_caching_leaves_the_connector_idle(tmp_path, caplog):
     """Without prefix caching vLLM keeps no state at a block boundary (mamba_cache_mode
     "none"): the connector stays idle and says which setting serves the model."""
@@ -94,17 +115,19 @@ def test_a_state_model_without_prefix_caching_leaves_the_connector_idle(tmp_path
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_a_hit_loads_the_state_at_its_end_bit_for_bit(tmp_path, async_scheduling):
+@pytest.mark.parametrize("name", [NAME, "nemotron-h"])
+def test_a_hit_loads_the_state_at_its_end_bit_for_bit(tmp_path, name, async_scheduling):
+    bs, states, full = SHAPES[name]
     a = _prompt(3500)  # 3 whole chunks before the last token
-    e = _engine(tmp_path, async_scheduling=async_scheduling)
+    e = _engine(tmp_path, name=name, async_scheduling=async_scheduling)
     try:
         e.add("a", a, max_tokens=3)
         e.settle(timeout_s=300)
         # vLLM keeps (and hands off) the state only at the prompt's last block boundary by default
-        saved = [r for so, _ in e.history for r in so.kv_connector_metadata.saves if r.group in STATES]
-        assert [(r.group, r.ids) for r in saved] == [(g, [_chunk_id(a, 2)]) for g in STATES]
-        at_a = {g: _pages(e, "a", g, 2) for g in STATES}  # the state after 3 chunks, as a computed it
-        for g in STATES:
+        saved = [r for so, _ in e.history for r in so.kv_connector_metadata.saves if r.group in states]
+        assert [(r.group, r.ids) for r in saved] == [(g, [_chunk_id(a, 2, bs)]) for g in states]
+        at_a = {g: _pages(e, "a", g, 2) for g in states}  # the state after 3 chunks, as a computed it
+        for g in states:
             for n in e.kcc.kv_cache_groups[g].layer_names:
                 e.ranks[0].views[n][e.blocks["a"][g][2]].view(torch.uint8).fill_(
                     POISON
@@ -112,9 +135,10 @@ def test_a_hit_loads_the_state_at_its_end_bit_for_bit(tmp_path, async_scheduling
         e.sched.reset_prefix_cache()  # vLLM's own cache forgets: only kvtier can hit
         e.add("b", a, max_tokens=3)
         e.settle(timeout_s=300)
-        assert e.run_loads("b") == [(0, 1), (1, 1), (2, 1), (3, 3)]  # one state per group, 3 chunks of KV
-        assert e.scheduled("b")[0] == len(a) - 3 * BS  # vLLM computed only past the hit
-        for g in STATES:
+        # one state per state group, 3 chunks of KV
+        assert e.run_loads("b") == [(g, 1) for g in states] + [(full, 3)]
+        assert e.scheduled("b")[0] == len(a) - 3 * bs  # vLLM computed only past the hit
+        for g in states:
             assert torch.equal(_pages(e, "b", g, 2), at_a[g])  # loaded where vLLM reads it, bit for bit
         assert not e.violations() and e.model.reads > 0  # b's state layers read it as true
         assert e.outputs["b"] == e.outputs["a"] and e.outputs["b"][0] == e.first_token(a)
