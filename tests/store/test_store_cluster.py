@@ -61,3 +61,17 @@ def test_a_dead_master_makes_misses_never_errors(tier, redis_cluster):  # noqa: 
     assert any(r is None for r in results)
     s = tier.stats()
     assert s["errors_error"] + s["errors_timeout"] + s["errors_skipped"] > 0
+
+
+def test_a_put_to_a_node_sends_its_value_from_the_callers_memory(redis_cluster):  # noqa: F811
+    from kvtier.store.redis_client import make_client
+
+    client = make_client(redis_cluster.url, cluster=True)
+    try:
+        node = client.get_default_node().redis_connection
+        conn = node.connection_pool.get_connection()
+        value = memoryview(bytearray(100_000))
+        assert any(part is value for part in conn.pack_command("SET", "k", value))  # no copy
+        node.connection_pool.release(conn)
+    finally:
+        client.close()

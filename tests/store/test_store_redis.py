@@ -383,3 +383,16 @@ def test_a_cluster_down_at_start_is_a_warning_then_reached(tmp_path, caplog):
         tier.close()
     finally:
         cluster.stop()
+
+
+def test_a_put_sends_its_value_from_the_callers_memory(redis_server):  # noqa: F811
+    from kvtier.store.redis_client import make_client
+
+    client = make_client(redis_server.url)
+    try:
+        conn = client.connection_pool.get_connection()
+        value = memoryview(bytearray(100_000))
+        assert any(part is value for part in conn.pack_command("SET", "k", value))  # no copy
+        client.connection_pool.release(conn)
+    finally:
+        client.close()

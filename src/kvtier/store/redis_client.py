@@ -2,7 +2,8 @@
 
 make_client(url, cluster, timeout_s) -> client   short timeouts, no retries; a cluster that
                                                  does not answer yet is reached later; values
-                                                 sent from the caller's memory (`python_packer`)
+                                                 sent from the caller's memory (`python_packer`,
+                                                 a cluster's nodes through `packed`)
 classify(exc) -> str                             "timeout", "full" or "error" (metrics)
 """
 
@@ -28,6 +29,11 @@ def make_client(
         retry=Retry(NoBackoff(), 0),
     )
     if cluster:
+        from redis.connection import Connection
+
+        # Each node's connections pack as the standalone client does (a rediss:// URL names its
+        # own TLS connection class, which takes redis-py's default packer)
+        kwargs["connection_class"] = packed(Connection)
         return PendingCluster(url, kwargs).connect(raise_errors=False)
     return Redis.from_url(url, command_packer=python_packer(), **kwargs)
 
@@ -37,11 +43,24 @@ def python_packer():
     large value to the socket as the caller's memory, where hiredis's packer first copies the whole
     command into one buffer. hiredis still parses the replies: in C, a chunk's value read in a few
     steps of the interpreter rather than one per 64 KiB, which is what keeps a read beside the
-    engine's forward thread cheap. (A cluster's nodes take no packer: with hiredis, its puts copy.)"""
+    engine's forward thread cheap."""
     from redis._parsers.encoders import Encoder
     from redis.connection import PythonRespSerializer
 
     return PythonRespSerializer(BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode)
+
+
+def packed(base: type) -> type:
+    """redis-py connection class ``base`` packing commands with `python_packer`: a Redis Cluster's
+    nodes take a connection class, not a packer."""
+
+    class Packed(base):
+        def __init__(self, *args, **kwargs) -> None:
+            kwargs.setdefault("command_packer", python_packer())
+            super().__init__(*args, **kwargs)
+
+    Packed.__name__ = Packed.__qualname__ = f"Packed{base.__name__}"
+    return Packed
 
 
 class PendingCluster:
