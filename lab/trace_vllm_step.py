@@ -175,6 +175,7 @@ def trace(rig: Rig, kind: str, path: Path) -> None:
     torch.cuda.synchronize()  # nothing earlier in the trace
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         rig.step(kind)
+        rig.ws.wait_submitted()  # the saver and loader threads queued the step's copies
         torch.cuda.synchronize()  # every copy of the step lands in the trace
     prof.export_chrome_trace(str(path))
     print(f"  {kind} step traced: {path}")
