@@ -31,6 +31,9 @@ MODELS = {
     # Mamba2 sizes) with the model's published 52-layer pattern, written as the hub's file is
     # (``hybrid_override_pattern``): M Mamba2, * attention, - MLP
     "nemotron-h": "Nemotron-H-8B",
+    # Jamba v0.1: transformers' JambaConfig, whose defaults are that model's (Mamba1 layers,
+    # attention every eighth from the fifth)
+    "jamba": "Jamba-v0.1",
 }
 BLOCK = 16
 
@@ -89,7 +92,7 @@ def _align_state_pages(cfg) -> None:
 
 def layer_specs(cfg) -> dict:
     """Each attention layer's KVCacheSpec as vLLM 0.33's model code makes it (`Attention`'s,
-    `MLAAttention`'s, the DSA indexer cache's, the gated delta net's and Mamba2's
+    `MLAAttention`'s, the DSA indexer cache's, the gated delta net's, Mamba2's and Mamba1's
     `get_kv_cache_spec`),
     for the architecture of ``cfg``'s config.json, at its TP size (each rank its share of the KV
     heads; MLA's latent and the indexer's keys on every rank), KV cache dtype "auto"."""
@@ -135,6 +138,7 @@ def layer_specs(cfg) -> dict:
             )
     elif arch == "Qwen3NextForCausalLM":
         from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
+        from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
         from vllm.v1.kv_cache_interface import MambaSpec
 
         shapes = Qwen3NextForCausalLM.get_mamba_state_shape_from_config(cfg)
@@ -153,7 +157,7 @@ def layer_specs(cfg) -> dict:
                     dtypes=tuple(dtypes),
                     block_size=cfg.cache_config.mamba_block_size or bs,
                     page_size_padded=cfg.cache_config.mamba_page_size_padded,
-                    mamba_type="gdn_attention",
+                    mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
                     mamba_cache_mode=cfg.cache_config.mamba_cache_mode,
                 )
     elif arch == "NemotronHForCausalLM":
@@ -178,6 +182,30 @@ def layer_specs(cfg) -> dict:
                     block_size=cfg.cache_config.mamba_block_size or bs,
                     page_size_padded=cfg.cache_config.mamba_page_size_padded,
                     mamba_type=MambaAttentionBackendEnum.MAMBA2,
+                    mamba_cache_mode=cfg.cache_config.mamba_cache_mode,
+                )
+    elif arch == "JambaForCausalLM":
+        from vllm.model_executor.models.jamba import JambaForCausalLM
+        from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        shapes = JambaForCausalLM.get_mamba_state_shape_from_config(cfg)
+        dtypes = JambaForCausalLM.get_mamba_state_dtype_from_config(cfg)
+        for i, kind in enumerate(hf.layers_block_type):
+            if kind == "attention":
+                specs[f"model.layers.{i}.attn"] = FullAttentionSpec(
+                    block_size=bs,
+                    num_kv_heads=max(1, hf.num_key_value_heads // tp),
+                    head_size=hf.hidden_size // hf.num_attention_heads,
+                    dtype=dtype,
+                )
+            else:
+                specs[f"model.layers.{i}.mixer"] = MambaSpec(
+                    shapes=tuple(shapes),
+                    dtypes=tuple(dtypes),
+                    block_size=cfg.cache_config.mamba_block_size or bs,
+                    page_size_padded=cfg.cache_config.mamba_page_size_padded,
+                    mamba_type=MambaAttentionBackendEnum.MAMBA1,
                     mamba_cache_mode=cfg.cache_config.mamba_cache_mode,
                 )
     else:

@@ -10,7 +10,7 @@ from kvtier.integrations.vllm.groups import FULL, STATE, WINDOW, Group, GroupPla
 FULL_G = Group(1, FULL, 16, ("full",), "FullAttentionSpec")
 WIN_128 = Group(0, WINDOW, 16, ("swa",), "SlidingWindowSpec", window=128)  # 8 blocks
 WIN_1024 = Group(0, WINDOW, 16, ("swa",), "SlidingWindowSpec", window=1024)  # 64 blocks
-GDN = Group(0, STATE, 16, ("gdn",), "MambaSpec:gdn_attention", state_bytes=4096)
+GDN = Group(0, STATE, 16, ("gdn",), "MambaSpec:gdn_attn", state_bytes=4096)
 
 
 def _keys(n: int, groups: int = 2) -> list:

@@ -1,8 +1,9 @@
 """A model with Mamba / linear-attention state through vLLM 0.33's real Scheduler: Qwen3-Next (36
-gated delta net layers in three state groups beside 12 full-attention layers) and Nemotron-H
-8B's shape (24 Mamba2 layers in six state groups beside 4 attention layers), with the
-KVCacheConfig vLLM builds from the config.json after the platform grew the attention block to
-the state page (1056 and 1040 tokens a block, one block a chunk): a state group keeps the state
+gated delta net layers in three state groups beside 12 full-attention layers), Nemotron-H 8B's
+shape (24 Mamba2 layers in six state groups beside 4 attention layers) and Jamba v0.1 (28 Mamba1
+layers in seven beside 4), with the KVCacheConfig vLLM builds from the config.json after the
+platform grew the attention block to the state page (1056, 1040 and 144 tokens a block, one
+block a chunk): a state group keeps the state
 at each chunk's end that vLLM hands off, a hit needs the state at exactly its end, the state
 loaded is the state saved, bit for bit, and the stand-in's state layers read it; a failed load of
 the state recomputes the request, preemption reads only true state, and TP 2 keeps each rank's
@@ -28,9 +29,15 @@ BS = 1056  # the attention block vLLM grows to hold a gated delta net layer's st
 HOST = {"host_bytes": 1 << 30}
 ARGS = dict(num_blocks=24, max_model_len=8192, batched=BS)  # prefilled one block a step
 STATES = (0, 1, 2)  # vLLM's state groups of Qwen3-Next; group 3 is full attention
-# Per model: the attention block vLLM grows to a state page, its state groups, its full group.
-# Nemotron-H (8B's shape): 24 Mamba2 layers in six state groups beside 4 attention layers.
-SHAPES = {NAME: (BS, STATES, 3), "nemotron-h": (1040, (0, 1, 2, 3, 4, 5), 6)}
+# Per model: the attention block vLLM grows to a state page, its state groups, its full group,
+# the engine's arguments. Nemotron-H (8B's shape): 24 Mamba2 layers in six state groups beside 4
+# attention layers. Jamba v0.1: 28 Mamba1 layers in seven beside 4 (small states: 144-token
+# blocks, more of them for vLLM's max_model_len).
+SHAPES = {
+    NAME: (BS, STATES, 3, {}),
+    "nemotron-h": (1040, tuple(range(6)), 6, {}),
+    "jamba": (144, tuple(range(7)), 7, {"num_blocks": 80}),
+}
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
@@ -38,8 +45,8 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def _engine(tmp_path, extra=None, name: str = NAME, **kw) -> HybridEngine:
-    bs = SHAPES[name][0]
-    return HybridEngine(tmp_path, name, {**HOST, **(extra or {})}, **{**ARGS, "batched": bs, **kw})
+    bs, *_, args = SHAPES[name]
+    return HybridEngine(tmp_path, name, {**HOST, **(extra or {})}, **{**ARGS, "batched": bs, **args, **kw})
 
 
 def _chunk_id(tokens: list[int], chunk: int, bs: int = BS) -> bytes:
@@ -72,7 +79,21 @@ def test_state_groups_as_vllm_builds_them(tmp_path):
     assert all(g.block_size == BS and len(g.layers) == 12 for g in groups)
     state = 3 * 8192 * 2 + 32 * 128 * 128 * 4  # conv (bf16) and SSM (fp32) state of one layer
     assert [g.state_bytes for g in groups] == [state] * 3 + [None]
-    assert len({g.label for g in groups}) == 4 and all("gdn_attention" in g.label for g in groups[:3])
+    assert len({g.label for g in groups}) == 4 and all(":gdn_attn" in g.label for g in groups[:3])
+
+
+def test_jamba_state_groups_as_vllm_builds_them(tmp_path):
+    from kvtier.integrations.vllm.groups import groups_of
+
+    cfg = hybrid_vllm_config(tmp_path, "jamba", HOST, max_model_len=8192)
+    kcc, *_ = hybrid_kv_cache_config(cfg, 80)
+    groups, refused = groups_of(kcc)
+    assert refused is None and [g.kind for g in groups] == ["state"] * 7 + ["full"]
+    assert all(g.block_size == 144 and len(g.layers) == 4 for g in groups)
+    # Mamba1: conv state (8192 channels, 3 taps, bf16), SSM state (8192 x 16, fp32)
+    state = 8192 * 3 * 2 + 8192 * 16 * 4
+    assert [g.state_bytes for g in groups] == [state] * 7 + [None]
+    assert len({g.label for g in groups}) == 8 and all(":mamba1" in g.label for g in groups[:7])
 
 
 def test_nemotron_h_state_groups_as_vllm_builds_them(tmp_path):
@@ -87,7 +108,7 @@ def test_nemotron_h_state_groups_as_vllm_builds_them(tmp_path):
     # state (128 heads x 64 x 128, fp32)
     state = 3 * (8192 + 2 * 8 * 128) * 2 + 128 * 64 * 128 * 4
     assert [g.state_bytes for g in groups] == [state] * 6 + [None]
-    assert len({g.label for g in groups}) == 7 and all("mamba2" in g.label for g in groups[:6])
+    assert len({g.label for g in groups}) == 7 and all(":mamba2" in g.label for g in groups[:6])
 
 
 def test_a_state_model_without_prefix_caching_leaves_the_connector_idle(tmp_path, caplog):
@@ -115,10 +136,10 @@ def test_a_state_model_without_prefix_caching_leaves_the_connector_idle(tmp_path
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize("name", [NAME, "nemotron-h"])
+@pytest.mark.parametrize("name", [NAME, "nemotron-h", "jamba"])
 def test_a_hit_loads_the_state_at_its_end_bit_for_bit(tmp_path, name, async_scheduling):
-    bs, states, full = SHAPES[name]
-    a = _prompt(3500)  # 3 whole chunks before the last token
+    bs, states, full, _ = SHAPES[name]
+    a = _prompt(3 * bs + 44)  # 3 whole chunks before the last token
     e = _engine(tmp_path, name=name, async_scheduling=async_scheduling)
     try:
         e.add("a", a, max_tokens=3)

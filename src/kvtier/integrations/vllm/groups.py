@@ -158,7 +158,7 @@ def _draft(group) -> bool:
 
 def _name(spec) -> str:
     """A spec's class, and its role where it has one (MLA's latent, the indexer) or the kind of
-    state layer (a state group's: gdn_attention, mamba2, ...)."""
+    state layer (a state group's: gdn_attn, mamba2, ...)."""
     role = getattr(getattr(spec, "cache_role", None), "name", "") or (
         _kind_of(spec) if hasattr(spec, "mamba_type") else ""
     )
@@ -166,8 +166,11 @@ def _name(spec) -> str:
 
 
 def _kind_of(spec) -> str:
+    """A state spec's kind of layer: its backend's enum name, lower case (vLLM's value is the
+    backend's class path, which may move between releases; the keys must not)."""
     kind = getattr(spec, "mamba_type", "")
-    return str(getattr(kind, "value", kind))
+    name = getattr(kind, "name", None)
+    return name.lower() if isinstance(name, str) else str(kind)
 
 
 def _state_bytes(spec) -> int:
