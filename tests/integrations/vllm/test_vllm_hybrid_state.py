@@ -82,33 +82,28 @@ def test_state_groups_as_vllm_builds_them(tmp_path):
     assert len({g.label for g in groups}) == 4 and all(":gdn_attn" in g.label for g in groups[:3])
 
 
-def test_jamba_state_groups_as_vllm_builds_them(tmp_path):
+# Mamba2 (Nemotron-H): conv state over x, B and C (8192 + 2 * 8 * 128 channels, 3 taps, bf16),
+# SSM state (128 heads x 64 x 128, fp32). Mamba1 (Jamba): conv state (8192 channels, 3 taps,
+# bf16), SSM state (8192 x 16, fp32).
+@pytest.mark.parametrize(
+    "name,state,kind",
+    [
+        ("nemotron-h", 3 * (8192 + 2 * 8 * 128) * 2 + 128 * 64 * 128 * 4, "mamba2"),
+        ("jamba", 8192 * 3 * 2 + 8192 * 16 * 4, "mamba1"),
+    ],
+)
+def test_mamba_state_groups_as_vllm_builds_them(tmp_path, name, state, kind):
     from kvtier.integrations.vllm.groups import groups_of
 
-    cfg = hybrid_vllm_config(tmp_path, "jamba", HOST, max_model_len=8192)
-    kcc, *_ = hybrid_kv_cache_config(cfg, 80)
+    bs, states, _, args = SHAPES[name]
+    cfg = hybrid_vllm_config(tmp_path, name, HOST, max_model_len=8192)
+    kcc, *_ = hybrid_kv_cache_config(cfg, args.get("num_blocks", 24))
     groups, refused = groups_of(kcc)
-    assert refused is None and [g.kind for g in groups] == ["state"] * 7 + ["full"]
-    assert all(g.block_size == 144 and len(g.layers) == 4 for g in groups)
-    # Mamba1: conv state (8192 channels, 3 taps, bf16), SSM state (8192 x 16, fp32)
-    state = 8192 * 3 * 2 + 8192 * 16 * 4
-    assert [g.state_bytes for g in groups] == [state] * 7 + [None]
-    assert len({g.label for g in groups}) == 8 and all(":mamba1" in g.label for g in groups[:7])
-
-
-def test_nemotron_h_state_groups_as_vllm_builds_them(tmp_path):
-    from kvtier.integrations.vllm.groups import groups_of
-
-    cfg = hybrid_vllm_config(tmp_path, "nemotron-h", HOST, max_model_len=8192)
-    kcc, *_ = hybrid_kv_cache_config(cfg, 24)
-    groups, refused = groups_of(kcc)
-    assert refused is None and [g.kind for g in groups] == ["state"] * 6 + ["full"]
-    assert all(g.block_size == 1040 and len(g.layers) == 4 for g in groups)
-    # Mamba2: conv state over x, B and C (8192 + 2 * 8 * 128 channels, 3 taps, bf16), SSM
-    # state (128 heads x 64 x 128, fp32)
-    state = 3 * (8192 + 2 * 8 * 128) * 2 + 128 * 64 * 128 * 4
-    assert [g.state_bytes for g in groups] == [state] * 6 + [None]
-    assert len({g.label for g in groups}) == 7 and all(":mamba2" in g.label for g in groups[:6])
+    assert refused is None and [g.kind for g in groups] == ["state"] * len(states) + ["full"]
+    assert all(g.block_size == bs and len(g.layers) == 4 for g in groups)
+    assert [g.state_bytes for g in groups] == [state] * len(states) + [None]
+    assert len({g.label for g in groups}) == len(groups)
+    assert all(f":{kind}" in g.label for g in groups[: len(states)])
 
 
 def test_a_state_model_without_prefix_caching_leaves_the_connector_idle(tmp_path, caplog):
