@@ -93,9 +93,9 @@ def _align_state_pages(cfg) -> None:
 def layer_specs(cfg) -> dict:
     """Each attention layer's KVCacheSpec as vLLM 0.33's model code makes it (`Attention`'s,
     `MLAAttention`'s, the DSA indexer cache's, the gated delta net's, Mamba2's and Mamba1's
-    `get_kv_cache_spec`),
-    for the architecture of ``cfg``'s config.json, at its TP size (each rank its share of the KV
-    heads; MLA's latent and the indexer's keys on every rank), KV cache dtype "auto"."""
+    `get_kv_cache_spec`), for the architecture of ``cfg``'s config.json, at its TP size (each
+    rank its share of the KV heads; MLA's latent and the indexer's keys on every rank), KV cache
+    dtype "auto"."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
     hf = cfg.model_config.hf_text_config
@@ -136,81 +136,67 @@ def layer_specs(cfg) -> dict:
                 dtype=torch.uint8,
                 cache_role=SparseCacheRole.INDEXER,
             )
-    elif arch == "Qwen3NextForCausalLM":
-        from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
-        from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-        from vllm.v1.kv_cache_interface import MambaSpec
-
-        shapes = Qwen3NextForCausalLM.get_mamba_state_shape_from_config(cfg)
-        dtypes = Qwen3NextForCausalLM.get_mamba_state_dtype_from_config(cfg)
-        for i, kind in enumerate(hf.layer_types):
-            if kind == "full_attention":
-                specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(
-                    block_size=bs,
-                    num_kv_heads=max(1, hf.num_key_value_heads // tp),
-                    head_size=hf.head_dim,
-                    dtype=dtype,
-                )
-            else:
-                specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
-                    shapes=tuple(shapes),
-                    dtypes=tuple(dtypes),
-                    block_size=cfg.cache_config.mamba_block_size or bs,
-                    page_size_padded=cfg.cache_config.mamba_page_size_padded,
-                    mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
-                    mamba_cache_mode=cfg.cache_config.mamba_cache_mode,
-                )
-    elif arch == "NemotronHForCausalLM":
-        from vllm.model_executor.models.nemotron_h import NemotronHForCausalLM
-        from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-        from vllm.v1.kv_cache_interface import MambaSpec
-
-        shapes = NemotronHForCausalLM.get_mamba_state_shape_from_config(cfg)
-        dtypes = NemotronHForCausalLM.get_mamba_state_dtype_from_config(cfg)
-        for i, kind in enumerate(hf.hybrid_override_pattern):
-            if kind == "*":
-                specs[f"model.layers.{i}.mixer.attn"] = FullAttentionSpec(
-                    block_size=bs,
-                    num_kv_heads=max(1, hf.num_key_value_heads // tp),
-                    head_size=hf.head_dim,
-                    dtype=dtype,
-                )
-            elif kind == "M":
-                specs[f"model.layers.{i}.mixer"] = MambaSpec(
-                    shapes=tuple(shapes),
-                    dtypes=tuple(dtypes),
-                    block_size=cfg.cache_config.mamba_block_size or bs,
-                    page_size_padded=cfg.cache_config.mamba_page_size_padded,
-                    mamba_type=MambaAttentionBackendEnum.MAMBA2,
-                    mamba_cache_mode=cfg.cache_config.mamba_cache_mode,
-                )
-    elif arch == "JambaForCausalLM":
-        from vllm.model_executor.models.jamba import JambaForCausalLM
-        from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-        from vllm.v1.kv_cache_interface import MambaSpec
-
-        shapes = JambaForCausalLM.get_mamba_state_shape_from_config(cfg)
-        dtypes = JambaForCausalLM.get_mamba_state_dtype_from_config(cfg)
-        for i, kind in enumerate(hf.layers_block_type):
-            if kind == "attention":
-                specs[f"model.layers.{i}.attn"] = FullAttentionSpec(
-                    block_size=bs,
-                    num_kv_heads=max(1, hf.num_key_value_heads // tp),
-                    head_size=hf.hidden_size // hf.num_attention_heads,
-                    dtype=dtype,
-                )
-            else:
-                specs[f"model.layers.{i}.mixer"] = MambaSpec(
-                    shapes=tuple(shapes),
-                    dtypes=tuple(dtypes),
-                    block_size=cfg.cache_config.mamba_block_size or bs,
-                    page_size_padded=cfg.cache_config.mamba_page_size_padded,
-                    mamba_type=MambaAttentionBackendEnum.MAMBA1,
-                    mamba_cache_mode=cfg.cache_config.mamba_cache_mode,
-                )
+    elif arch in STATE_MODELS:
+        specs = _state_model_specs(cfg, arch)
     else:
         raise ValueError(f"no layer specs for {arch}")
     return specs
+
+
+def _qwen3_next(hf):
+    for i, kind in enumerate(hf.layer_types):
+        attn = kind == "full_attention"
+        yield (f"model.layers.{i}.self_attn.attn" if attn else f"model.layers.{i}.linear_attn"), attn
+
+
+def _nemotron_h(hf):
+    for i, kind in enumerate(hf.hybrid_override_pattern):  # "-": an MLP, no cache
+        if kind in "*M":
+            yield f"model.layers.{i}.mixer" + (".attn" if kind == "*" else ""), kind == "*"
+
+
+def _jamba(hf):
+    for i, kind in enumerate(hf.layers_block_type):
+        attn = kind == "attention"
+        yield (f"model.layers.{i}.attn" if attn else f"model.layers.{i}.mixer"), attn
+
+
+# Models with state layers: architecture -> (vLLM's model module, its state layers' backend,
+# (layer name, whether it is an attention layer) of each layer with a cache, in order)
+STATE_MODELS = {
+    "Qwen3NextForCausalLM": ("qwen3_next", "GDN_ATTN", _qwen3_next),
+    "NemotronHForCausalLM": ("nemotron_h", "MAMBA2", _nemotron_h),
+    "JambaForCausalLM": ("jamba", "MAMBA1", _jamba),
+}
+
+
+def _state_model_specs(cfg, arch: str) -> dict:
+    """A state model's specs: its attention layers' `FullAttentionSpec`, its state layers'
+    `MambaSpec` of the shapes and dtypes its vLLM model class gives, under the platform's block
+    sizes and vLLM's mamba_cache_mode."""
+    import importlib
+
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    module, backend, layers = STATE_MODELS[arch]
+    model = getattr(importlib.import_module(f"vllm.model_executor.models.{module}"), arch)
+    hf, cc = cfg.model_config.hf_text_config, cfg.cache_config
+    attention = FullAttentionSpec(
+        block_size=cc.block_size,
+        num_kv_heads=max(1, hf.num_key_value_heads // cfg.parallel_config.tensor_parallel_size),
+        head_size=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        dtype=torch.bfloat16,
+    )
+    state = MambaSpec(
+        shapes=tuple(model.get_mamba_state_shape_from_config(cfg)),
+        dtypes=tuple(model.get_mamba_state_dtype_from_config(cfg)),
+        block_size=cc.mamba_block_size or cc.block_size,
+        page_size_padded=cc.mamba_page_size_padded,
+        mamba_type=MambaAttentionBackendEnum[backend],
+        mamba_cache_mode=cc.mamba_cache_mode,
+    )
+    return {name: attention if attn else state for name, attn in layers(hf)}
 
 
 def hybrid_kv_cache_config(cfg, num_blocks: int):
