@@ -149,6 +149,17 @@ def redis_server(tmp_path):
     server.stop()
 
 
+def packs_in_place(pool) -> bool:
+    """Whether a connection of redis-py ``pool`` hands a large value to the socket as the
+    caller's memory (no copy of it)."""
+    conn = pool.get_connection()
+    try:
+        value = memoryview(bytearray(100_000))
+        return any(part is value for part in conn.pack_command("SET", "k", value))
+    finally:
+        pool.release(conn)
+
+
 class RedisClusterProcs:
     """Three masters on loopback, no replicas, all 16384 slots assigned."""
 

@@ -7,7 +7,7 @@ import pytest
 from kvtier.store.header import ChunkHeader
 from kvtier.store.redis_tier import RedisTier
 
-from store_redis_fixtures import redis_cluster  # noqa: F401  (a module-scoped fixture)
+from store_redis_fixtures import packs_in_place, redis_cluster  # noqa: F401  (a module-scoped fixture)
 
 pytestmark = pytest.mark.redis
 
@@ -68,10 +68,6 @@ def test_a_put_to_a_node_sends_its_value_from_the_callers_memory(redis_cluster):
 
     client = make_client(redis_cluster.url, cluster=True)
     try:
-        node = client.get_default_node().redis_connection
-        conn = node.connection_pool.get_connection()
-        value = memoryview(bytearray(100_000))
-        assert any(part is value for part in conn.pack_command("SET", "k", value))  # no copy
-        node.connection_pool.release(conn)
+        assert packs_in_place(client.get_default_node().redis_connection.connection_pool)
     finally:
         client.close()

@@ -3,7 +3,7 @@
 make_client(url, cluster, timeout_s) -> client   short timeouts, no retries; a cluster that
                                                  does not answer yet is reached later; values
                                                  sent from the caller's memory (`python_packer`,
-                                                 a cluster's nodes through `packed`)
+                                                 a cluster's nodes through `packed_connection`)
 classify(exc) -> str                             "timeout", "full" or "error" (metrics)
 """
 
@@ -29,11 +29,9 @@ def make_client(
         retry=Retry(NoBackoff(), 0),
     )
     if cluster:
-        from redis.connection import Connection
-
         # Each node's connections pack as the standalone client does (a rediss:// URL names its
         # own TLS connection class, which takes redis-py's default packer)
-        kwargs["connection_class"] = packed(Connection)
+        kwargs["connection_class"] = packed_connection()
         return PendingCluster(url, kwargs).connect(raise_errors=False)
     return Redis.from_url(url, command_packer=python_packer(), **kwargs)
 
@@ -50,17 +48,17 @@ def python_packer():
     return PythonRespSerializer(BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode)
 
 
-def packed(base: type) -> type:
-    """redis-py connection class ``base`` packing commands with `python_packer`: a Redis Cluster's
-    nodes take a connection class, not a packer."""
+def packed_connection() -> type:
+    """redis-py's connection class packing commands with `python_packer`: a Redis Cluster's nodes
+    take a connection class, not a packer."""
+    from redis.connection import Connection
 
-    class Packed(base):
+    class PackedConnection(Connection):
         def __init__(self, *args, **kwargs) -> None:
             kwargs.setdefault("command_packer", python_packer())
             super().__init__(*args, **kwargs)
 
-    Packed.__name__ = Packed.__qualname__ = f"Packed{base.__name__}"
-    return Packed
+    return PackedConnection
 
 
 class PendingCluster:
